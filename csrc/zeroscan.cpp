@@ -1,0 +1,22 @@
+// The one place zeroscan's operators are declared. Each backend registers
+// its kernels for these schemas in its own file (cpu/, cuda/), so a build
+// without CUDA simply leaves cuda/ out.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import zeroscan._C` loads this shared library, which runs the
+// registrations below; the module itself holds nothing.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(zeroscan, m) {
+  // x: any shape -> int64 [16], one result row (see csrc/stats_record.h).
+  m.def("stats(Tensor x, float? tol=None) -> Tensor");
+  // xs: N tensors on one device -> int64 [N, 16].
+  m.def("stats_many(Tensor[] xs, float? tol=None) -> Tensor");
+}

@@ -1,0 +1,66 @@
+"""Builds zeroscan's native operators.
+
+Install with `pip install --no-build-isolation -e .`: the extension is
+compiled against the torch already installed, so torch must not be a build
+requirement (an isolated build would fetch a different torch).
+
+The CUDA kernels (csrc/cuda/) are built when the installed torch has CUDA
+and nvcc is found. ZEROSCAN_CUDA=1 forces them (and fails loudly if that is
+impossible); ZEROSCAN_CUDA=0 builds the CPU-only extension. The GPU
+architectures follow TORCH_CUDA_ARCH_LIST, defaulting to 8.0 and 9.0.
+"""
+
+import glob
+import os
+import shutil
+
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+import torch
+
+
+def nvcc_path() -> str | None:
+    if CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        return os.path.join(CUDA_HOME, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def build_cuda() -> bool:
+    wanted = os.environ.get("ZEROSCAN_CUDA", "auto").lower()
+    possible = torch.version.cuda is not None and nvcc_path() is not None
+    if wanted in ("0", "false", "no", "off"):
+        return False
+    if wanted in ("1", "true", "yes", "on"):
+        if not possible:
+            raise RuntimeError(
+                "ZEROSCAN_CUDA=1 but the CUDA extension cannot be built: "
+                f"torch.version.cuda={torch.version.cuda!r}, nvcc={nvcc_path()!r}"
+            )
+        return True
+    return possible
+
+
+def extension():
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast"]
+    sources = ["csrc/zeroscan.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    if not build_cuda():
+        return CppExtension(
+            "zeroscan._C",
+            sources,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
+    return CUDAExtension(
+        "zeroscan._C",
+        sources,
+        extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+        extra_link_args=["-fopenmp"],
+    )
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

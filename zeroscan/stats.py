@@ -1,0 +1,298 @@
+"""zeroscan.stats and zeroscan.stats_many: one fused pass, one small result.
+
+Each call runs one native pass over the tensor memory and leaves its results
+in one small int64 buffer on the tensor's device ([16] per tensor, see
+csrc/stats_record.h). Nothing is read back until a field is: the first field
+read copies the whole buffer to the host once, and later reads use that copy.
+So calling stats() never waits for the device.
+
+Semantics (also in the README):
+  zeros       x == 0, either sign
+  subnormal   0 < |x| < torch.finfo(dtype).tiny (0 for integer dtypes)
+  near_zero   0 < |x| <= tol, tol defaulting to torch.finfo(dtype).eps
+              (0 for integer dtypes); subnormals are near zero too
+  nan, posinf, neginf, negative (x < 0; -0.0 and NaN are not negative)
+  min_abs, max_abs      over non-NaN values (inf included); nan if none
+  min_abs_nonzero       over non-NaN nonzero values; inf if none
+  mean, std, norm, sum  over the finite values only: NaN and +-inf are
+              counted above and never enter the moments. std uses
+              correction=1 like torch.std (nan with fewer than 2 finite
+              values); mean is nan with no finite value, sum and norm are 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
+
+import torch
+
+from zeroscan.ops import COUNT_FIELDS, FLOAT_COLUMNS, FLOAT_FIELDS, check_tensor, check_tol
+
+FIELDS = (
+    "numel",
+    "zeros",
+    "subnormal",
+    "near_zero",
+    "nan",
+    "posinf",
+    "neginf",
+    "negative",
+    "finite",
+    "min_abs",
+    "min_abs_nonzero",
+    "max_abs",
+    "mean",
+    "std",
+    "norm",
+    "sum",
+)
+
+
+class Readout:
+    """One native call's result buffer and its host copy, made on first read."""
+
+    __slots__ = ("buffer", "_rows")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer  # int64 [16] or [N, 16], on the scanned device
+        self._rows: list[dict[str, float | int]] | None = None
+
+    def row(self, index: int) -> dict[str, float | int]:
+        if self._rows is None:
+            self._rows = decode(self.buffer)
+        return self._rows[index]
+
+
+def decode(buffer: torch.Tensor) -> list[dict[str, float | int]]:
+    """int64 [N, 16] (or [16]) result rows -> one dict of fields per row."""
+    host = buffer.detach().to("cpu").reshape(-1, 16)
+    counts = host[:, : len(COUNT_FIELDS)].tolist()
+    floats = host[:, FLOAT_COLUMNS].contiguous().view(torch.float64).tolist()
+    return [finish_row(c, f) for c, f in zip(counts, floats)]
+
+
+def finish_row(counts: list[int], floats: list[float]) -> dict[str, float | int]:
+    row: dict[str, float | int] = dict(zip(COUNT_FIELDS, counts))
+    raw = dict(zip(FLOAT_FIELDS, floats))
+    finite = row["numel"] - row["nan"] - row["posinf"] - row["neginf"]
+    non_nan = row["numel"] - row["nan"]
+    mean, m2 = raw["mean"], raw["m2"]
+    row["finite"] = finite
+    row["min_abs"] = raw["min_abs"] if non_nan else math.nan
+    row["min_abs_nonzero"] = raw["min_abs_nonzero"]
+    row["max_abs"] = raw["max_abs"] if non_nan else math.nan
+    row["mean"] = mean if finite else math.nan
+    row["std"] = math.sqrt(m2 / (finite - 1)) if finite >= 2 else math.nan
+    row["norm"] = math.sqrt(m2 + finite * mean * mean) if finite else 0.0
+    row["sum"] = mean * finite if finite else 0.0
+    return row
+
+
+class Stats:
+    """The statistics of one tensor. Every field is read lazily (see module doc)."""
+
+    __slots__ = ("_readout", "_index", "dtype", "shape", "device", "tol")
+
+    def __init__(
+        self,
+        readout: Readout,
+        index: int,
+        dtype: torch.dtype,
+        shape: torch.Size,
+        device: torch.device,
+        tol: float | None,
+    ) -> None:
+        self._readout = readout
+        self._index = index
+        self.dtype = dtype
+        self.shape = shape
+        self.device = device
+        self.tol = tol
+
+    def _field(self, name: str) -> float | int:
+        return self._readout.row(self._index)[name]
+
+    @property
+    def numel(self) -> int:
+        return int(self._field("numel"))
+
+    @property
+    def zeros(self) -> int:
+        return int(self._field("zeros"))
+
+    @property
+    def subnormal(self) -> int:
+        return int(self._field("subnormal"))
+
+    @property
+    def near_zero(self) -> int:
+        return int(self._field("near_zero"))
+
+    @property
+    def nan(self) -> int:
+        return int(self._field("nan"))
+
+    @property
+    def posinf(self) -> int:
+        return int(self._field("posinf"))
+
+    @property
+    def neginf(self) -> int:
+        return int(self._field("neginf"))
+
+    @property
+    def negative(self) -> int:
+        return int(self._field("negative"))
+
+    @property
+    def finite(self) -> int:
+        return int(self._field("finite"))
+
+    @property
+    def min_abs(self) -> float:
+        return float(self._field("min_abs"))
+
+    @property
+    def min_abs_nonzero(self) -> float:
+        return float(self._field("min_abs_nonzero"))
+
+    @property
+    def max_abs(self) -> float:
+        return float(self._field("max_abs"))
+
+    @property
+    def mean(self) -> float:
+        return float(self._field("mean"))
+
+    @property
+    def std(self) -> float:
+        return float(self._field("std"))
+
+    @property
+    def norm(self) -> float:
+        return float(self._field("norm"))
+
+    @property
+    def sum(self) -> float:
+        return float(self._field("sum"))
+
+    @property
+    def zero_fraction(self) -> float:
+        return self.zeros / self.numel if self.numel else 0.0
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The raw int64 result row on the scanned device (for graph/compile use)."""
+        buffer = self._readout.buffer
+        return buffer if buffer.dim() == 1 else buffer[self._index]
+
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "shape": list(self.shape),
+            "device": str(self.device),
+        }
+        out.update(self._readout.row(self._index))
+        return out
+
+    def __repr__(self) -> str:
+        r = self._readout.row(self._index)
+        dtype = str(self.dtype).removeprefix("torch.")
+        shape = ",".join(str(s) for s in self.shape)
+        n = r["numel"]
+        parts = [f"{dtype}[{shape}] n={_count(n)}"]
+        if n == 0:
+            return f"Stats({parts[0]} empty)"
+        parts.append(f"zeros={_count(r['zeros'])} ({_percent(r['zeros'], n)})")
+        if r["subnormal"]:
+            parts.append(f"subnormal={_count(r['subnormal'])}")
+        if r["near_zero"]:
+            parts.append(f"near0={_count(r['near_zero'])}")
+        nonfinite = r["nan"] + r["posinf"] + r["neginf"]
+        if nonfinite:
+            parts.append(f"NaN={_count(r['nan'])} +inf={_count(r['posinf'])} -inf={_count(r['neginf'])}!")
+        parts.append(f"|x|∈[{_num(r['min_abs'])}, {_num(r['max_abs'])}]")
+        parts.append(f"μ={_num(r['mean'])} σ={_num(r['std'])} ‖x‖={_num(r['norm'])}")
+        return "Stats(" + " ".join(parts) + ")"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= 10 * scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def _percent(part: int, whole: int) -> str:
+    if part == 0:
+        return "0%"
+    if part == whole:
+        return "100%"
+    return f"{100.0 * part / whole:.3g}%"
+
+
+def _num(v: float) -> str:
+    if v == 0 or math.isnan(v) or math.isinf(v):
+        return str(v).replace("inf", "∞")
+    return f"{v:.3g}" if 1e-3 <= abs(v) < 1e4 else f"{v:.2e}"
+
+
+class StatsBatch(Sequence[Stats]):
+    """The Stats of many tensors from one stats_many call; indexes like a list."""
+
+    def __init__(self, items: list[Stats]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> Stats: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Stats]: ...
+    def __getitem__(self, index: int | slice) -> Stats | list[Stats]:
+        return self._items[index]
+
+    def __iter__(self) -> Iterator[Stats]:
+        return iter(self._items)
+
+    def to_dicts(self) -> list[dict[str, object]]:
+        return [s.to_dict() for s in self._items]
+
+    def __repr__(self) -> str:
+        return f"StatsBatch({len(self)} tensors)"
+
+
+def stats(x: torch.Tensor, *, tol: float | None = None) -> Stats:
+    """Scans `x` once and returns its Stats (see the module doc for each field).
+
+    `tol` sets the near-zero threshold; by default torch.finfo(x.dtype).eps.
+    """
+    x = check_tensor("zeroscan.stats", "x", x)
+    tol = check_tol("zeroscan.stats", tol)
+    buffer = torch.ops.zeroscan.stats.default(x, tol)
+    return Stats(Readout(buffer), 0, x.dtype, x.shape, x.device, tol)
+
+
+def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> StatsBatch:
+    """Scans every tensor with one native call per device; one Stats each.
+
+    Tensors may mix dtypes, shapes and devices. Their results share one buffer
+    per device, so reading any one field copies each device's buffer once.
+    """
+    op = "zeroscan.stats_many"
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use zeroscan.stats(x)")
+    tol = check_tol(op, tol)
+    xs = [check_tensor(op, f"tensors[{i}]", t) for i, t in enumerate(tensors)]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, x in enumerate(xs):
+        by_device.setdefault(x.device, []).append(i)
+    items: list[Stats | None] = [None] * len(xs)
+    for device, indices in by_device.items():
+        readout = Readout(torch.ops.zeroscan.stats_many.default([xs[i] for i in indices], tol))
+        for row, i in enumerate(indices):
+            items[i] = Stats(readout, row, xs[i].dtype, xs[i].shape, device, tol)
+    return StatsBatch(items)  # type: ignore[arg-type]
