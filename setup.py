@@ -41,7 +41,7 @@ def build_cuda() -> bool:
 
 
 def extension():
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast"]
+    cxx = ["-O3", "-fopenmp", "-ffp-contract=fast"]
     sources = ["csrc/zeroscan.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     if not build_cuda():
         return CppExtension(
@@ -55,7 +55,7 @@ def extension():
     return CUDAExtension(
         "zeroscan._C",
         sources,
-        extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+        extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
         extra_link_args=["-fopenmp"],
     )
 

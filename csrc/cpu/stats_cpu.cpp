@@ -3,14 +3,8 @@
 // Work is split into fixed chunks of the tensor (the split depends on the
 // tensor alone, never on the thread count), each chunk is reduced to a
 // Partial, and the partials are combined in a fixed tree order, so results
-// are bitwise identical whatever torch.set_num_threads says.
-//
-// Inside a chunk the hot loop keeps L independent lanes per statistic so the
-// compiler turns it into SIMD code. It assumes the common case -- no zeros,
-// no subnormals, no NaN/Inf -- and checks that assumption once per block of
-// L * kIters elements. A block that breaks it is rescanned (it is still in
-// L1) by the exact scalar classifier, so rare values cost little and the
-// answer never depends on the assumption.
+// are bitwise identical whatever torch.set_num_threads says. The SIMD loop
+// over one contiguous span is in scan_span.h.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -18,166 +12,105 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "../op_common.h"
-
-#define ZS_INLINE __attribute__((always_inline)) inline
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ZS_SIMD_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define ZS_SIMD_CLONES
+#include <array>
+#if defined(__x86_64__)
+#include <immintrin.h>
 #endif
+#include <type_traits>
+
+#include "../op_common.h"
+#include "scan_span.h"
 
 namespace zeroscan {
+namespace cpu {
 namespace {
 
-constexpr int kIters = 16;                // SIMD iterations per checked block
 constexpr int64_t kMinChunk = 1 << 16;    // elements; small tensors: 1 chunk
 constexpr int64_t kMaxChunks = 1024;      // bounds the partials' memory
-constexpr int64_t kGather = 2048;         // elements gathered per strided step
+constexpr int64_t kGather = 2048;         // elements widened per strided step
 constexpr int64_t kShiftSample = 256;     // elements that pick a chunk's shift
 
-ZS_INLINE float widen(float x) { return x; }
-ZS_INLINE double widen(double x) { return x; }
-ZS_INLINE float widen(c10::BFloat16 x) {
-  // bfloat16 is the top half of a float32: widening is a shift.
-  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-// Exact widening of any supported dtype, for the gathered path.
-template <typename acc_t, typename scalar_t>
-ZS_INLINE acc_t widen_to(scalar_t x) {
-  return static_cast<acc_t>(x);
-}
+// The type the SIMD loop reads for a storage dtype: bfloat16 and float16 as
+// raw bits (scan_span.h widens them), float and double as they are.
+template <typename scalar_t>
+struct Direct {
+  using type = void;  // not read directly: widened into a buffer first
+};
 template <>
-ZS_INLINE float widen_to<float, c10::BFloat16>(c10::BFloat16 x) {
-  return widen(x);
-}
-
-// Chunk-level SIMD lanes of the fast path. Folded into a ScalarAccumulator
-// (which shares the same shift) when the chunk is done.
-template <typename acc_t>
-struct Lanes {
-  using B = FloatBits<acc_t>;
-  using bits_t = typename B::bits_t;
-  static constexpr int L = 64 / sizeof(acc_t);  // one 512-bit vector
-
-  bits_t min_a[L], max_a[L], near_zero[L], negative[L];
-  double s1[L], s2[L];
-  int64_t numel = 0;
-
-  Lanes() {
-    for (int j = 0; j < L; ++j) {
-      min_a[j] = B::kAbsMask;
-      max_a[j] = 0;
-      near_zero[j] = negative[j] = 0;
-      s1[j] = s2[j] = 0.0;
-    }
-  }
-
-  // The fast blocks hold no zero, subnormal or non-finite value, so their
-  // near-zero count is the `<= tol` count and min |x| is also min nonzero.
-  void fold_into(ScalarAccumulator<acc_t>& acc) const {
-    acc.numel += numel;
-    for (int j = 0; j < L; ++j) {
-      acc.near_zero += near_zero[j];
-      acc.negative += negative[j];
-      acc.min_a = min_a[j] < acc.min_a ? min_a[j] : acc.min_a;
-      acc.min_nonzero = min_a[j] < acc.min_nonzero ? min_a[j] : acc.min_nonzero;
-      acc.max_a = max_a[j] > acc.max_a ? max_a[j] : acc.max_a;
-      acc.s1 += s1[j];
-      acc.s2 += s2[j];
-    }
-  }
+struct Direct<float> {
+  using type = float;
+};
+template <>
+struct Direct<double> {
+  using type = double;
+};
+template <>
+struct Direct<c10::BFloat16> {
+  using type = Bf16Bits;
 };
 
-// p: [n] contiguous.
-template <typename Src, typename acc_t>
-ZS_INLINE void scan_span_impl(const Src* p, int64_t n,
-                              const Thresholds<acc_t>& th, Lanes<acc_t>& lanes,
-                              ScalarAccumulator<acc_t>& acc) {
-  using B = FloatBits<acc_t>;
-  using bits_t = typename B::bits_t;
-  constexpr int L = Lanes<acc_t>::L;
-  constexpr int64_t kBlock = int64_t(L) * kIters;
-  // A block whose smallest |x| is below this holds a zero or a subnormal.
-  const bits_t floor = th.tiny > 1 ? th.tiny : bits_t(1);
-  const acc_t shift = acc.shift;
+// Every float8 value widened to float, indexed by its bit pattern.
+template <typename fp8_t>
+const float* fp8_table() {
+  static const auto table = [] {
+    std::array<float, 256> t;
+    for (int b = 0; b < 256; ++b) {
+      t[b] = static_cast<float>(fp8_t(static_cast<uint8_t>(b), fp8_t::from_bits()));
+    }
+    return t;
+  }();
+  return table.data();
+}
 
-  int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    const Src* q = p + i;
-    bits_t mn[L], mx[L], nz[L], ng[L];
-    // Short float sums (kIters terms per lane) keep the loop in SIMD width;
-    // they are widened to double every block, so rounding stays at the level
-    // of a 16-term float sum of values near the shift.
-    acc_t f1[L], f2[L];
-    for (int j = 0; j < L; ++j) {
-      mn[j] = B::kAbsMask;
-      mx[j] = 0;
-      nz[j] = ng[j] = 0;
-      f1[j] = f2[j] = acc_t(0);
-    }
-    for (int it = 0; it < kIters; ++it) {
-      for (int j = 0; j < L; ++j) {
-        const acc_t x = widen(q[it * L + j]);
-        const bits_t a = to_bits(x) & B::kAbsMask;
-        mn[j] = a < mn[j] ? a : mn[j];
-        mx[j] = a > mx[j] ? a : mx[j];
-        nz[j] += a <= th.tol;
-        ng[j] += x < acc_t(0);
-        const acc_t d = x - shift;
-        f1[j] += d;
-        f2[j] += d * d;
-      }
-    }
-    bool special = false;
-    for (int j = 0; j < L; ++j) special |= (mn[j] < floor) | (mx[j] >= B::kInf);
-    if (special) {
-      for (int64_t k = 0; k < kBlock; ++k) acc.push(widen(q[k]), th);
-      continue;
-    }
-    for (int j = 0; j < L; ++j) {
-      lanes.min_a[j] = mn[j] < lanes.min_a[j] ? mn[j] : lanes.min_a[j];
-      lanes.max_a[j] = mx[j] > lanes.max_a[j] ? mx[j] : lanes.max_a[j];
-      lanes.near_zero[j] += nz[j];
-      lanes.negative[j] += ng[j];
-      lanes.s1[j] += static_cast<double>(f1[j]);
-      lanes.s2[j] += static_cast<double>(f2[j]);
-    }
-    lanes.numel += kBlock;
+// Exact widening of any supported dtype, one element at a time.
+template <typename acc_t, typename scalar_t>
+ZS_INLINE acc_t widen_to(scalar_t x) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return widen(Bf16Bits{x.x});
+  } else if constexpr (std::is_same_v<scalar_t, c10::Float8_e4m3fn> ||
+                       std::is_same_v<scalar_t, c10::Float8_e5m2>) {
+    return fp8_table<scalar_t>()[x.x];
+  } else {
+    return static_cast<acc_t>(x);
   }
-  for (; i < n; ++i) acc.push(widen(p[i]), th);
 }
 
-// The instruction-set clones live on these non-template entry points; the
-// template above is inlined into each clone and compiled for its ISA.
-ZS_SIMD_CLONES void scan_span(const float* p, int64_t n,
-                              const Thresholds<float>& th, Lanes<float>& lanes,
-                              ScalarAccumulator<float>& acc) {
-  scan_span_impl(p, n, th, lanes, acc);
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx,f16c"))) void half_to_float_f16c(
+    const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
-ZS_SIMD_CLONES void scan_span(const c10::BFloat16* p, int64_t n,
-                              const Thresholds<float>& th, Lanes<float>& lanes,
-                              ScalarAccumulator<float>& acc) {
-  scan_span_impl(p, n, th, lanes, acc);
-}
-ZS_SIMD_CLONES void scan_span(const double* p, int64_t n,
-                              const Thresholds<double>& th,
-                              Lanes<double>& lanes,
-                              ScalarAccumulator<double>& acc) {
-  scan_span_impl(p, n, th, lanes, acc);
+#endif
+
+// src, dst: [n] contiguous. Exact; the hardware converter where there is one.
+void half_to_float(const c10::Half* src, float* dst, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool has_f16c = __builtin_cpu_supports("f16c");
+  if (has_f16c) {
+    half_to_float_f16c(src, dst, n);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Types whose contiguous memory the SIMD loop reads directly; every other
-// dtype is widened into a small buffer first.
-template <typename scalar_t>
-constexpr bool kReadsDirectly = std::is_same<scalar_t, float>::value ||
-                                std::is_same<scalar_t, double>::value ||
-                                std::is_same<scalar_t, c10::BFloat16>::value;
+// src: [n] with `stride` -> dst: [n] contiguous.
+template <typename acc_t, typename scalar_t>
+void widen_run(const scalar_t* src, int64_t stride, acc_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    if (stride == 1) return half_to_float(src, dst, n);
+  }
+  if (stride == 1) {
+    for (int64_t t = 0; t < n; ++t) dst[t] = widen_to<acc_t>(src[t]);
+  } else {
+    for (int64_t t = 0; t < n; ++t) dst[t] = widen_to<acc_t>(src[t * stride]);
+  }
+}
 
 // The shift is the mean of the first finite values of the chunk: close to the
 // chunk's mean, so the shifted second moment barely cancels.
@@ -214,9 +147,11 @@ Partial scan_chunk(const Layout& l, const scalar_t* data, int64_t begin,
     filled = 0;
   };
   for_each_run(l, begin, end, [&](int64_t off, int64_t len, int64_t stride) {
-    if constexpr (kReadsDirectly<scalar_t>) {
+    using direct_t = typename Direct<scalar_t>::type;
+    if constexpr (!std::is_void_v<direct_t>) {
       if (stride == 1 && len >= kGather) {
-        scan_span(data + off, len, th, lanes, acc);
+        scan_span(reinterpret_cast<const direct_t*>(data + off), len, th,
+                  lanes, acc);
         return;
       }
     }
@@ -225,13 +160,7 @@ Partial scan_chunk(const Layout& l, const scalar_t* data, int64_t begin,
     for (int64_t k = 0; k < len;) {
       const int64_t take = std::min(len - k, kGather - filled);
       const scalar_t* src = data + off + k * stride;
-      if (stride == 1) {
-        for (int64_t t = 0; t < take; ++t)
-          buffer[filled + t] = widen_to<acc_t>(src[t]);
-      } else {
-        for (int64_t t = 0; t < take; ++t)
-          buffer[filled + t] = widen_to<acc_t>(src[t * stride]);
-      }
+      widen_run<acc_t>(src, stride, buffer + filled, take);
       filled += take;
       k += take;
       if (filled == kGather) flush();
@@ -364,4 +293,5 @@ TORCH_LIBRARY_IMPL(zeroscan, CPU, m) {
   m.impl("stats_many", &stats_many_cpu);
 }
 
+}  // namespace cpu
 }  // namespace zeroscan

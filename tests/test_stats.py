@@ -1,0 +1,190 @@
+"""zeroscan.stats against the float64 reference: dtypes x layouts x sizes x devices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import zeroscan
+from helpers import (
+    ALL_DTYPES,
+    DEVICES,
+    FLOAT_DTYPES,
+    assert_matches_reference,
+    fresh_generator,
+    make_values,
+)
+
+LAYOUTS = ["contiguous", "transposed", "sliced", "expanded", "channels_last", "short_rows", "overlapping"]
+SIZES = [1, 7, 300, 4099, 70_001]
+
+
+def in_layout(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """A tensor holding (roughly) `values` in the given memory layout, never copied
+    back to contiguous."""
+    n = values.numel()
+    if layout == "contiguous":
+        return values
+    if layout == "transposed":
+        rows = max(1, int(math.sqrt(n)))
+        m = (n // rows) * rows
+        return values[:m].reshape(rows, -1).t()
+    if layout == "sliced":
+        return values.reshape(-1)[::2] if n >= 2 else values
+    if layout == "expanded":
+        return values[: max(1, n // 8)].reshape(1, -1).expand(8, -1)
+    if layout == "channels_last":
+        c = 3
+        hw = max(1, n // (2 * c))
+        side = max(1, int(math.sqrt(hw)))
+        m = 2 * c * side * side
+        if m == 0 or m > n:
+            return values
+        return values[:m].reshape(2, c, side, side).contiguous(memory_format=torch.channels_last)
+    if layout == "short_rows":
+        if n < 5:
+            return values
+        rows = n // 5
+        return values[: rows * 5].reshape(rows, 5)[:, 1:4]
+    if layout == "overlapping":
+        m = max(1, n // 2)
+        return torch.as_strided(values, (max(1, m - 3), 4), (1, 1)) if n >= 8 else values
+    raise AssertionError(layout)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_reference(n: int, dtype: torch.dtype, layout: str, device: str) -> None:
+    g = fresh_generator()
+    x = in_layout(make_values(n, dtype, g), layout).to(device)
+    if layout in ("transposed", "sliced", "short_rows") and n >= 300:
+        assert not x.is_contiguous()  # the layout under test really is strided
+    s = zeroscan.stats(x)
+    assert s.numel == x.numel()
+    assert_matches_reference(s, x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_zero_dim_and_empty(dtype: torch.dtype, device: str) -> None:
+    g = fresh_generator()
+    scalar = make_values(1, dtype, g, specials=False).reshape(()).to(device)
+    assert_matches_reference(zeroscan.stats(scalar), scalar)
+    for shape in [(0,), (3, 0), (0, 5, 2)]:
+        empty = torch.empty(shape, dtype=dtype, device=device)
+        s = zeroscan.stats(empty)
+        assert_matches_reference(s, empty)
+        assert s.numel == 0 and math.isnan(s.mean) and s.norm == 0.0 and s.sum == 0.0
+        assert math.isnan(s.min_abs) and math.isnan(s.max_abs) and s.min_abs_nonzero == math.inf
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_large_mean_tiny_spread(dtype: torch.dtype, device: str) -> None:
+    g = fresh_generator()
+    x = (1000 + 1e-3 * torch.randn(1_000_003, generator=g, dtype=torch.float64)).to(dtype).to(device)
+    assert_matches_reference(zeroscan.stats(x), x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_all_nonfinite_or_all_zero(dtype: torch.dtype, device: str) -> None:
+    g = fresh_generator()
+    n = int(torch.randint(1, 5000, (), generator=g))
+    for fill in [math.nan, math.inf, -math.inf, 0.0, -0.0]:
+        x = torch.full((n,), fill, dtype=dtype, device=device)
+        x[int(torch.randint(0, n, (), generator=g))] = fill  # same value: still uniform
+        assert_matches_reference(zeroscan.stats(x), x)
+    mixed = torch.tensor([math.nan, math.inf, -math.inf] * (n // 3 + 1), dtype=dtype, device=device)
+    s = zeroscan.stats(mixed)
+    assert_matches_reference(s, mixed)
+    assert math.isnan(s.mean) and math.isnan(s.std) and s.max_abs == math.inf
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_thresholds_are_exact_at_the_boundaries(dtype: torch.dtype) -> None:
+    info = torch.finfo(dtype)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.empty((), dtype=dtype).element_size()]
+
+    def step(value: float, ulps: int) -> float:
+        """The value `ulps` representable steps away from `value` in `dtype`."""
+        return float((torch.tensor(value, dtype=dtype).view(bits) + ulps).view(dtype).double())
+
+    largest_subnormal = step(info.tiny, -1)
+    above_eps = step(info.eps, +1)
+    below_eps = step(info.eps, -1)
+    values = [info.tiny, largest_subnormal, info.eps, above_eps, below_eps, 0.0]
+    x = torch.tensor(values + [-v for v in values], dtype=torch.float64).to(dtype)
+    s = zeroscan.stats(x)
+    assert_matches_reference(s, x)
+    assert s.zeros == 2
+    assert s.subnormal == 2  # +-largest_subnormal; tiny itself is normal
+    assert s.near_zero == 8  # everything nonzero up to eps, not above_eps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int32])
+def test_tol(dtype: torch.dtype, device: str) -> None:
+    g = fresh_generator()
+    x = make_values(5000, dtype, g).to(device)
+    for tol in [0.0, 1e-3, 0.05, 1.0, 1 / 3, 7.0, math.inf]:
+        assert_matches_reference(zeroscan.stats(x, tol=tol), x, tol=tol)
+    assert zeroscan.stats(x, tol=0.0).near_zero == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_independent_of_thread_count_and_repeatable(dtype: torch.dtype) -> None:
+    g = fresh_generator()
+    x = make_values(3_000_017, dtype, g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = zeroscan.stats(x).buffer.clone()
+        torch.set_num_threads(max(2, before))
+        many = zeroscan.stats(x).buffer.clone()
+        again = zeroscan.stats(x).buffer.clone()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many) and torch.equal(many, again)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_never_writes_into_the_input(dtype: torch.dtype, device: str) -> None:
+    g = fresh_generator()
+    x = make_values(20_000, dtype, g).to(device)
+    bits = x.view(torch.uint8).clone() if x.element_size() == 1 else x.clone()
+    zeroscan.stats(x)
+    zeroscan.stats_many([x, x[::3]])
+    after = x.view(torch.uint8) if x.element_size() == 1 else x
+    assert torch.equal(bits.view(torch.uint8), after.view(torch.uint8))
+
+
+def test_fields_repr_and_dict() -> None:
+    g = fresh_generator()
+    x = torch.randn(64, 32, generator=g)
+    x[0, :5] = 0
+    x[1, 0] = math.nan
+    s = zeroscan.stats(x)
+    d = s.to_dict()
+    assert set(zeroscan.FIELDS) <= set(d) and d["dtype"] == "float32" and d["shape"] == [64, 32]
+    for field in zeroscan.FIELDS:
+        assert getattr(s, field) == d[field] or (math.isnan(d[field]) and math.isnan(getattr(s, field)))
+    text = repr(s)
+    assert "\n" not in text and "float32[64,32]" in text and "zeros=5" in text and "NaN=1" in text
+    assert s.zero_fraction == pytest.approx(5 / 2048)
+
+
+def test_reading_a_field_decodes_once() -> None:
+    x = torch.randn(1000)
+    s = zeroscan.stats(x)
+    assert s._readout._rows is None  # nothing read yet: no copy made
+    _ = s.zeros
+    rows = s._readout._rows
+    assert rows is not None
+    _ = s.mean, s.std, repr(s)
+    assert s._readout._rows is rows
