@@ -85,9 +85,19 @@ def finish_row(counts: list[int], floats: list[float]) -> dict[str, float | int]
     row["max_abs"] = raw["max_abs"] if non_nan else math.nan
     row["mean"] = mean if finite else math.nan
     row["std"] = math.sqrt(m2 / (finite - 1)) if finite >= 2 else math.nan
-    row["norm"] = math.sqrt(m2 + finite * mean * mean) if finite else 0.0
+    row["norm"] = _norm(finite, mean, m2, raw["max_abs"])
     row["sum"] = mean * finite if finite else 0.0
     return row
+
+
+def _norm(finite: int, mean: float, m2: float, max_abs: float) -> float:
+    """sqrt(sum x^2) = sqrt(m2 + n mean^2), scaled by max |x| so that n mean^2
+    does not overflow for float64 data near the top of its range."""
+    if finite == 0:
+        return 0.0
+    scale = max_abs if 0.0 < max_abs < math.inf else 1.0
+    m = mean / scale
+    return scale * math.sqrt(m2 / scale / scale + finite * m * m)
 
 
 class Stats:

@@ -1,0 +1,61 @@
+"""zeroscan.stats_many: one call for many tensors, equal to one stats() each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroscan
+from helpers import ALL_DTYPES, DEVICES, assert_matches_reference, fresh_generator, make_values
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtypes_sizes_and_layouts_match_single_calls(device: str) -> None:
+    g = fresh_generator()
+    tensors = []
+    for i in range(60):
+        dtype = ALL_DTYPES[i % len(ALL_DTYPES)]
+        n = int(torch.randint(0, 90_000, (), generator=g)) if i % 7 else 0
+        x = make_values(n, dtype, g).to(device)
+        if i % 3 == 1 and n >= 4:
+            x = x[::2]
+        tensors.append(x)
+    batch = zeroscan.stats_many(tensors)
+    assert len(batch) == len(tensors)
+    for x, s in zip(tensors, batch):
+        assert torch.equal(s.buffer, zeroscan.stats(x).buffer)  # bitwise the same row
+        assert_matches_reference(s, x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tol_applies_to_every_tensor(device: str) -> None:
+    g = fresh_generator()
+    tensors = [make_values(1000, dtype, g).to(device) for dtype in (torch.float32, torch.bfloat16, torch.int16)]
+    for s, x in zip(zeroscan.stats_many(tensors, tol=0.5), tensors):
+        assert_matches_reference(s, x, tol=0.5)
+
+
+def test_one_native_call_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = torch.ops.zeroscan.stats_many.default
+
+    def counting(xs, tol=None):
+        calls.append(len(xs))
+        return real(xs, tol)
+
+    monkeypatch.setattr(torch.ops.zeroscan.stats_many, "default", counting)
+    g = fresh_generator()
+    tensors = [torch.randn(int(torch.randint(1, 5000, (), generator=g)), generator=g) for _ in range(200)]
+    batch = zeroscan.stats_many(tensors)
+    assert calls == [200]
+    assert batch[17].numel == tensors[17].numel()
+
+
+def test_batch_indexes_like_a_list() -> None:
+    xs = [torch.zeros(3), torch.ones(4), torch.full((5,), -2.0)]
+    batch = zeroscan.stats_many(x for x in xs)  # any iterable
+    assert [s.numel for s in batch] == [3, 4, 5]
+    assert [s.zeros for s in batch[1:]] == [0, 0]
+    assert batch[-1].negative == 5 and batch[0].zeros == 3
+    assert len(batch.to_dicts()) == 3
+    assert len(zeroscan.stats_many([])) == 0
