@@ -7,6 +7,7 @@
 
 #include <cfloat>
 #include <cmath>
+#include <ostream>
 #include <vector>
 
 #include "classify.h"
@@ -101,23 +102,33 @@ inline void check_tol(const char* op, c10::optional<double> tol) {
               ": tol must be a non-negative number, got ", *tol);
 }
 
-// `what` names the argument in messages, e.g. "x" or "xs[3]".
-inline void check_input(const char* op, const std::string& what,
-                        const at::Tensor& x) {
+// Names an argument in messages: "x", or "xs[3]" for an element of a list.
+struct ArgName {
+  const char* name;
+  int64_t index;  // -1: not a list element
+};
+
+inline std::ostream& operator<<(std::ostream& out, const ArgName& a) {
+  out << a.name;
+  if (a.index >= 0) out << "[" << a.index << "]";
+  return out;
+}
+
+inline void check_input(const char* op, ArgName what, const at::Tensor& x) {
   TORCH_CHECK(x.defined(), op, ": ", what,
               " is an undefined tensor (a gradient that was never computed "
               "is None / undefined)");
   TORCH_CHECK(x.layout() == at::kStrided, op, ": ", what,
               " must be a dense (strided) tensor, got layout ", x.layout(),
               "; scan x.to_dense() or x.values()");
-  TORCH_CHECK(!x.is_complex(), op, ": ", what,
-              " is complex (", x.scalar_type(),
-              "); scan x.abs() for magnitudes or torch.view_as_real(x) for "
-              "the real and imaginary parts");
   TORCH_CHECK(is_supported_dtype(x.scalar_type()), op, ": ", what,
-              " has unsupported dtype ", x.scalar_type(),
-              "; supported: float32, float64, float16, bfloat16, "
-              "float8_e4m3fn, float8_e5m2, bool and integer types");
+              x.is_complex() ? " is complex (" : " has unsupported dtype (",
+              x.scalar_type(),
+              x.is_complex()
+                  ? "); scan x.abs() for magnitudes or torch.view_as_real(x) "
+                    "for the real and imaginary parts"
+                  : "); supported: float32, float64, float16, bfloat16, "
+                    "float8_e4m3fn, float8_e5m2, bool and integer types");
   TORCH_CHECK(x.dim() <= kMaxDims, op, ": ", what, " has ", x.dim(),
               " dimensions; at most ", kMaxDims, " are supported");
 }

@@ -29,6 +29,7 @@ constexpr int64_t kMinChunk = 1 << 16;    // elements; small tensors: 1 chunk
 constexpr int64_t kMaxChunks = 1024;      // bounds the partials' memory
 constexpr int64_t kGather = 2048;         // elements widened per strided step
 constexpr int64_t kShiftSample = 256;     // elements that pick a chunk's shift
+constexpr int64_t kParallelMin = 1 << 18; // elements; less runs on one thread
 
 // The type the SIMD loop reads for a storage dtype: bfloat16 and float16 as
 // raw bits (scan_span.h widens them), float and double as they are.
@@ -224,16 +225,18 @@ Partial scan_task(const at::Tensor& x, const Layout& l,
   }
 }
 
-// xs: N tensors on the CPU -> int64 [N, kNumFields]
-at::Tensor scan_all(const char* op, at::TensorList xs,
-                    c10::optional<double> tol) {
+// Scans xs (all on the CPU) into rows: int64 [N, kNumFields].
+// `as_list`: name inputs "xs[i]" in errors rather than "x".
+void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
+              bool as_list, int64_t* rows) {
   check_tol(op, tol);
   const int64_t n = static_cast<int64_t>(xs.size());
   std::vector<Layout> layouts(n);
   std::vector<Task> tasks;
   std::vector<int64_t> first_task(n + 1);
+  int64_t total = 0;
   for (int64_t t = 0; t < n; ++t) {
-    check_input(op, n == 1 ? "x" : "xs[" + std::to_string(t) + "]", xs[t]);
+    check_input(op, as_list ? ArgName{"xs", t} : ArgName{"x", -1}, xs[t]);
     layouts[t] = layout_of(xs[t]);
     first_task[t] = static_cast<int64_t>(tasks.size());
     const int64_t numel = layouts[t].numel;
@@ -241,24 +244,28 @@ at::Tensor scan_all(const char* op, at::TensorList xs,
     for (int64_t b = 0; b < numel; b += step) {
       tasks.push_back({t, b, std::min(numel, b + step)});
     }
+    total += numel;
   }
   first_task[n] = static_cast<int64_t>(tasks.size());
 
-  std::vector<Partial> partials(tasks.size());
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  std::vector<Partial> partials(n_tasks);
   auto run = [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const Task& task = tasks[k];
       partials[k] = scan_task(xs[task.tensor], layouts[task.tensor], tol, task);
     }
   };
-  if (tasks.size() <= 1) {
-    run(0, static_cast<int64_t>(tasks.size()));  // no thread hand-off
+  // Waking other threads costs more than scanning a few small tensors, so
+  // little work stays on the calling thread, and each thread is handed at
+  // least ~kMinChunk elements.
+  if (n_tasks <= 1 || total < kParallelMin) {
+    run(0, n_tasks);
   } else {
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, run);
+    const int64_t grain = std::max<int64_t>(1, kMinChunk * n_tasks / total);
+    at::parallel_for(0, n_tasks, grain, run);
   }
 
-  at::Tensor out = new_result(n, c10::Device(c10::kCPU));
-  int64_t* rows = out.mutable_data_ptr<int64_t>();
   std::vector<Partial> own;
   for (int64_t t = 0; t < n; ++t) {
     own.assign(partials.begin() + first_task[t],
@@ -267,12 +274,13 @@ at::Tensor scan_all(const char* op, at::TensorList xs,
     repeat(p, layouts[t].repeat);
     store(p, rows + t * kNumFields);
   }
-  return out;
 }
 
 // x: any shape -> int64 [kNumFields]
 at::Tensor stats_cpu(const at::Tensor& x, c10::optional<double> tol) {
-  return scan_all("zeroscan.stats", {x}, tol).squeeze(0);
+  at::Tensor out = at::empty({kNumFields}, at::TensorOptions().dtype(at::kLong));
+  scan_all("zeroscan.stats", {x}, tol, false, out.mutable_data_ptr<int64_t>());
+  return out;
 }
 
 // xs: N tensors, all on the CPU -> int64 [N, kNumFields]
@@ -283,7 +291,9 @@ at::Tensor stats_many_cpu(at::TensorList xs, c10::optional<double> tol) {
                 "same device; xs[0] is on cpu but xs[", t, "] is on ",
                 xs[t].device());
   }
-  return scan_all("zeroscan.stats_many", xs, tol);
+  at::Tensor out = new_result(static_cast<int64_t>(xs.size()), c10::kCPU);
+  scan_all("zeroscan.stats_many", xs, tol, true, out.mutable_data_ptr<int64_t>());
+  return out;
 }
 
 }  // namespace
