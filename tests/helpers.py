@@ -39,9 +39,13 @@ def rtol_for(dtype: torch.dtype) -> float:
     return 1e-10 if dtype == torch.float64 else 1e-6
 
 
-def make_values(n: int, dtype: torch.dtype, g: torch.Generator, *, specials: bool = True) -> torch.Tensor:
+def make_values(
+    n: int, dtype: torch.dtype, g: torch.Generator, *, specials: bool = True, every: int = 50
+) -> torch.Tensor:
     """n random values of `dtype` (CPU), with zeros, subnormals, tiny and
-    non-finite values planted where the dtype can hold them."""
+    non-finite values planted (about one of each per `every` values) where the
+    dtype can hold them. A large `every` leaves most SIMD blocks free of them,
+    so both the fast and the exact path of a kernel are exercised."""
     if dtype == torch.bool:
         return torch.rand(n, generator=g) < 0.5
     if not dtype.is_floating_point:
@@ -53,7 +57,7 @@ def make_values(n: int, dtype: torch.dtype, g: torch.Generator, *, specials: boo
     x = torch.randn(n, generator=g, dtype=torch.float64) * scale
     if specials and n > 0:
         info = torch.finfo(dtype)
-        k = max(1, n // 50)
+        k = max(1, n // every)
         pos = torch.randint(0, n, (6, k), generator=g)
         x[pos[0]] = 0.0
         x[pos[1]] = -0.0

@@ -58,9 +58,12 @@ def in_layout(values: torch.Tensor, layout: str) -> torch.Tensor:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("n", SIZES)
-def test_matches_reference(n: int, dtype: torch.dtype, layout: str, device: str) -> None:
+@pytest.mark.parametrize("specials", ["dense", "sparse", "none"])
+def test_matches_reference(specials: str, n: int, dtype: torch.dtype, layout: str, device: str) -> None:
     g = fresh_generator()
-    x = in_layout(make_values(n, dtype, g), layout).to(device)
+    every = {"dense": 50, "sparse": 20_000, "none": 1}[specials]
+    values = make_values(n, dtype, g, specials=specials != "none", every=every)
+    x = in_layout(values, layout).to(device)
     if layout in ("transposed", "sliced", "short_rows") and n >= 300:
         assert not x.is_contiguous()  # the layout under test really is strided
     s = zeroscan.stats(x)

@@ -88,15 +88,17 @@ ZS_INLINE void scan_span_impl(const Src* p, int64_t n,
   // A block whose smallest |x| is below this holds a zero or a subnormal.
   const bits_t floor = th.tiny > 1 ? th.tiny : bits_t(1);
   const acc_t shift = acc.shift;
+  const double dshift = static_cast<double>(shift);
 
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
     const Src* q = p + i;
     bits_t mn[L], mx[L], nz[L], ng[L];
-    // The mean needs double sums (a float sum of zero-mean data loses it);
-    // the second moment is positive and well conditioned around the shift,
-    // so a kIters-term float sum per lane is accurate to ~1e-7 and is
-    // widened once per block.
+    // The mean needs every value in double: rounding x - shift in float, or
+    // summing in float, costs ~1e-7 of the spread per value, which swamps
+    // the mean of zero-centred data. The second moment is a sum of positive
+    // terms, well conditioned around the shift, so a kIters-term float sum
+    // per lane (widened once per block) keeps it within ~1e-7.
     double f1[L];
     acc_t f2[L];
     for (int j = 0; j < L; ++j) {
@@ -117,7 +119,7 @@ ZS_INLINE void scan_span_impl(const Src* p, int64_t n,
         nz[j] += a <= th.tol;
         ng[j] += x < acc_t(0);
         const acc_t d = x - shift;
-        f1[j] += static_cast<double>(d);
+        f1[j] += static_cast<double>(x) - dshift;
         f2[j] += d * d;
       }
     }
@@ -167,11 +169,18 @@ ZS_SIMD_CLONES inline void scan_span_bf16_generic(const Bf16Bits* p, int64_t n,
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ZS_HAVE_AVX512_KERNELS 1
+// Adds the 16 floats of v, widened to double, into the 8 lanes of sum.
+__attribute__((target("avx512f,avx512dq"))) inline __m512d add_widened(__m512d sum, __m512 v) {
+  sum = _mm512_add_pd(sum, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return _mm512_add_pd(sum, _mm512_cvtps_pd(upper));
+}
+
 // bfloat16 with AVX-512BW. Everything but the moments is decided on the 16-bit
 // patterns, 32 lanes at a time (min/max/compare on |x| bits need no
 // widening); only the moments widen, which is a shift into the upper half of
-// a float. The sum of values is kept in double (pairs are added in float
-// first) so the mean of zero-centred data keeps its digits.
+// a float. The sum of values is kept in double so the mean of zero-centred data
+// keeps its digits.
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) inline void
 scan_span_bf16_avx512(const Bf16Bits* p, int64_t n, const Thresholds<float>& th,
                       ScalarAccumulator<float>& acc) {
@@ -211,9 +220,8 @@ scan_span_bf16_avx512(const Bf16Bits* p, int64_t n, const Thresholds<float>& th,
       const __m512 hi = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)), shift);
       f2a = _mm512_fmadd_ps(lo, lo, f2a);
       f2b = _mm512_fmadd_ps(hi, hi, f2b);
-      const __m512 pair = _mm512_add_ps(lo, hi);
-      f1a = _mm512_add_pd(f1a, _mm512_cvtps_pd(_mm512_castps512_ps256(pair)));
-      f1b = _mm512_add_pd(f1b, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pair), 1))));
+      f1a = add_widened(f1a, _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v)));
+      f1b = add_widened(f1b, _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)));
     }
     // Smallest and largest |x| bits of the block (minpos finds a u16 minimum;
     // the maximum is the minimum of the complement).
@@ -245,7 +253,8 @@ scan_span_bf16_avx512(const Bf16Bits* p, int64_t n, const Thresholds<float>& th,
   acc.numel += fast;
   acc.near_zero += _mm512_reduce_add_epi32(near_zero);
   acc.negative += _mm512_reduce_add_epi32(negative);
-  acc.s1 += _mm512_reduce_add_pd(s1);
+  // s1 summed the values themselves; the accumulator wants x - shift.
+  acc.s1 += _mm512_reduce_add_pd(s1) - static_cast<double>(fast) * acc.shift;
   acc.s2 += _mm512_reduce_add_pd(s2);
   for (; i < n; ++i) acc.push(widen(p[i]), th);
 }
@@ -253,8 +262,7 @@ scan_span_bf16_avx512(const Bf16Bits* p, int64_t n, const Thresholds<float>& th,
 
 #if defined(ZS_HAVE_AVX512_KERNELS)
 // float32 with AVX-512: the same scheme as the generic loop, 32 values per
-// step, with the counters as masked adds and the sum of values in double
-// (pairs added in float first).
+// step, with the counters as masked adds and the sum of values in double.
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) inline void
 scan_span_f32_avx512(const float* p, int64_t n, const Thresholds<float>& th,
                      ScalarAccumulator<float>& acc) {
@@ -290,9 +298,8 @@ scan_span_f32_avx512(const float* p, int64_t n, const Thresholds<float>& th,
       const __m512 db = _mm512_sub_ps(_mm512_castsi512_ps(vb), shift);
       f2a = _mm512_fmadd_ps(da, da, f2a);
       f2b = _mm512_fmadd_ps(db, db, f2b);
-      const __m512 pair = _mm512_add_ps(da, db);
-      f1a = _mm512_add_pd(f1a, _mm512_cvtps_pd(_mm512_castps512_ps256(pair)));
-      f1b = _mm512_add_pd(f1b, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pair), 1))));
+      f1a = add_widened(f1a, _mm512_castsi512_ps(va));
+      f1b = add_widened(f1b, _mm512_castsi512_ps(vb));
     }
     const uint32_t lo = static_cast<uint32_t>(_mm512_reduce_min_epu32(mn));
     const uint32_t hi = static_cast<uint32_t>(_mm512_reduce_max_epu32(mx));
@@ -316,7 +323,8 @@ scan_span_f32_avx512(const float* p, int64_t n, const Thresholds<float>& th,
   // counts at most chunk / 16 elements.
   acc.near_zero += static_cast<uint32_t>(_mm512_reduce_add_epi32(near_zero));
   acc.negative += static_cast<uint32_t>(_mm512_reduce_add_epi32(negative));
-  acc.s1 += _mm512_reduce_add_pd(s1);
+  // s1 summed the values themselves; the accumulator wants x - shift.
+  acc.s1 += _mm512_reduce_add_pd(s1) - static_cast<double>(fast) * acc.shift;
   acc.s2 += _mm512_reduce_add_pd(s2);
   for (; i < n; ++i) acc.push(p[i], th);
 }
