@@ -12,6 +12,13 @@ from hypothesis import strategies as st
 import zeroscan
 from helpers import FLOAT_DTYPES, assert_matches_reference
 
+
+def squares_representable(v: float) -> bool:
+    """float64 moments, like torch.std's, lose values whose square underflows
+    (|x| < ~1e-154) or overflows (|x| > ~1e154); those are left out."""
+    return v == 0 or math.isnan(v) or math.isinf(v) or 1e-150 < abs(v) < 1e150
+
+
 values = st.lists(
     st.one_of(
         # Beyond ~1e150 the float64 second moment overflows (as torch.std's does).
@@ -20,7 +27,7 @@ values = st.lists(
         st.floats(min_value=-1e-37, max_value=1e-37),  # float32 subnormals
         st.floats(min_value=-1e-4, max_value=1e-4),
         st.sampled_from([0.0, -0.0, 1000.0, -1000.0]),
-    ),
+    ).filter(squares_representable),
     max_size=3000,
 )
 
@@ -34,7 +41,7 @@ def test_any_values(data: list[float], dtype: torch.dtype, step: int) -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(
-    data=st.lists(st.floats(-10, 10), min_size=1, max_size=500),
+    data=st.lists(st.floats(-10, 10).filter(squares_representable), min_size=1, max_size=500),
     tol=st.one_of(st.floats(0, 20), st.just(0.0), st.just(math.inf)),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
 )

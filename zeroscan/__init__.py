@@ -6,16 +6,33 @@ mean/std/norm of the finite values, leaving the numbers on the device until
 they are read.
 """
 
+from zeroscan.checkpoint import CheckpointError, open_checkpoint, scan_checkpoint
+from zeroscan.diagnosis import Diagnosis, Severity, Verdict, diagnose, diagnose_many, diagnose_stats
+from zeroscan.monitor import Finding, Monitor, Report, Thresholds
 from zeroscan.ops import NUM_FIELDS
 from zeroscan.reference import reference_stats
-from zeroscan.stats import FIELDS, Stats, StatsBatch, stats, stats_many
+from zeroscan.stats import FIELDS, Stats, StatsBatch, scan_buffers, stats, stats_many
 
 __all__ = [
+    "CheckpointError",
+    "open_checkpoint",
+    "scan_checkpoint",
     "FIELDS",
     "NUM_FIELDS",
+    "Diagnosis",
+    "Finding",
+    "Monitor",
+    "Report",
+    "Severity",
+    "Thresholds",
+    "Verdict",
+    "diagnose",
+    "diagnose_many",
+    "diagnose_stats",
     "Stats",
     "StatsBatch",
     "reference_stats",
+    "scan_buffers",
     "stats",
     "stats_many",
 ]

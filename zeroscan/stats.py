@@ -297,12 +297,36 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use zeroscan.stats(x)")
     tol = check_tol(op, tol)
     xs = [check_tensor(op, f"tensors[{i}]", t) for i, t in enumerate(tensors)]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, x in enumerate(xs):
-        by_device.setdefault(x.device, []).append(i)
     items: list[Stats | None] = [None] * len(xs)
-    for device, indices in by_device.items():
+    for indices in device_groups(xs):
         readout = Readout(torch.ops.zeroscan.stats_many.default([xs[i] for i in indices], tol))
         for row, i in enumerate(indices):
-            items[i] = Stats(readout, row, xs[i].dtype, xs[i].shape, device, tol)
+            items[i] = Stats(readout, row, xs[i].dtype, xs[i].shape, xs[i].device, tol)
     return StatsBatch(items)  # type: ignore[arg-type]
+
+
+def device_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The indices of `tensors` grouped by device, devices in order of first
+    appearance and indices ascending within a group (scan_buffers' row order)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, x in enumerate(tensors):
+        by_device.setdefault(x.device, []).append(i)
+    return list(by_device.values())
+
+
+def scan_buffers(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> list[torch.Tensor]:
+    """Scans every tensor and returns only the raw result buffers: one int64
+    [N_g, 16] tensor per device group (see `device_groups` for the order).
+
+    This is stats_many without the Python result objects: it calls only the
+    native op, never reads a value back and never synchronises, so it traces
+    into one torch.compile(fullgraph=True) graph and can be captured in a CUDA
+    graph. Turn a buffer into fields later with `decode`, or merge it across
+    ranks with zeroscan.distributed.
+    """
+    op = "zeroscan.scan_buffers"
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor")
+    tol = check_tol(op, tol)
+    xs = [check_tensor(op, f"tensors[{i}]", t) for i, t in enumerate(tensors)]
+    return [torch.ops.zeroscan.stats_many.default([xs[i] for i in g], tol) for g in device_groups(xs)]

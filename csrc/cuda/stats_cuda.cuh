@@ -1,0 +1,726 @@
+// The fused scan on the GPU: kernels over raw pointers and a stream.
+//
+// Free of torch headers. The launcher (stats_cuda.cpp) and the standalone
+// test program (standalone_test.cu) both include this file: the first part
+// (types, constants, the launch plan) is plain host C++ that any compiler
+// reads; the kernels below `#if defined(__CUDACC__)` are compiled by nvcc in
+// the per-dtype files stats_cuda_<dtype>.cu.
+//
+// How one call runs. Every tensor is split into tiles, whose size depends on
+// the tensor alone (numel and element size). One block reduces one tile to a
+// Partial (csrc/stats_record.h) at a time, walking the tiles of a launch in a
+// grid-stride loop. A tensor of one tile gets its result row written by that
+// block. A tensor of several tiles has its tile partials written to a
+// workspace; the block that finishes the tensor's last tile (a per-tensor
+// counter says which) combines them in a fixed order and writes the row. So a
+// tensor's bits depend on its data, size and address alignment only: not on
+// the grid size, the device's SM count, the other tensors of a stats_many
+// call, or which block ran which tile.
+//
+// Tensors travel as kernel arguments (up to kContigCapacity contiguous, or
+// kStridedCapacity strided ones per launch, with int64 sizes), in the spirit
+// of PyTorch's MultiTensorApply: a list of many tensors is a handful of
+// launches and no host-to-device copy, so it can be captured in a CUDA graph.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "../classify.h"
+#include "../layout.h"
+#include "../stats_record.h"
+
+namespace zeroscan {
+namespace cuda {
+
+// Element storage types that have no builtin C++ type: their raw bits.
+struct f16_t {
+  uint16_t bits;
+};
+struct bf16_t {
+  uint16_t bits;
+};
+struct e4m3_t {  // float8_e4m3fn
+  uint8_t bits;
+};
+struct e5m2_t {  // float8_e5m2
+  uint8_t bits;
+};
+struct bool_t {
+  uint8_t bits;
+};
+
+// The compute type of a storage type (as in op_common.h's widens_to_float):
+// float for floating types of up to 32 bits, double for float64 and integers.
+template <typename T>
+struct AccOf {
+  using type = double;
+};
+template <>
+struct AccOf<float> {
+  using type = float;
+};
+template <>
+struct AccOf<f16_t> {
+  using type = float;
+};
+template <>
+struct AccOf<bf16_t> {
+  using type = float;
+};
+template <>
+struct AccOf<e4m3_t> {
+  using type = float;
+};
+template <>
+struct AccOf<e5m2_t> {
+  using type = float;
+};
+template <typename T>
+using acc_of = typename AccOf<T>::type;
+
+constexpr int kThreads = 256;  // per block
+constexpr int kUnroll = 4;     // 16-byte loads in flight per thread
+// A tile is at least this many bytes, so the per-tile block reduction is a
+// small fraction of the time spent streaming it in.
+constexpr int64_t kMinTileBytes = int64_t(256) << 10;
+// A tensor has at most this many tiles, which bounds the work of the block
+// that combines them.
+constexpr int64_t kMaxTiles = 8192;
+constexpr int64_t kTileAlign = 1024;  // tiles start on 16-byte boundaries
+// Strided layouts with more (coalesced) dimensions than this are not walked
+// by the kernels; the launcher scans a contiguous copy of such a tensor.
+constexpr int kMaxStridedDims = 6;
+constexpr int kContigCapacity = 96;   // tensors per launch, contiguous
+constexpr int kStridedCapacity = 28;  // tensors per launch, strided
+// Per-launch limit on tiles, far below int32 overflow.
+constexpr int64_t kMaxLaunchTiles = int64_t(1) << 30;
+
+// One tensor of a launch.
+struct TensorTiles {
+  const void* data;    // where position 0 of the coalesced layout lives
+  int64_t numel;       // positions of the coalesced layout
+  int64_t repeat;      // how often each position occurs (stride-0 dims)
+  int64_t tile;        // positions per tile
+  int32_t first_tile;  // index of its first tile among the launch's tiles
+  int32_t row;         // output row; also its counter
+};
+
+// A strided layout, innermost dimension first, padded with size 1, stride 0.
+struct StridedShape {
+  int64_t sizes[kMaxStridedDims];
+  int64_t strides[kMaxStridedDims];  // in elements
+};
+
+struct LaunchHeader {
+  int32_t num_tensors = 0;
+  int32_t num_tiles = 0;
+  int64_t slot_base = 0;  // tile k's partial goes to partials[slot_base + k]
+  uint64_t tiny = 0;      // Thresholds<acc_t>::tiny of the launch's dtype
+  uint64_t tol = 0;       // Thresholds<acc_t>::tol
+  int64_t* out = nullptr;         // [rows, kNumFields]
+  Partial* partials = nullptr;    // [tiles of the whole call]; may be null
+  int32_t* counters = nullptr;    // [rows], zeroed before the call; may be null
+};
+
+struct ContigBatch {
+  LaunchHeader h;
+  TensorTiles t[kContigCapacity];
+};
+
+struct StridedBatch {
+  LaunchHeader h;
+  TensorTiles t[kStridedCapacity];
+  StridedShape shape[kStridedCapacity];
+};
+
+// Kernel parameters are limited to 4 KiB on every toolkit and driver.
+static_assert(sizeof(ContigBatch) <= 4096, "ContigBatch exceeds 4 KiB");
+static_assert(sizeof(StridedBatch) <= 4096, "StridedBatch exceeds 4 KiB");
+
+// Each launches one kernel on `stream` and returns without synchronising;
+// the caller checks cudaGetLastError. `grid` may be any positive number.
+// Instantiated for every storage type in stats_cuda_<dtype>.cu.
+template <typename T>
+void launch_contig(const ContigBatch& batch, int grid, cudaStream_t stream);
+template <typename T>
+void launch_strided(const StridedBatch& batch, int grid, cudaStream_t stream);
+
+#define ZEROSCAN_FOR_EACH_STORAGE_TYPE(X)                             \
+  X(float) X(double) X(zeroscan::cuda::f16_t) X(zeroscan::cuda::bf16_t) \
+  X(zeroscan::cuda::e4m3_t) X(zeroscan::cuda::e5m2_t)                   \
+  X(zeroscan::cuda::bool_t) X(uint8_t) X(int8_t) X(int16_t) X(int32_t)  \
+  X(int64_t)
+#define ZEROSCAN_DECLARE_LAUNCHERS(T)                                     \
+  extern template void launch_contig<T>(const ContigBatch&, int,         \
+                                        cudaStream_t);                    \
+  extern template void launch_strided<T>(const StridedBatch&, int,       \
+                                         cudaStream_t);
+ZEROSCAN_FOR_EACH_STORAGE_TYPE(ZEROSCAN_DECLARE_LAUNCHERS)
+#undef ZEROSCAN_DECLARE_LAUNCHERS
+
+// ---- The launch plan (host side, shared by the launcher and the test) -----
+
+// Positions per tile of a tensor: a function of the tensor alone.
+inline int64_t tile_positions(int64_t numel, int64_t elem_size) {
+  const int64_t by_bytes = kMinTileBytes / elem_size;
+  const int64_t by_count = (numel + kMaxTiles - 1) / kMaxTiles;
+  const int64_t t = by_bytes > by_count ? by_bytes : by_count;
+  return (t + kTileAlign - 1) / kTileAlign * kTileAlign;
+}
+
+// An empty tensor still gets one (empty) tile, whose block writes its row.
+inline int64_t tile_count(int64_t numel, int64_t tile) {
+  return numel == 0 ? 1 : (numel + tile - 1) / tile;
+}
+
+inline int64_t tiles_of(const Layout& l, int64_t elem_size) {
+  return tile_count(l.numel, tile_positions(l.numel, elem_size));
+}
+
+// Whether the kernels can walk a layout in place.
+inline bool walkable(const Layout& l) {
+  return l.numel == 0 || l.contiguous() || l.ndim <= kMaxStridedDims;
+}
+
+// One tensor to scan: its layout (from plan_layout) and where it starts.
+struct ScanInput {
+  const void* data;
+  const Layout* layout;  // must be walkable()
+  int32_t row;
+};
+
+// Packs `inputs` (all of one storage type, elem_size bytes each) into
+// launches: `contig(const ContigBatch&)` and `strided(const StridedBatch&)`
+// are called once per full batch and once for each last one. `common`
+// supplies the thresholds and buffers; `slot_cursor` numbers tiles across all
+// launches of one call (start it at 0, and size the partials buffer by the sum
+// of tiles_of over the call).
+template <typename LaunchContig, typename LaunchStrided>
+void plan_launches(const ScanInput* inputs, int64_t n, int64_t elem_size,
+                   const LaunchHeader& common, int64_t& slot_cursor,
+                   LaunchContig&& contig, LaunchStrided&& strided) {
+  ContigBatch cb;
+  StridedBatch sb;
+  cb.h = common;
+  sb.h = common;
+  cb.h.num_tensors = cb.h.num_tiles = 0;
+  sb.h.num_tensors = sb.h.num_tiles = 0;
+
+  auto flush = [&](LaunchHeader& h, auto& launch, auto& batch) {
+    if (h.num_tensors == 0) return;
+    h.slot_base = slot_cursor;
+    slot_cursor += h.num_tiles;
+    launch(batch);
+    h.num_tensors = 0;
+    h.num_tiles = 0;
+  };
+
+  for (int64_t k = 0; k < n; ++k) {
+    const Layout& l = *inputs[k].layout;
+    const int64_t tile = tile_positions(l.numel, elem_size);
+    const int64_t tiles = tile_count(l.numel, tile);
+    const bool contiguous = l.numel == 0 || l.contiguous();
+    LaunchHeader& h = contiguous ? cb.h : sb.h;
+    const int capacity = contiguous ? kContigCapacity : kStridedCapacity;
+    if (h.num_tensors == capacity || h.num_tiles + tiles > kMaxLaunchTiles) {
+      if (contiguous) {
+        flush(cb.h, contig, cb);
+      } else {
+        flush(sb.h, strided, sb);
+      }
+    }
+    TensorTiles& t = contiguous ? cb.t[h.num_tensors] : sb.t[h.num_tensors];
+    t.data = inputs[k].data;
+    t.numel = l.numel;
+    t.repeat = l.repeat;
+    t.tile = tile;
+    t.first_tile = h.num_tiles;
+    t.row = inputs[k].row;
+    if (!contiguous) {
+      StridedShape& s = sb.shape[h.num_tensors];
+      for (int d = 0; d < kMaxStridedDims; ++d) {
+        const bool real = d < l.ndim;
+        s.sizes[d] = real ? l.sizes[l.ndim - 1 - d] : 1;
+        s.strides[d] = real ? l.strides[l.ndim - 1 - d] : 0;
+      }
+    }
+    h.num_tensors += 1;
+    h.num_tiles += static_cast<int32_t>(tiles);
+  }
+  flush(cb.h, contig, cb);
+  flush(sb.h, strided, sb);
+}
+
+}  // namespace cuda
+}  // namespace zeroscan
+
+// ---- Device code ----------------------------------------------------------
+#if defined(__CUDACC__)
+
+#include <cuda_fp16.h>
+
+#include <cub/block/block_reduce.cuh>
+
+// The per-thread code is __host__ __device__ so that the standalone test can
+// also run it on the CPU (standalone_test --emulate); only the block-level
+// parts (block reduction, atomics, the kernels) are device-only.
+#define ZS_HDI __host__ __device__ __forceinline__
+#define ZS_DEV __device__ __forceinline__
+
+namespace zeroscan {
+namespace cuda {
+
+// Exact widening of one element to its compute type.
+ZS_HDI float widen(float x) { return x; }
+ZS_HDI double widen(double x) { return x; }
+ZS_HDI float widen(bf16_t v) {
+  // bfloat16 is the top half of a float32.
+  return from_bits<float>(static_cast<uint32_t>(v.bits) << 16);
+}
+ZS_HDI float widen(f16_t v) { return __half2float(__ushort_as_half(v.bits)); }
+ZS_HDI float widen(e5m2_t v) {
+  // float8_e5m2 is the top byte of a float16 (infinities and NaN included).
+  return __half2float(
+      __ushort_as_half(static_cast<unsigned short>(v.bits << 8)));
+}
+ZS_HDI float widen(e4m3_t v) {
+  // |x|'s 7 bits shifted into a float16's exponent and mantissa give
+  // |x| / 2^8 for normal and subnormal values alike (the exponent biases
+  // differ by 8), so one exact scale finishes the job. 0x7f is NaN; there are
+  // no infinities.
+  const uint32_t a = v.bits & 0x7fu;
+  const float m =
+      __half2float(__ushort_as_half(static_cast<unsigned short>(a << 7))) *
+      256.0f;
+  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x80u) << 24;
+  const uint32_t u = a == 0x7fu ? 0x7fc00000u : to_bits(m);
+  return from_bits<float>(u | sign);
+}
+ZS_HDI double widen(bool_t v) { return v.bits != 0 ? 1.0 : 0.0; }
+ZS_HDI double widen(uint8_t x) { return static_cast<double>(x); }
+ZS_HDI double widen(int8_t x) { return static_cast<double>(x); }
+ZS_HDI double widen(int16_t x) { return static_cast<double>(x); }
+ZS_HDI double widen(int32_t x) { return static_cast<double>(x); }
+ZS_HDI double widen(int64_t x) { return static_cast<double>(x); }
+
+// A 16-byte load of data nobody writes during the kernel.
+ZS_HDI uint4 load16(const uint4* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
+// Word i of a 16-byte vector; i is a compile-time constant after unrolling,
+// so this is a register pick, never a memory access.
+ZS_HDI uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Element k of a 16-byte vector holding elements of type T.
+template <typename T>
+ZS_HDI T element(const uint4& v, int k) {
+  T out;
+  if constexpr (sizeof(T) == 8) {
+    const uint64_t b = (static_cast<uint64_t>(word(v, 2 * k + 1)) << 32) |
+                       word(v, 2 * k);
+    memcpy(&out, &b, 8);
+  } else if constexpr (sizeof(T) == 4) {
+    const uint32_t b = word(v, k);
+    memcpy(&out, &b, 4);
+  } else if constexpr (sizeof(T) == 2) {
+    const uint16_t b = static_cast<uint16_t>(word(v, k / 2) >> (16 * (k % 2)));
+    memcpy(&out, &b, 2);
+  } else {
+    const uint8_t b = static_cast<uint8_t>(word(v, k / 4) >> (8 * (k % 4)));
+    memcpy(&out, &b, 1);
+  }
+  return out;
+}
+
+// v[u] for a run-time u, by selects: indexing a register array with a
+// run-time index would move it to local memory.
+template <int V>
+ZS_HDI uint4 pick(const uint4 (&v)[V], int u) {
+  uint4 w = v[0];
+#pragma unroll
+  for (int k = 1; k < V; ++k) {
+    if (u == k) w = v[k];
+  }
+  return w;
+}
+
+// The same bits, which the compiler must assume are new: each pass over a
+// group widens its elements afresh instead of keeping every widened value of
+// the group live from one pass to the next (a register each).
+ZS_HDI uint4 opaque(uint4 w) {
+  asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w));
+  return w;
+}
+
+// The fast path handles |x| and |shift| below this bit pattern (2^60 for
+// float, 2^500 for double), where a sum of 16 squared differences cannot
+// overflow acc_t; larger values take the exact path, which sums in double.
+template <typename acc_t>
+struct FastLimit;
+template <>
+struct FastLimit<float> {
+  static constexpr uint32_t kBits = uint32_t(127 + 60) << 23;
+};
+template <>
+struct FastLimit<double> {
+  static constexpr uint64_t kBits = uint64_t(1023 + 500) << 52;
+};
+
+template <typename acc_t>
+ZS_HDI bool is_finite(acc_t x) {
+  using B = FloatBits<acc_t>;
+  return (to_bits(x) & B::kAbsMask) < B::kInf;
+}
+
+// One element through the exact classifier. A thread's shift (see
+// set_moments) is its first finite value: set while it has summed nothing.
+template <typename acc_t>
+ZS_HDI void push_one(ScalarAccumulator<acc_t>& acc, acc_t x,
+                     const Thresholds<acc_t>& th, bool& have_shift) {
+  if (!have_shift && is_finite(x)) {
+    acc.shift = x;
+    have_shift = true;
+  }
+  acc.push(x, th);
+}
+
+// V loaded 16-byte vectors of T: the fast path, or the exact classifier.
+//
+// The fast path assumes every element is finite, nonzero, normal and below
+// FastLimit, and checks that afterwards from the group's min and max |x| bit
+// patterns. Then
+// near-zero is `|x| <= tol`, negative is `x < 0`, min |x| is also min nonzero
+// |x|, and the zero, subnormal and non-finite counts are 0. A group that
+// breaks the assumption is classified again, element by element, from the
+// registers it is still in. Each 16-byte vector's shifted values and their
+// squares (at most 16 of each) are summed in acc_t and added to double sums
+// once per vector: a short float sum rounds about as much as forming each
+// x - shift in float already does, while a long one would lose the mean of
+// zero-centred data.
+template <typename T, int V>
+ZS_HDI void scan_group(const uint4 (&v)[V],
+                       ScalarAccumulator<acc_of<T>>& acc,
+                       const Thresholds<acc_of<T>>& th, bool& have_shift) {
+  using acc_t = acc_of<T>;
+  using B = FloatBits<acc_t>;
+  using bits_t = typename B::bits_t;
+  constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+
+  if (!have_shift) {
+    // The thread's first group with a finite value sets its shift to the
+    // mean of the group's finite values: close to the data's mean.
+    double sum = 0.0;
+    int count = 0;
+    acc_t first = acc_t(0);
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      const uint4 w = opaque(v[u]);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const acc_t x = widen(element<T>(w, k));
+        if (is_finite(x)) {
+          first = count == 0 ? x : first;
+          sum += static_cast<double>(x);
+          count += 1;
+        }
+      }
+    }
+    if (count > 0) {
+      const acc_t mean = static_cast<acc_t>(sum / count);
+      acc.shift = is_finite(mean) ? mean : first;  // float64 sums can overflow
+      have_shift = true;
+    }
+  }
+
+  const acc_t shift = acc.shift;
+  bits_t lo = B::kAbsMask, hi = 0;
+  uint32_t near_zero = 0, negative = 0;
+  double s1 = 0.0, s2 = 0.0;
+#pragma unroll
+  for (int u = 0; u < V; ++u) {
+    acc_t sum = acc_t(0), sq = acc_t(0);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const acc_t x = widen(element<T>(v[u], k));
+      const bits_t a = to_bits(x) & B::kAbsMask;
+      lo = a < lo ? a : lo;
+      hi = a > hi ? a : hi;
+      near_zero += a <= th.tol;
+      negative += x < acc_t(0);
+      const acc_t d = x - shift;
+      sum += d;
+      sq += d * d;
+    }
+    s1 += static_cast<double>(sum);
+    s2 += static_cast<double>(sq);
+  }
+
+  const bits_t floor = th.tiny > 1 ? th.tiny : bits_t(1);
+  const bits_t limit = FastLimit<acc_t>::kBits;
+  if (lo >= floor && hi < limit && (to_bits(shift) & B::kAbsMask) < limit) {
+    acc.numel += V * kPer;
+    acc.near_zero += near_zero;
+    acc.negative += negative;
+    acc.min_a = lo < acc.min_a ? lo : acc.min_a;
+    acc.min_nonzero = lo < acc.min_nonzero ? lo : acc.min_nonzero;
+    acc.max_a = hi > acc.max_a ? hi : acc.max_a;
+    acc.s1 += s1;
+    acc.s2 += s2;
+    return;
+  }
+  // Rare, so kept small: a rolled loop over the vectors.
+#pragma unroll 1
+  for (int u = 0; u < V; ++u) {
+    const uint4 w = opaque(pick(v, u));
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      acc.push(widen(element<T>(w, k)), th);
+    }
+  }
+}
+
+// 16-byte loads in flight per thread: fewer for the small integer types,
+// whose 16 elements per load each widen to a double.
+template <typename T>
+constexpr int unroll_of() {
+  return sizeof(T) < 4 && sizeof(acc_of<T>) == 8 ? kUnroll / 2 : kUnroll;
+}
+
+// This thread's share of positions [begin, end) of a contiguous tensor:
+// 16-byte vectors t, t + kThreads, ..., unroll_of<T>() of them in flight, and
+// the few unaligned elements at either end one per thread.
+template <typename T>
+ZS_HDI void scan_contiguous(const T* data, int64_t begin, int64_t end, int tid,
+                            ScalarAccumulator<acc_of<T>>& acc,
+                            const Thresholds<acc_of<T>>& th,
+                            bool& have_shift) {
+  constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+  const T* p = data + begin;
+  const int64_t n = end - begin;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  int64_t head = static_cast<int64_t>((16 - (addr & 15)) & 15) /
+                 static_cast<int64_t>(sizeof(T));
+  head = head < n ? head : n;
+  const int64_t nvec = (n - head) / kPer;
+  const int64_t tail = head + nvec * kPer;
+
+  if (tid < head) push_one(acc, widen(p[tid]), th, have_shift);
+  if (tid < n - tail) push_one(acc, widen(p[tail + tid]), th, have_shift);
+
+  const uint4* vp = reinterpret_cast<const uint4*>(p + head);
+  constexpr int U = unroll_of<T>();
+  int64_t i = tid;
+  for (; i + (U - 1) * kThreads < nvec; i += U * kThreads) {
+    uint4 r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) r[u] = load16(vp + i + u * kThreads);
+    scan_group<T>(r, acc, th, have_shift);
+  }
+  for (; i < nvec; i += kThreads) {
+    const uint4 r[1] = {load16(vp + i)};
+    scan_group<T>(r, acc, th, have_shift);
+  }
+}
+
+// This thread's share of positions [begin, end) of a strided layout:
+// positions begin + t, begin + t + kThreads, ...; the multi-index advances by
+// the mixed-radix digits of kThreads, so the loop divides nothing.
+template <typename T>
+ZS_HDI void scan_strided(const T* data, const StridedShape& shape,
+                         int64_t begin, int64_t end, int tid,
+                         ScalarAccumulator<acc_of<T>>& acc,
+                         const Thresholds<acc_of<T>>& th, bool& have_shift) {
+  int64_t pos = begin + tid;
+  if (pos >= end) return;
+  int64_t size[kMaxStridedDims], stride[kMaxStridedDims];
+  int64_t index[kMaxStridedDims], step[kMaxStridedDims];
+  int64_t rest = pos, steps = kThreads, offset = 0;
+#pragma unroll
+  for (int d = 0; d < kMaxStridedDims; ++d) {
+    size[d] = shape.sizes[d];
+    stride[d] = shape.strides[d];
+    index[d] = rest % size[d];
+    rest /= size[d];
+    step[d] = steps % size[d];
+    steps /= size[d];
+    offset += index[d] * stride[d];
+  }
+  for (; pos < end; pos += kThreads) {
+    push_one(acc, widen(data[offset]), th, have_shift);
+    int64_t carry = 0;
+    offset = 0;
+#pragma unroll
+    for (int d = 0; d < kMaxStridedDims; ++d) {
+      index[d] += step[d] + carry;
+      carry = index[d] >= size[d];
+      index[d] -= carry ? size[d] : 0;
+      offset += index[d] * stride[d];
+    }
+  }
+}
+
+struct CombineOp {
+  ZS_DEV Partial operator()(Partial a, const Partial& b) const {
+    combine(a, b);
+    return a;
+  }
+};
+
+// Reads a partial written by another block of this kernel (through L2).
+ZS_DEV Partial load_partial(const Partial* p) {
+  const long long* c = reinterpret_cast<const long long*>(p);
+  const double* f = reinterpret_cast<const double*>(p);
+  Partial q;
+  q.numel = __ldcg(c + 0);
+  q.zeros = __ldcg(c + 1);
+  q.subnormal = __ldcg(c + 2);
+  q.near_zero = __ldcg(c + 3);
+  q.nan = __ldcg(c + 4);
+  q.posinf = __ldcg(c + 5);
+  q.neginf = __ldcg(c + 6);
+  q.negative = __ldcg(c + 7);
+  q.min_abs = __ldcg(f + 8);
+  q.min_abs_nonzero = __ldcg(f + 9);
+  q.max_abs = __ldcg(f + 10);
+  q.mean = __ldcg(f + 11);
+  q.m2 = __ldcg(f + 12);
+  return q;
+}
+static_assert(sizeof(Partial) == 13 * 8, "load_partial reads 13 words");
+
+// Launch tile g: its tensor, that tensor's tile count, and the positions.
+struct TileSpan {
+  int tensor;
+  int tiles;
+  int64_t begin, end;
+};
+
+// The tensor is the last one whose first tile is at most g (block-uniform;
+// a few constant-bank reads).
+ZS_HDI TileSpan locate(const LaunchHeader& h, const TensorTiles* t, int g) {
+  int lo = 0, hi = h.num_tensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t[mid].first_tile <= g) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  TileSpan s;
+  s.tensor = lo;
+  const int next = lo + 1 < h.num_tensors ? t[lo + 1].first_tile : h.num_tiles;
+  s.tiles = next - t[lo].first_tile;
+  s.begin = static_cast<int64_t>(g - t[lo].first_tile) * t[lo].tile;
+  s.end = s.begin + t[lo].tile < t[lo].numel ? s.begin + t[lo].tile
+                                              : t[lo].numel;
+  return s;
+}
+
+// Grid-stride loop over the launch's tiles. See the file comment.
+template <typename T, bool kStrided, typename Batch>
+__device__ __forceinline__ void scan_tiles(const Batch& b) {
+  using acc_t = acc_of<T>;
+  using bits_t = typename FloatBits<acc_t>::bits_t;
+  using Reduce = cub::BlockReduce<Partial, kThreads>;
+  __shared__ typename Reduce::TempStorage temp;
+  __shared__ bool last_tile_done;
+
+  const LaunchHeader& h = b.h;
+  Thresholds<acc_t> th;
+  th.tiny = static_cast<bits_t>(h.tiny);
+  th.tol = static_cast<bits_t>(h.tol);
+
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int g = blockIdx.x; g < h.num_tiles; g += gridDim.x) {
+    const TileSpan span = locate(h, b.t, g);
+    const TensorTiles& t = b.t[span.tensor];
+    const int tiles = span.tiles;
+    const T* data = static_cast<const T*>(t.data);
+
+    ScalarAccumulator<acc_t> acc;
+    bool have_shift = false;
+    if constexpr (kStrided) {
+      scan_strided<T>(data, b.shape[span.tensor], span.begin, span.end, tid,
+                      acc, th, have_shift);
+    } else {
+      scan_contiguous<T>(data, span.begin, span.end, tid, acc, th,
+                         have_shift);
+    }
+    Partial p = Reduce(temp).Reduce(acc.finish(), CombineOp());
+    int64_t* row = h.out + static_cast<int64_t>(t.row) * kNumFields;
+
+    if (tiles == 1) {
+      if (tid == 0) {
+        repeat(p, t.repeat);
+        store(p, row);
+      }
+    } else {
+      Partial* slots = h.partials + h.slot_base + t.first_tile;
+      if (tid == 0) {
+        slots[g - t.first_tile] = p;
+        __threadfence();  // the partial is visible before the count is
+        const int done = atomicAdd(h.counters + t.row, 1);
+        last_tile_done = done == tiles - 1;
+      }
+      __syncthreads();
+      if (last_tile_done) {
+        __threadfence();
+        Partial q = empty_partial();
+        for (int k = tid; k < tiles; k += kThreads) {
+          combine(q, load_partial(slots + k));
+        }
+        q = Reduce(temp).Reduce(q, CombineOp());
+        if (tid == 0) {
+          repeat(q, t.repeat);
+          store(q, row);
+        }
+      }
+    }
+    __syncthreads();  // `temp` and `last_tile_done` are reused
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    scan_contig_kernel(const __grid_constant__ ContigBatch b) {
+  scan_tiles<T, false>(b);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    scan_strided_kernel(const __grid_constant__ StridedBatch b) {
+  scan_tiles<T, true>(b);
+}
+
+template <typename T>
+void launch_contig(const ContigBatch& batch, int grid, cudaStream_t stream) {
+  scan_contig_kernel<T><<<grid, kThreads, 0, stream>>>(batch);
+}
+
+template <typename T>
+void launch_strided(const StridedBatch& batch, int grid, cudaStream_t stream) {
+  scan_strided_kernel<T><<<grid, kThreads, 0, stream>>>(batch);
+}
+
+}  // namespace cuda
+}  // namespace zeroscan
+
+// For the per-dtype files: the two launchers of one storage type.
+#define ZEROSCAN_INSTANTIATE_CUDA(T)                                      \
+  template void zeroscan::cuda::launch_contig<T>(                        \
+      const zeroscan::cuda::ContigBatch&, int, cudaStream_t);            \
+  template void zeroscan::cuda::launch_strided<T>(                       \
+      const zeroscan::cuda::StridedBatch&, int, cudaStream_t)
+
+#endif  // defined(__CUDACC__)

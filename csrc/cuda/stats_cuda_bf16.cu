@@ -1,0 +1,5 @@
+// The CUDA scan kernels for bfloat16
+// (one file per dtype, so a build compiles them in parallel).
+#include "stats_cuda.cuh"
+
+ZEROSCAN_INSTANTIATE_CUDA(zeroscan::cuda::bf16_t);

@@ -1,0 +1,616 @@
+"""The `zeroscan` command: scan checkpoints, tour the verdicts, run the benchmarks.
+
+    zeroscan scan PATH...            a table per checkpoint (torch.save or .safetensors)
+    zeroscan scan a.pt b.pt --diff   which tensors changed, which stayed bit-identical
+    zeroscan demo                    a short tour of every verdict on built-in examples
+    zeroscan bench                   the benchmark scripts in benchmarks/
+
+Exit status: 0 when all went well; 1 when `--fail-on SEVERITY` is given and a
+finding at or above it exists (so a CI step can gate on a checkpoint); 2 for
+a usage error or a file that cannot be read (one line on stderr, never a
+traceback); 130 when interrupted.
+
+`scan --json` writes one JSON object to stdout (floats that are NaN or
+infinite are written as null; the counts say which):
+
+    {"zeroscan": VERSION, "command": "scan", "tol": float|null,
+     "files": [{"path", "format", "nbytes", "tensors": [ROW...],
+                "skipped": [{"name", "dtype", "shape", "reason"}]}],
+     "summary": {"files", "tensors", "skipped", "findings": {"info", "warning", "error"}, "worst"}}
+    ROW: {"name", "dtype", "shape", "numel", "zeros", "zero_fraction", "subnormal", "near_zero",
+          "nan", "posinf", "neginf", "negative", "min_abs", "min_abs_nonzero", "max_abs",
+          "mean", "std", "norm", "verdict", "severity", "reason"}
+
+and with `--diff`:
+
+    {"zeroscan": VERSION, "command": "diff", "a", "b",
+     "tensors": [{"name", "dtype", "shape", "numel", "status", "severity", "reason",
+                  "changed", "changed_fraction", "max_abs_diff"}],   # the last three when compared
+     "summary": {"changed", "identical", "added", "removed", "reshaped", "retyped", "unread", "worst"}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from zeroscan.loggers import json_safe
+
+SEVERITIES = ("ok", "info", "warning", "error")
+RANK = {s: i for i, s in enumerate(SEVERITIES)}
+SORT_KEYS = ("order", "name", "numel", "zeros", "subnormal", "near-zero", "nan", "severity")
+EXIT_OK, EXIT_FINDINGS, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+LARGE_TTY_BYTES = 64 << 20  # a progress bar on a terminal from this size
+LARGE_LOG_BYTES = 1 << 30  # progress lines in a log (stderr not a terminal) from this size
+
+
+class UsageError(Exception):
+    """A bad combination of arguments; str() is one line."""
+
+
+# --- small formatting helpers ----------------------------------------------------
+
+
+def fmt_count(n: int) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= 10 * scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_num(v: object) -> str:
+    if v is None:
+        return "-"
+    x = float(v)  # type: ignore[arg-type]
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x == 0:
+        return "0"
+    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
+
+
+def fmt_percent(part: int, whole: int) -> str:
+    if part == 0 or whole == 0:
+        return "0"
+    if part == whole:
+        return "100%"
+    pct = 100.0 * part / whole
+    return f"{pct:.3g}%" if pct >= 0.01 else "<0.01%"
+
+
+def fmt_shape(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(s) for s in shape) + "]"
+
+
+class Style:
+    """ANSI colours on a terminal (and not under NO_COLOR), nothing otherwise."""
+
+    CODES = {"error": "31;1", "warning": "33", "info": "36", "ok": "32", "dim": "2", "bold": "1"}
+
+    def __init__(self, stream: TextIO) -> None:
+        self.on = stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+    def __call__(self, text: str, kind: str) -> str:
+        code = self.CODES.get(kind)
+        return f"\033[{code}m{text}\033[0m" if self.on and code else text
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int], colors: Sequence[str | None],
+                 style: Style, color_col: int) -> list[str]:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+
+    def line(cells: Sequence[str], color: str | None) -> str:
+        parts = []
+        for i, (c, w) in enumerate(zip(cells, widths)):
+            cell = c.rjust(w) if i in right else c.ljust(w)
+            if i == color_col and color:
+                cell = style(cell, color)
+            parts.append(cell)
+        return "  ".join(parts).rstrip()
+
+    out = [style(line(headers, None), "bold")]
+    out += [line(row, color) for row, color in zip(rows, colors)]
+    return out
+
+
+# --- progress ------------------------------------------------------------------
+
+
+class Progress:
+    """Bytes-scanned progress on stderr: tqdm when installed and stderr is a
+    terminal, else a line rewritten in place (terminal) or a line per 10 %
+    (a log)."""
+
+    def __init__(self, label: str, total: int, enabled: bool | None, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        if enabled is None:
+            enabled = total >= (LARGE_TTY_BYTES if self.tty else LARGE_LOG_BYTES)
+        self.enabled = enabled and total > 0
+        self.label = label
+        self.total = total
+        self.last_decile = -1
+        self.bar: Any = None
+        if self.enabled and self.tty:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label,
+                                file=self.stream, leave=False, dynamic_ncols=True)
+            except ImportError:
+                self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            return
+        pct = 100.0 * done / total if total else 100.0
+        if self.tty:
+            self.stream.write(f"\r{self.label}: {pct:5.1f}% ({fmt_bytes(done)} of {fmt_bytes(total)})")
+            self.stream.flush()
+        elif int(pct // 10) > self.last_decile:
+            self.last_decile = int(pct // 10)
+            self.stream.write(f"{self.label}: {pct:.0f}% ({fmt_bytes(done)} of {fmt_bytes(total)})\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        elif self.tty:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+# --- scan ------------------------------------------------------------------------
+
+
+def sort_rows(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """Rows by `key`: name ascending, file order, or the largest first."""
+    if key == "order":
+        return rows
+    if key == "name":
+        return sorted(rows, key=lambda r: r["name"])
+    numel = lambda r: max(int(r.get("numel") or 0), 1)  # noqa: E731
+    keys: dict[str, Callable[[dict[str, Any]], float]] = {
+        "numel": lambda r: int(r.get("numel") or 0),
+        "zeros": lambda r: int(r.get("zeros") or 0) / numel(r),
+        "subnormal": lambda r: int(r.get("subnormal") or 0) / numel(r),
+        "near-zero": lambda r: int(r.get("near_zero") or 0) / numel(r),
+        "nan": lambda r: int(r.get("nan") or 0) + int(r.get("posinf") or 0) + int(r.get("neginf") or 0),
+        "severity": lambda r: RANK.get(str(r.get("severity")), 0),
+    }
+    return sorted(rows, key=keys[key], reverse=True)  # stable: ties keep file order
+
+
+def scan_table(rows: Sequence[dict[str, Any]], style: Style) -> list[str]:
+    headers = ["name", "dtype", "shape", "numel", "zero %", "subnormal", "near-zero", "nan/inf",
+               "|x| range", "mean", "std", "verdict"]
+    cells, colors = [], []
+    for r in rows:
+        n = int(r["numel"])
+        nonfinite = int(r["nan"]) + int(r["posinf"]) + int(r["neginf"])
+        lo = r["min_abs_nonzero"]
+        lo_text = fmt_num(lo) if lo is not None and math.isfinite(float(lo)) else "0"
+        rng = "-" if n == 0 else f"{lo_text} .. {fmt_num(r['max_abs'])}"
+        name = str(r["name"])
+        cells.append([
+            name if len(name) <= 60 else "…" + name[-59:],
+            str(r["dtype"]),
+            fmt_shape(r["shape"]),
+            fmt_count(n),
+            fmt_percent(int(r["zeros"]), n),
+            fmt_count(int(r["subnormal"])),
+            fmt_count(int(r["near_zero"])),
+            f"{fmt_count(int(r['nan']))}/{fmt_count(int(r['posinf']) + int(r['neginf']))}" if nonfinite else "0",
+            rng,
+            fmt_num(r["mean"]),
+            fmt_num(r["std"]),
+            str(r["verdict"]),
+        ])
+        sev = str(r["severity"])
+        colors.append(sev if sev != "ok" else None)
+    return render_table(headers, cells, right={3, 4, 5, 6, 7, 9, 10}, colors=colors, style=style, color_col=11)
+
+
+def count_findings(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+    counts = {"info": 0, "warning": 0, "error": 0}
+    for r in rows:
+        sev = str(r.get("severity", "ok"))
+        if sev in counts:
+            counts[sev] += 1
+    return counts
+
+
+def worst_of(rows: Sequence[dict[str, Any]]) -> str:
+    return max((str(r.get("severity", "ok")) for r in rows), key=lambda s: RANK.get(s, 0), default="ok")
+
+
+def findings_words(counts: dict[str, int]) -> str:
+    total = sum(counts.values())
+    if not total:
+        return "no findings"
+    parts = [
+        f"{counts[s]} {s}{'s' if counts[s] != 1 and s != 'info' else ''}"
+        for s in ("error", "warning", "info")
+        if counts[s]
+    ]
+    return f"{total} finding{'s' if total != 1 else ''} ({', '.join(parts)})"
+
+
+def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
+    from zeroscan.checkpoint import scan_checkpoint
+
+    if args.diff:
+        return cmd_diff(args, out)
+    style = Style(out)
+    files = []
+    for path in args.paths:
+        size = Path(path).stat().st_size if Path(path).is_file() else 0
+        progress = Progress(f"scanning {Path(path).name}", size, args.progress)
+        try:
+            result = scan_checkpoint(path, tol=args.tol, mostly_zero=args.mostly_zero, progress=progress)
+        finally:
+            progress.close()
+        files.append(result)
+
+    all_rows = [r for f in files for r in f.rows]
+    counts = count_findings(all_rows)
+    worst = worst_of(all_rows)
+    if args.plot:
+        from zeroscan.plot import plot_scan
+
+        plot_rows = [
+            dict(r, name=f"{Path(f.path).name}:{r['name']}") if len(files) > 1 else r for f in files for r in f.rows
+        ]
+        title = Path(files[0].path).name if len(files) == 1 else f"{len(files)} checkpoints"
+        plot_scan(plot_rows, args.plot, title=title)
+
+    if args.json:
+        doc = {
+            "zeroscan": version(),
+            "command": "scan",
+            "tol": args.tol,
+            "files": [
+                {
+                    "path": f.path,
+                    "format": f.format,
+                    "nbytes": f.nbytes,
+                    "tensors": sort_rows(shown(f.rows, args.only_findings), args.sort),
+                    "skipped": f.skipped,
+                }
+                for f in files
+            ],
+            "summary": {
+                "files": len(files),
+                "tensors": len(all_rows),
+                "skipped": sum(len(f.skipped) for f in files),
+                "findings": counts,
+                "worst": worst,
+            },
+        }
+        json.dump(json_safe(doc), out, indent=1)
+        out.write("\n")
+    else:
+        for i, f in enumerate(files):
+            if i:
+                out.write("\n")
+            write_scan_text(f, args, style, out)
+        if args.plot:
+            out.write(f"plot written to {args.plot}\n")
+    return exit_status(worst, args.fail_on)
+
+
+def shown(rows: list[dict[str, Any]], only_findings: bool) -> list[dict[str, Any]]:
+    return [r for r in rows if r["severity"] != "ok"] if only_findings else rows
+
+
+def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO) -> None:
+    rows = sort_rows(shown(f.rows, args.only_findings), args.sort)
+    nbytes = f.nbytes
+    counts = count_findings(f.rows)
+    out.write(style(f"{f.path}", "bold") + f"  ({f.format}, {len(f.rows)} tensors, {fmt_bytes(nbytes)})\n")
+    if rows:
+        out.write("\n".join(scan_table(rows, style)) + "\n")
+    elif args.only_findings:
+        out.write("no tensor has a finding\n")
+    findings = sorted((r for r in f.rows if r["severity"] != "ok"), key=lambda r: -RANK[r["severity"]])
+    if findings:
+        out.write("\nfindings:\n")
+        for r in findings:
+            out.write(f"  {style(r['severity'].upper(), r['severity'])} {r['name']}: {r['verdict']}: {r['reason']}\n")
+    for s in f.skipped:
+        out.write(f"  skipped {s['name']} ({s['dtype']}): {s['reason']}\n")
+    out.write(f"\n{len(f.rows)} tensors scanned, {findings_words(counts)}\n")
+
+
+def exit_status(worst: str, fail_on: str) -> int:
+    if fail_on == "none":
+        return EXIT_OK
+    return EXIT_FINDINGS if RANK.get(worst, 0) >= RANK[fail_on] else EXIT_OK
+
+
+# --- diff ----------------------------------------------------------------------------
+
+DIFF_STATUSES = ("changed", "identical", "added", "removed", "reshaped", "retyped", "unread")
+
+
+def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
+    from zeroscan.checkpoint import diff_checkpoints, open_checkpoint
+
+    if len(args.paths) != 2:
+        raise UsageError(f"--diff compares exactly two checkpoints, got {len(args.paths)} paths")
+    if args.plot:
+        raise UsageError("--plot draws a scan; leave out --diff to plot a checkpoint")
+    a, b = args.paths
+    with open_checkpoint(a) as ca:
+        size = ca.nbytes
+    progress = Progress(f"comparing {Path(a).name}", size, args.progress)
+    try:
+        rows = diff_checkpoints(a, b, progress=progress)
+    finally:
+        progress.close()
+    summary: dict[str, Any] = {s: sum(1 for r in rows if r["status"] == s) for s in DIFF_STATUSES}
+    summary["worst"] = worst_of(rows)
+    order = {"severity": lambda r: -RANK[r["severity"]], "name": lambda r: r["name"],
+             "numel": lambda r: -int(r["numel"])}
+    shown_rows = [r for r in rows if r["severity"] != "ok"] if args.only_findings else rows
+    if args.sort in order:
+        shown_rows = sorted(shown_rows, key=order[args.sort])
+    if args.json:
+        doc = {"zeroscan": version(), "command": "diff", "a": a, "b": b, "tensors": shown_rows, "summary": summary}
+        json.dump(json_safe(doc), out, indent=1)
+        out.write("\n")
+    else:
+        style = Style(out)
+        out.write(style(f"{a} -> {b}", "bold") + "\n")
+        headers = ["name", "dtype", "shape", "status", "changed", "max |a-b|", "note"]
+        cells, colors = [], []
+        for r in shown_rows:
+            changed = "-" if "changed" not in r else fmt_percent(int(r["changed"]), int(r["numel"]))
+            cells.append([r["name"], r["dtype"], fmt_shape(r["shape"]), r["status"], changed,
+                          fmt_num(r.get("max_abs_diff")), r["reason"]])
+            colors.append(r["severity"] if r["severity"] != "ok" else None)
+        if cells:
+            out.write("\n".join(render_table(headers, cells, {4, 5}, colors, style, color_col=3)) + "\n")
+        words = ", ".join(f"{summary[s]} {s}" for s in DIFF_STATUSES if summary[s])
+        out.write(f"\n{len(rows)} names: {words or 'none'}\n")
+        if summary["identical"] and summary["changed"]:
+            out.write("a floating-point tensor left bit-identical while others changed was never updated "
+                      "between the two checkpoints: frozen, missing from the optimizer, or its gradient "
+                      "was always zero\n")
+    return exit_status(summary["worst"], args.fail_on)
+
+
+# --- bench ---------------------------------------------------------------------------
+
+
+def find_bench_dir(given: str | None) -> Path:
+    if given:
+        d = Path(given)
+        if not d.is_dir():
+            raise UsageError(f"--dir {given}: no such directory")
+        return d
+    here = Path(__file__).resolve().parent.parent / "benchmarks"
+    for d in (Path.cwd() / "benchmarks", here):
+        if d.is_dir() and any(d.glob("bench_*.py")):
+            return d
+    raise UsageError(
+        "no benchmarks/ directory with bench_*.py scripts here or beside the zeroscan package "
+        "(run from a zeroscan checkout, or pass --dir)"
+    )
+
+
+def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
+    d = find_bench_dir(args.dir)
+    scripts = sorted(d.glob("bench_*.py"))
+    if args.names:
+        wanted = set(args.names)
+        scripts = [s for s in scripts if s.stem in wanted or s.stem.removeprefix("bench_") in wanted]
+        missing = wanted - {s.stem for s in scripts} - {s.stem.removeprefix("bench_") for s in scripts}
+        if missing:
+            raise UsageError(f"no benchmark named {', '.join(sorted(missing))} in {d}")
+    if not scripts:
+        raise UsageError(f"{d}: no bench_*.py scripts")
+    if args.list:
+        for s in scripts:
+            out.write(f"{s.stem}\t{s}\n")
+        return EXIT_OK
+
+    failed: list[str] = []
+    bar = bench_bar(len(scripts))
+    write = bar.write if bar is not None else (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
+    for i, script in enumerate(scripts, 1):
+        cmd = [sys.executable, str(script)]
+        if not args.full and "--quick" in script.read_text(errors="replace"):
+            cmd.append("--quick")
+        if bar is not None:
+            bar.set_description(script.stem)
+        write(f"[{i}/{len(scripts)}] {' '.join([Path(cmd[1]).name] + cmd[2:])}")
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        assert proc.stdout is not None
+        for text in proc.stdout:
+            if bar is not None:
+                bar.write(text.rstrip("\n"), file=out)
+            else:
+                out.write(text)
+                out.flush()
+        rc = proc.wait()
+        elapsed = time.perf_counter() - start
+        if bar is not None:
+            bar.update(1)
+        if rc != 0:
+            failed.append(script.stem)
+            write(f"[{i}/{len(scripts)}] {script.name} failed (exit {rc}) after {elapsed:.1f} s")
+        else:
+            write(f"[{i}/{len(scripts)}] {script.name} done in {elapsed:.1f} s")
+    if bar is not None:
+        bar.close()
+    if failed:
+        sys.stderr.write(f"zeroscan bench: {len(failed)} of {len(scripts)} failed: {', '.join(failed)}\n")
+        return EXIT_FINDINGS
+    return EXIT_OK
+
+
+def bench_bar(total: int) -> Any:
+    """A tqdm bar over the scripts when tqdm is installed and stderr is a terminal."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="script", file=sys.stderr, leave=False)
+
+
+# --- demo ------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
+    from zeroscan.demo import run_demo
+
+    return run_demo(out=out, plot=args.plot)
+
+
+# --- the parser and main ------------------------------------------------------------------
+
+
+def version() -> str:
+    from zeroscan import __version__
+
+    return __version__
+
+
+def probability(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return v
+
+
+def tolerance(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
+    if not v >= 0.0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeroscan",
+        description="Is this tensor truly zero, underflowed, non-finite, or healthy? "
+        "Scan checkpoints, tour the verdicts, run the benchmarks.",
+        epilog="exit status: 0 ok, 1 a finding at or above --fail-on (or a failed benchmark), "
+        "2 an unreadable file or a usage error",
+    )
+    parser.add_argument("--version", action="version", version=f"zeroscan {version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    scan = sub.add_parser(
+        "scan",
+        help="scan torch.save / .safetensors checkpoints tensor by tensor",
+        description="Scan every tensor of each checkpoint (torch.save files loaded with weights_only=True "
+        "and memory-mapped; .safetensors files parsed and mapped tensor by tensor) and diagnose it.",
+    )
+    scan.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint files")
+    scan.add_argument("--sort", choices=SORT_KEYS, default="order",
+                      help="row order: file order (default), name, or the largest first by numel, zero "
+                           "fraction, subnormal/near-zero fraction, NaN/Inf count or severity "
+                           "(with --diff: order, name, numel or severity)")
+    scan.add_argument("--only-findings", action="store_true", help="list only tensors with a finding")
+    scan.add_argument("--json", action="store_true", help="write one JSON object to stdout instead of tables")
+    scan.add_argument("--fail-on", choices=("info", "warning", "error", "none"), default="none",
+                      help="exit 1 when a finding at or above this severity exists (default: none)")
+    scan.add_argument("--diff", action="store_true",
+                      help="compare two checkpoints: changed, bit-identical, added and removed tensors")
+    scan.add_argument("--plot", metavar="PNG", help="also draw the scan to this image (needs matplotlib)")
+    scan.add_argument("--tol", type=tolerance, default=None,
+                      help="near-zero threshold (default: each dtype's machine epsilon)")
+    scan.add_argument("--mostly-zero", type=probability, default=0.9,
+                      help="zero fraction from which a tensor is 'mostly zero' (default 0.9)")
+    scan.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                      help="progress on stderr (default: for large files only)")
+    scan.set_defaults(run=cmd_scan)
+
+    demo = sub.add_parser("demo", help="a short tour: every verdict on built-in examples, in plain words")
+    demo.add_argument("--plot", metavar="PNG", help="also draw the demo model's gradient flow (needs matplotlib)")
+    demo.set_defaults(run=cmd_demo)
+
+    bench = sub.add_parser("bench", help="run the benchmark scripts of benchmarks/ (quick sizes by default)")
+    bench.add_argument("names", nargs="*", metavar="NAME", help="only these (bench_cpu or cpu); default all")
+    bench.add_argument("--full", action="store_true", help="full sizes (leave out --quick)")
+    bench.add_argument("--list", action="store_true", help="list the scripts and exit")
+    bench.add_argument("--dir", help="the benchmarks directory (default: ./benchmarks or the checkout's)")
+    bench.set_defaults(run=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line `argv` (default sys.argv[1:]) and returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error already printed
+        return int(e.code) if isinstance(e.code, int) else EXIT_ERROR
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_ERROR
+    from zeroscan.checkpoint import CheckpointError
+
+    out = sys.stdout
+    try:
+        return int(args.run(args, out))
+    except (CheckpointError, UsageError) as e:
+        return fail(str(e))
+    except ImportError as e:  # an optional package (matplotlib) is missing
+        return fail(str(e))
+    except OSError as e:
+        if isinstance(e, BrokenPipeError):  # `zeroscan scan ... | head`: stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK
+        where = f"{e.filename}: " if e.filename else ""
+        return fail(f"{where}{e.strerror or e}")
+    except KeyboardInterrupt:
+        sys.stderr.write("zeroscan: interrupted\n")
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        if os.environ.get("ZEROSCAN_DEBUG"):
+            raise
+        lines = str(e).strip().splitlines()
+        return fail(f"internal error: {type(e).__name__}: {lines[0] if lines else ''} "
+                    "(set ZEROSCAN_DEBUG=1 for the traceback)")
+
+
+def fail(message: str) -> int:
+    sys.stderr.write(f"zeroscan: error: {message}\n")
+    return EXIT_ERROR

@@ -1,0 +1,668 @@
+"""zeroscan.distributed: exact statistics across ranks with torch.distributed.
+
+Every rank scans what it holds; the result rows (int64 [N, 16], see
+csrc/stats_record.h) travel in ONE all_gather on the given process group, and
+every rank then merges the gathered rows locally with torch ops:
+
+  counts          summed (int64, exact)
+  min/max |x|     reduced with min/max (exact)
+  mean, m2        the parallel-variance (Chan et al.) update in float64, the
+                  same formula as `combine` in csrc/stats_record.h; stds are
+                  never averaged.
+
+The merge combines ranks pairwise in a fixed tree (0+1, 2+3, ... then the
+pairs), using elementwise ops only, so every rank computes bitwise-identical
+results from the same gathered rows. The gathered buffer is world_size x N x
+128 bytes per step, on the device the group's backend uses (NCCL: CUDA, gloo:
+CPU).
+
+What a rank's tensor means decides how its row is used (each result says so
+in its `mode`):
+
+  "local"         a plain tensor and no group: this rank's own statistics.
+  "concatenated"  a plain tensor with a group: the ranks' tensors are pieces
+                  of one tensor (hand-sharded), and the result is the
+                  statistics of all pieces together.
+  "sharded"       a DTensor with at least one Shard placement: the result
+                  equals the statistics of x.full_tensor(). Ranks that hold
+                  a replica of a shard (Replicate mesh dims, as in HSDP)
+                  contribute it once, not once per replica.
+  "replicated"    a DTensor with only Replicate placements: counted once.
+  Partial placements are reduced first (redistributed to Replicate).
+
+Data-parallel replicas (DDP) are compared, not merged: `compare_replicas`
+reports which rank's gradient differs from the others (a NaN on one rank
+only, a replica that diverged).
+
+A per-step monitor uses the pieces directly, with one collective per step:
+  1. per tensor, `local_part(t, grouped=...)` (a DTensor's local shard and
+     whether this rank's copy counts); scan the parts with
+     `zeroscan.scan_buffers` (traceable, CUDA-graph safe) into rows [N, 16];
+  2. `gather_rows(drop_uncounted(rows, parts), group, async_op=True)` right
+     after the step, and `.wait()` when the report is due;
+  3. `GatheredRows.merged()` gives the global rows of sharded tensors, and
+     `GatheredRows.replica_report(names)` names the ranks whose rows differ
+     (for replicas such as DDP gradients, whose global rows are the local ones).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from zeroscan.ops import NUM_FIELDS, check_tensor, check_tol
+from zeroscan.stats import FIELDS, Readout, Stats, StatsBatch, decode, device_groups, scan_buffers
+
+MODE_LOCAL = "local"
+MODE_CONCATENATED = "concatenated"
+MODE_SHARDED = "sharded"
+MODE_REPLICATED = "replicated"
+
+NUM_COUNTS = 8  # columns 0..7 of a row are int64 counts
+NUM_FLOATS = 5  # columns 8..12: min_abs, min_abs_nonzero, max_abs, mean, m2
+# Columns of the raw fields, for the comparisons below.
+_NUMEL, _NAN, _POSINF, _NEGINF = 0, 4, 5, 6
+_MEAN, _M2 = 3, 4  # within the float columns
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class GlobalStats(Stats):
+    """Stats merged across ranks; `mode` says how (see the module doc) and
+    `ranks` how many ranks the merge read (1 for "local")."""
+
+    __slots__ = ("mode", "ranks")
+
+    def __init__(
+        self,
+        readout: Readout,
+        index: int,
+        dtype: torch.dtype,
+        shape: torch.Size,
+        device: torch.device,
+        tol: float | None,
+        mode: str,
+        ranks: int,
+    ) -> None:
+        super().__init__(readout, index, dtype, shape, device, tol)
+        self.mode = mode
+        self.ranks = ranks
+
+    def to_dict(self) -> dict[str, object]:
+        out = super().to_dict()
+        out["mode"] = self.mode
+        out["ranks"] = self.ranks
+        return out
+
+    def __repr__(self) -> str:
+        inner = super().__repr__().removeprefix("Stats(").removesuffix(")")
+        return f"GlobalStats({inner} mode={self.mode} ranks={self.ranks})"
+
+
+class PendingMerge(Generic[T]):
+    """A collective in flight. `wait()` waits for it, finishes the merge and
+    returns the result (the same object on every later call)."""
+
+    def __init__(self, work: dist.Work | None, finish: Callable[[], T]) -> None:
+        self._work = work
+        self._finish: Callable[[], T] | None = finish
+        self._result: T | None = None
+
+    def is_completed(self) -> bool:
+        """True once the collective has finished (wait() then does not block on it)."""
+        return self._work is None or self._work.is_completed()
+
+    def wait(self) -> T:
+        if self._finish is not None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+            self._finish = None
+        return self._result  # type: ignore[return-value]
+
+    def then(self, fn: Callable[[T], U]) -> PendingMerge[U]:
+        """A PendingMerge for fn(this result), waiting on the same collective."""
+        return PendingMerge(self._work, lambda: fn(self.wait()))
+
+
+# ---------------------------------------------------------------- the merge
+
+
+def empty_rows(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 [n, 16] rows of the empty partial (the identity of the merge)."""
+    rows = torch.zeros((n, NUM_FIELDS), dtype=torch.int64, device=device)
+    floats = rows[:, NUM_COUNTS : NUM_COUNTS + NUM_FLOATS].view(torch.float64)
+    floats[:, 0:2] = math.inf
+    floats[:, 2] = -math.inf
+    return rows
+
+
+def _finite(counts: torch.Tensor) -> torch.Tensor:
+    return (counts[..., _NUMEL] - counts[..., _NAN] - counts[..., _POSINF] - counts[..., _NEGINF]).to(torch.float64)
+
+
+def _combine(
+    ca: torch.Tensor, fa: torch.Tensor, cb: torch.Tensor, fb: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges partials b into a, elementwise over any leading shape.
+    c*: int64 [..., 8] counts; f*: float64 [..., 5] floats."""
+    na, nb = _finite(ca), _finite(cb)
+    ma, mb = fa[..., _MEAN], fb[..., _MEAN]
+    m2a, m2b = fa[..., _M2], fb[..., _M2]
+    n = na + nb
+    delta = mb - ma
+    wb = nb / torch.where(n > 0, n, torch.ones_like(n))
+    mean = torch.where(nb == 0, ma, torch.where(na == 0, mb, ma + delta * wb))
+    m2 = torch.where(nb == 0, m2a, torch.where(na == 0, m2b, m2a + (m2b + delta * delta * na * wb)))
+    floats = torch.stack(
+        [
+            torch.minimum(fa[..., 0], fb[..., 0]),
+            torch.minimum(fa[..., 1], fb[..., 1]),
+            torch.maximum(fa[..., 2], fb[..., 2]),
+            mean,
+            m2,
+        ],
+        dim=-1,
+    )
+    return ca + cb, floats
+
+
+def combine_rows(gathered: torch.Tensor) -> torch.Tensor:
+    """Merges int64 [W, N, 16] rows (W ranks' results for the same N tensors)
+    into int64 [N, 16]: the statistics of each tensor over all W parts.
+
+    Pure torch and elementwise (no collectives, no reads to the host), so it
+    traces under torch.compile. The order is a fixed pairwise tree over the
+    rank index, hence identical bits on every rank.
+    """
+    if gathered.dtype != torch.int64 or gathered.dim() != 3 or gathered.shape[-1] != NUM_FIELDS:
+        raise ValueError(
+            f"combine_rows: gathered must be an int64 [W, N, {NUM_FIELDS}] tensor, "
+            f"got {gathered.dtype} of shape {list(gathered.shape)}"
+        )
+    if gathered.shape[0] == 0:
+        raise ValueError("combine_rows: gathered holds no rank (W == 0)")
+    counts = gathered[..., :NUM_COUNTS]
+    floats = gathered[..., NUM_COUNTS : NUM_COUNTS + NUM_FLOATS].view(torch.float64)
+    while counts.shape[0] > 1:
+        if counts.shape[0] % 2:
+            pad = empty_rows(counts.shape[1], counts.device).unsqueeze(0)
+            counts = torch.cat([counts, pad[..., :NUM_COUNTS]])
+            floats = torch.cat([floats, pad[..., NUM_COUNTS : NUM_COUNTS + NUM_FLOATS].view(torch.float64)])
+        counts, floats = _combine(counts[0::2], floats[0::2], counts[1::2], floats[1::2])
+    pad = counts.new_zeros(counts.shape[:-1] + (NUM_FIELDS - NUM_COUNTS - NUM_FLOATS,))
+    return torch.cat([counts, floats.contiguous().view(torch.int64), pad], dim=-1)[0]
+
+
+# ------------------------------------------------------------ the collective
+
+
+def _member_group(op: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{op}: torch.distributed is not initialized; call torch.distributed.init_process_group() "
+            "first, or leave group=None for single-process statistics"
+        )
+    pg = group if group is not None else dist.group.WORLD
+    if dist.get_rank(pg) < 0:
+        raise ValueError(f"{op}: this rank (global rank {dist.get_rank()}) is not a member of group")
+    return pg  # type: ignore[return-value]
+
+
+def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """The device on which `group`'s backend exchanges tensors, preferring `device`
+    (gloo: CPU, NCCL: the current CUDA device)."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (AttributeError, RuntimeError, ValueError):
+        return device
+    backends = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    if not backends:
+        return device
+    if device.type == "cpu" and "cpu" in backends:
+        return device
+    if device.type != "cpu" and backends.get(device.type, "gloo") != "gloo":
+        return device
+    if "cpu" in backends:
+        return torch.device("cpu")
+    if "cuda" in backends and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@dataclass(frozen=True)
+class GatheredRows:
+    """Every rank's result rows for the same N tensors, from one all_gather.
+
+    rows: int64 [W, N, 16], block r from the group's rank r.
+    ranks: the global rank of each block.
+    """
+
+    rows: torch.Tensor
+    ranks: tuple[int, ...]
+
+    def merged(self) -> torch.Tensor:
+        """int64 [N, 16]: each tensor's statistics over all ranks' parts."""
+        return combine_rows(self.rows)
+
+    def replica_report(
+        self, names: Sequence[str] | None = None, *, rtol: float = 1e-9, indices: Sequence[int] | None = None
+    ) -> ReplicaReport:
+        """Which ranks' rows differ, per tensor (see compare_replicas);
+        `indices` limits the comparison to those tensors (the replicated ones)."""
+        return replica_report(self, names, rtol=rtol, indices=indices)
+
+
+def gather_rows(
+    rows: torch.Tensor, group: dist.ProcessGroup | None = None, *, async_op: bool = False
+) -> GatheredRows | PendingMerge[GatheredRows]:
+    """All-gathers this rank's int64 [N, 16] (or [16]) result rows in ONE
+    collective. Every rank must pass the same N, in the same tensor order.
+    With async_op=True it returns at once; `.wait()` gives the GatheredRows."""
+    op = "zeroscan.distributed.gather_rows"
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.shape[-1:] != (NUM_FIELDS,):
+        got = f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(f"{op}: rows must be an int64 [N, {NUM_FIELDS}] tensor of result rows, got {got}")
+    pg = _member_group(op, group)
+    world = dist.get_world_size(pg)
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    local = rows.reshape(-1, NUM_FIELDS).to(comm_device(group, rows.device)).contiguous()
+    out = local.new_empty((world * local.shape[0], NUM_FIELDS))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(out, local, group=pg, async_op=async_op)
+
+    def finish() -> GatheredRows:
+        return GatheredRows(out.view(world, local.shape[0], NUM_FIELDS), ranks)
+
+    return PendingMerge(work, finish) if async_op else finish()
+
+
+# ------------------------------------------------ merging Stats across ranks
+
+
+def _rows_of(items: Sequence[Stats], device: torch.device) -> torch.Tensor:
+    if not items:
+        return torch.empty((0, NUM_FIELDS), dtype=torch.int64, device=device)
+    return torch.stack([s.buffer.to(device) for s in items])
+
+
+def _scan_rows(tensors: list[torch.Tensor], tol: float | None, device: torch.device) -> torch.Tensor:
+    """int64 [N, 16] on `device`: one row per tensor, in order, from one native
+    call per device (no copy when all are on `device`)."""
+    buffers = scan_buffers(tensors, tol=tol)
+    groups = device_groups(tensors)
+    if len(groups) == 1 and buffers[0].device == device:
+        return buffers[0]
+    rows = torch.empty((len(tensors), NUM_FIELDS), dtype=torch.int64, device=device)
+    for indices, buffer in zip(groups, buffers):
+        rows[indices] = buffer.to(device)
+    return rows
+
+
+def merge_stats(
+    stats_or_batch: Stats | StatsBatch, group: dist.ProcessGroup | None = None, *, async_op: bool = False
+) -> GlobalStats | StatsBatch | PendingMerge[GlobalStats] | PendingMerge[StatsBatch]:
+    """Merges Stats that each rank computed over its piece of the same tensors
+    (mode "concatenated"): counts summed, min/max reduced, moments by Chan's
+    formula; one all_gather for the whole batch. `shape` stays this rank's
+    piece's shape; numel and every other field are global."""
+    op = "zeroscan.distributed.merge_stats"
+    single = isinstance(stats_or_batch, Stats)
+    if not single and not isinstance(stats_or_batch, StatsBatch):
+        raise TypeError(f"{op}: stats_or_batch must be a Stats or StatsBatch, got {type(stats_or_batch).__name__}")
+    items: list[Stats] = [stats_or_batch] if single else list(stats_or_batch)  # type: ignore[list-item]
+    pg = _member_group(op, group)
+    device = items[0].buffer.device if items else torch.device("cpu")
+    rows = _rows_of(items, comm_device(pg, device))
+    pending = gather_rows(rows, pg, async_op=True)
+
+    def finish(gathered: GatheredRows) -> GlobalStats | StatsBatch:
+        readout = Readout(gathered.merged())
+        world = len(gathered.ranks)
+        out = [
+            GlobalStats(readout, i, s.dtype, s.shape, s.device, s.tol, MODE_CONCATENATED, world)
+            for i, s in enumerate(items)
+        ]
+        return out[0] if single else StatsBatch(out)  # type: ignore[arg-type]
+
+    merged = pending.then(finish)  # type: ignore[union-attr]
+    return merged if async_op else merged.wait()  # type: ignore[return-value]
+
+
+# ------------------------------------------------------- DTensor / sharded
+
+
+def _dtensor_class() -> type | None:
+    """DTensor, if torch.distributed.tensor is loaded: a DTensor cannot exist
+    before it is, and importing it only to find none costs seconds."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+@dataclass(frozen=True)
+class LocalPart:
+    """What this rank scans for one tensor, and how its row enters the merge.
+
+    tensor: the local data (a DTensor's local shard, or the tensor itself).
+    mode: see the module doc.
+    counted: False for a rank whose data another rank already contributes
+    (a replica along a Replicate mesh dim); its row is replaced by the
+    empty row before the gather, so nothing is counted twice.
+    mesh: the DTensor's device mesh, or None.
+    """
+
+    tensor: torch.Tensor
+    mode: str
+    counted: bool
+    mesh: object | None = None
+
+
+def local_part(x: torch.Tensor, *, grouped: bool = False) -> LocalPart:
+    """This rank's part of `x`: a DTensor's local shard (Partial placements
+    are reduced first), or `x` itself, "concatenated" when `grouped` (merged
+    across a group) else "local"."""
+    dtensor = _dtensor_class()
+    if dtensor is None or not isinstance(x, dtensor):
+        return LocalPart(x, MODE_CONCATENATED if grouped else MODE_LOCAL, True)
+    from torch.distributed.tensor import Replicate
+
+    placements = tuple(x.placements)
+    if any(p.is_partial() for p in placements):
+        placements = tuple(Replicate() if p.is_partial() else p for p in placements)
+        x = x.redistribute(x.device_mesh, placements)
+    mesh = x.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError("zeroscan.distributed: this rank is not in the DTensor's device mesh")
+    sharded = any(p.is_shard() for p in placements)
+    counted = all(c == 0 for c, p in zip(coordinate, placements) if not p.is_shard())
+    with torch.no_grad():
+        local = x.to_local()
+    return LocalPart(local, MODE_SHARDED if sharded else MODE_REPLICATED, counted, mesh)
+
+
+def drop_uncounted(rows: torch.Tensor, parts: Sequence[LocalPart]) -> torch.Tensor:
+    """rows int64 [N, 16] (one per part) with the rows of uncounted parts
+    replaced by the empty row: what this rank should gather."""
+    if all(p.counted for p in parts):
+        return rows
+    counted = torch.tensor([p.counted for p in parts], device=rows.device).unsqueeze(1)
+    return torch.where(counted, rows, empty_rows(len(parts), rows.device))
+
+
+def _mesh_group(op: str, mesh: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A group holding exactly the mesh's ranks: `group` if given (checked),
+    the mesh's own group for a 1-D mesh, else the world when the mesh spans it."""
+    mesh_ranks = sorted(mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
+    if group is not None:
+        if sorted(dist.get_process_group_ranks(group)) != mesh_ranks:
+            raise ValueError(f"{op}: group must hold exactly the DTensor mesh's ranks {mesh_ranks}")
+        return group
+    if mesh.ndim == 1:  # type: ignore[attr-defined]
+        return mesh.get_group()  # type: ignore[attr-defined]
+    if mesh_ranks == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    raise ValueError(
+        f"{op}: the DTensor's {mesh.ndim}-D mesh does not span the world; "  # type: ignore[attr-defined]
+        "pass group=, a process group over exactly the mesh's ranks"
+    )
+
+
+def stats_many(
+    tensors: Iterable[torch.Tensor],
+    *,
+    tol: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> StatsBatch | PendingMerge[StatsBatch]:
+    """zeroscan.stats_many for tensors spread over ranks: DTensors (FSDP2
+    parameters and gradients) by their placements, plain tensors as pieces of
+    one tensor when `group` is given, else locally (see the module doc).
+    One all_gather for the whole list; every result is a GlobalStats."""
+    op = "zeroscan.distributed.stats_many"
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use stats(x)")
+    tol = check_tol(op, tol)
+    xs = [check_tensor(op, f"tensors[{i}]", t) for i, t in enumerate(tensors)]
+    if not xs:
+        empty = StatsBatch([])
+        return PendingMerge(None, lambda: empty) if async_op else empty
+    parts = [local_part(x, grouped=group is not None) for x in xs]
+    meshes: list[object] = []
+    for part in parts:
+        if part.mesh is not None and all(part.mesh is not m and part.mesh != m for m in meshes):
+            meshes.append(part.mesh)
+    if len(meshes) > 1:
+        raise ValueError(f"{op}: the DTensors live on {len(meshes)} different device meshes; scan each mesh's apart")
+    pg = _mesh_group(op, meshes[0], group) if meshes else group
+    collective = bool(meshes) or group is not None
+    if collective:
+        pg = _member_group(op, pg)
+
+    locals_ = [p.tensor for p in parts]
+    device = comm_device(pg, locals_[0].device) if collective else locals_[0].device
+    rows = _scan_rows(locals_, tol, device)
+
+    def build(final: torch.Tensor, world: int) -> StatsBatch:
+        readout = Readout(final)
+        return StatsBatch(
+            [
+                GlobalStats(
+                    readout, i, x.dtype, x.shape, p.tensor.device, tol, p.mode, 1 if p.mode == MODE_LOCAL else world
+                )
+                for i, (x, p) in enumerate(zip(xs, parts))
+            ]
+        )
+
+    if not collective:
+        batch = build(rows, 1)
+        return PendingMerge(None, lambda: batch) if async_op else batch
+    own = rows
+    pending = gather_rows(drop_uncounted(rows, parts), pg, async_op=True)
+
+    def finish(gathered: GatheredRows) -> StatsBatch:
+        final = gathered.merged()
+        if any(p.mode == MODE_LOCAL for p in parts):
+            local = torch.tensor([p.mode == MODE_LOCAL for p in parts], device=device).unsqueeze(1)
+            final = torch.where(local, own, final)
+        return build(final, len(gathered.ranks))
+
+    merged = pending.then(finish)  # type: ignore[union-attr]
+    return merged if async_op else merged.wait()
+
+
+def stats(
+    x: torch.Tensor,
+    *,
+    tol: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> GlobalStats | PendingMerge[GlobalStats]:
+    """zeroscan.stats for a tensor spread over ranks. For a DTensor the result
+    equals zeroscan.stats(x.full_tensor()) without gathering the tensor; its
+    `mode` says how it was merged (see the module doc)."""
+    result = stats_many([check_tensor("zeroscan.distributed.stats", "x", x)], tol=tol, group=group, async_op=async_op)
+    if isinstance(result, PendingMerge):
+        return result.then(lambda batch: batch[0])  # type: ignore[return-value]
+    return result[0]  # type: ignore[return-value]
+
+
+# ------------------------------------------------------ data-parallel replicas
+
+
+@dataclass(frozen=True)
+class ReplicaMismatch:
+    """One tensor whose statistics are not the same on every rank.
+
+    ranks: the (global) ranks that differ from the reference ranks, the
+    largest group of agreeing ranks; on a tie the group with fewer non-finite
+    values, and if that ties too the lowest rank's group (`ambiguous` is then
+    True: with two ranks that diverged, nothing says which one is right).
+    fields: for each field that differs, its value on every rank, rank order.
+    """
+
+    index: int
+    name: str | None
+    ranks: tuple[int, ...]
+    reference_ranks: tuple[int, ...]
+    ambiguous: bool
+    fields: dict[str, tuple[float | int, ...]]
+
+    def __str__(self) -> str:
+        what = self.name if self.name is not None else f"tensor {self.index}"
+        diffs = "; ".join(f"{k}: {', '.join(_show(v) for v in vs)}" for k, vs in self.fields.items())
+        tie = " (tie: no majority)" if self.ambiguous else ""
+        return f"{what}: rank(s) {list(self.ranks)} differ from {list(self.reference_ranks)}{tie} [{diffs}]"
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """The outcome of comparing replicas: `ok` when every tensor agrees."""
+
+    world_size: int
+    ranks: tuple[int, ...]  # the global rank of each position
+    mismatches: tuple[ReplicaMismatch, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def offending_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({r for m in self.mismatches for r in m.ranks}))
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"ReplicaReport: all {self.world_size} ranks agree"
+        lines = [f"ReplicaReport: {len(self.mismatches)} tensor(s) differ; ranks {list(self.offending_ranks)}"]
+        lines += [f"  {m}" for m in self.mismatches]
+        return "\n".join(lines)
+
+
+def _show(v: float | int) -> str:
+    return str(v) if isinstance(v, int) else f"{v:.6g}"
+
+
+def rows_agree(a: torch.Tensor, b: torch.Tensor, rtol: float) -> torch.Tensor:
+    """Elementwise over leading dims of int64 [..., 16] rows: True where counts
+    and min/max |x| are equal and mean and m2 agree within rtol of the
+    values' scale (root mean square and sum of squares)."""
+    exact = (a[..., : NUM_COUNTS + 3] == b[..., : NUM_COUNTS + 3]).all(-1)
+    fa = a[..., NUM_COUNTS : NUM_COUNTS + NUM_FLOATS].view(torch.float64)
+    fb = b[..., NUM_COUNTS : NUM_COUNTS + NUM_FLOATS].view(torch.float64)
+    n = _finite(a[..., :NUM_COUNTS]).clamp_min(1.0)
+    ma, mb, m2a, m2b = fa[..., _MEAN], fb[..., _MEAN], fa[..., _M2], fb[..., _M2]
+    mean_sq = torch.maximum(ma * ma, mb * mb)
+    m2 = torch.maximum(m2a, m2b)
+    mean_ok = (ma - mb).abs() <= rtol * torch.sqrt(m2 / n + mean_sq)
+    m2_ok = (m2a - m2b).abs() <= rtol * (m2 + n * mean_sq)
+    moments = slice(NUM_COUNTS + _MEAN, NUM_COUNTS + NUM_FLOATS)
+    same_bits = (a[..., moments] == b[..., moments]).all(-1)
+    return exact & ((mean_ok & m2_ok) | same_bits)
+
+
+def _nonfinite(row: torch.Tensor) -> int:
+    return int(row[_NAN] + row[_POSINF] + row[_NEGINF])
+
+
+def replica_report(
+    gathered: GatheredRows,
+    names: Sequence[str] | None = None,
+    *,
+    rtol: float = 1e-9,
+    indices: Sequence[int] | None = None,
+) -> ReplicaReport:
+    """Compares every rank's rows with every other's; see compare_replicas.
+    `indices`: compare only these tensors (default: all). Reads back only an
+    agreement mask, plus the rows of tensors that differ."""
+    rows = gathered.rows
+    world, n = rows.shape[0], rows.shape[1]
+    if names is not None and len(names) != n:
+        raise ValueError(f"replica_report: names has {len(names)} entries for {n} tensors")
+    chosen = list(range(n)) if indices is None else [int(i) for i in indices]
+    if any(not 0 <= i < n for i in chosen):
+        raise ValueError(f"replica_report: indices must lie in [0, {n}), got {chosen}")
+    if indices is not None:
+        rows = rows[:, chosen]
+    agree = rows_agree(rows, rows[:1], rtol).all(0)  # every rank agrees with rank 0
+    bad = (~agree).nonzero().flatten().tolist()
+    mismatches = []
+    for j in bad:
+        i = chosen[j]
+        host = rows[:, j].cpu()  # [W, 16]
+        classes: list[list[int]] = []
+        for r in range(world):
+            for members in classes:
+                if bool(rows_agree(host[r], host[members[0]], rtol)):
+                    members.append(r)
+                    break
+            else:
+                classes.append([r])
+        rank_key = [(-len(c), _nonfinite(host[c[0]])) for c in classes]
+        best_key = min(rank_key)
+        best = classes[rank_key.index(best_key)]  # classes are in order of their lowest rank
+        ambiguous = rank_key.count(best_key) > 1
+        decoded = decode(host)
+        fields = {}
+        for field in FIELDS:
+            values = tuple(d[field] for d in decoded)
+            if any(not _same(v, values[best[0]]) for v in values):
+                fields[field] = values
+        mismatches.append(
+            ReplicaMismatch(
+                index=i,
+                name=names[i] if names is not None else None,
+                ranks=tuple(gathered.ranks[r] for r in range(world) if r not in best),
+                reference_ranks=tuple(gathered.ranks[r] for r in best),
+                ambiguous=ambiguous,
+                fields=fields,
+            )
+        )
+    return ReplicaReport(world, gathered.ranks, tuple(mismatches))
+
+
+def _same(a: float | int, b: float | int) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def compare_replicas(
+    tensors_or_stats: Sequence[torch.Tensor] | StatsBatch | Stats,
+    group: dist.ProcessGroup | None = None,
+    *,
+    names: Sequence[str] | None = None,
+    tol: float | None = None,
+    rtol: float = 1e-9,
+    async_op: bool = False,
+) -> ReplicaReport | PendingMerge[ReplicaReport]:
+    """Checks that data-parallel replicas hold the same tensors (DDP gradients
+    after their all-reduce, replicated parameters): one all_gather of the
+    statistics rows, then a per-tensor comparison of every rank's row.
+
+    Counts and min/max |x| must be equal; mean and m2 may differ by `rtol`
+    relative to their scale (reduction order). A rank that disagrees, for
+    instance with a NaN only it has, is reported by its global rank.
+    `tensors_or_stats`: the tensors themselves (scanned here) or their Stats.
+    """
+    op = "zeroscan.distributed.compare_replicas"
+    pg = _member_group(op, group)
+    if isinstance(tensors_or_stats, (Stats, StatsBatch)):
+        items = [tensors_or_stats] if isinstance(tensors_or_stats, Stats) else list(tensors_or_stats)
+        device = items[0].buffer.device if items else torch.device("cpu")
+        rows = _rows_of(items, comm_device(pg, device))
+    elif isinstance(tensors_or_stats, torch.Tensor):
+        raise TypeError(f"{op}: pass a list of tensors (or their Stats), got a single tensor; wrap it in a list")
+    else:
+        tol = check_tol(op, tol)
+        xs = [check_tensor(op, f"tensors_or_stats[{i}]", t) for i, t in enumerate(tensors_or_stats)]
+        device = comm_device(pg, xs[0].device if xs else torch.device("cpu"))
+        rows = _scan_rows(xs, tol, device) if xs else torch.empty((0, NUM_FIELDS), dtype=torch.int64, device=device)
+    pending = gather_rows(rows, pg, async_op=True)
+    report = pending.then(lambda gathered: replica_report(gathered, names, rtol=rtol))  # type: ignore[union-attr]
+    return report if async_op else report.wait()
