@@ -286,6 +286,11 @@ def check_dtensor_1d(rank: int, world: int, seed: int) -> None:
     }
     results = {name: zd.stats(d) for name, d in cases.items()}
     batch = zd.stats_many([cases["Shard(0)"], cases["Replicate"], full[1:]])  # one collective
+    # zeroscan.stats / stats_many hand DTensors to the distributed merge themselves.
+    plain_entry = zeroscan.stats(cases["Shard(1)"])
+    assert plain_entry.mode == "sharded" and torch.equal(plain_entry.buffer, results["Shard(1)"].buffer)
+    plain_batch = zeroscan.stats_many([cases["Shard(0)"], full[1:]])
+    assert [s.mode for s in plain_batch] == ["sharded", "local"]
 
     locals_ = [torch.randint(-9, 10, (5, 4), generator=g).double() for _ in range(world)]
     locals_[0][1, 1] = math.nan

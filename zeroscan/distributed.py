@@ -430,7 +430,7 @@ def stats_many(
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use stats(x)")
     tol = check_tol(op, tol)
-    xs = [check_tensor(op, f"tensors[{i}]", t) for i, t in enumerate(tensors)]
+    xs = [check_tensor(op, "tensors", t, i) for i, t in enumerate(tensors)]
     if not xs:
         empty = StatsBatch([])
         return PendingMerge(None, lambda: empty) if async_op else empty
@@ -660,7 +660,7 @@ def compare_replicas(
         raise TypeError(f"{op}: pass a list of tensors (or their Stats), got a single tensor; wrap it in a list")
     else:
         tol = check_tol(op, tol)
-        xs = [check_tensor(op, f"tensors_or_stats[{i}]", t) for i, t in enumerate(tensors_or_stats)]
+        xs = [check_tensor(op, "tensors_or_stats", t, i) for i, t in enumerate(tensors_or_stats)]
         device = comm_device(pg, xs[0].device if xs else torch.device("cpu"))
         rows = _scan_rows(xs, tol, device) if xs else torch.empty((0, NUM_FIELDS), dtype=torch.int64, device=device)
     pending = gather_rows(rows, pg, async_op=True)

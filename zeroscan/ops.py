@@ -35,20 +35,22 @@ def _stats_many_fake(xs: list[torch.Tensor], tol: float | None = None) -> torch.
     return xs[0].new_empty((len(xs), NUM_FIELDS), dtype=torch.int64)
 
 
-def check_tensor(op: str, what: str, x: object) -> torch.Tensor:
-    """Returns x if zeroscan can scan it, else raises an error naming `what`."""
-    if isinstance(x, torch.Tensor):
-        if x.layout != torch.strided:
-            raise ValueError(
-                f"{op}: {what} is a {x.layout} tensor; zeroscan scans dense tensors "
-                "(pass x.to_dense(), or x.values() for the stored entries only)"
-            )
-        if x.device.type == "meta":
-            raise ValueError(f"{op}: {what} is on the meta device and holds no data to scan")
+def check_tensor(op: str, what: str, x: object, index: int | None = None) -> torch.Tensor:
+    """Returns x if zeroscan can scan it, else raises an error naming `what`
+    (`what[index]` for an element of a list)."""
+    if isinstance(x, torch.Tensor) and x.layout == torch.strided and not x.is_meta:
         return x
+    name = what if index is None else f"{what}[{index}]"
+    if isinstance(x, torch.Tensor):
+        if x.is_meta:
+            raise ValueError(f"{op}: {name} is on the meta device and holds no data to scan")
+        raise ValueError(
+            f"{op}: {name} is a {x.layout} tensor; zeroscan scans dense tensors "
+            "(pass x.to_dense(), or x.values() for the stored entries only)"
+        )
     if x is None:
-        raise TypeError(f"{op}: {what} is None, not a tensor; {NONE_HINT}")
-    raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{op}: {name} is None, not a tensor; {NONE_HINT}")
+    raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
 
 
 def check_tol(op: str, tol: object) -> float | None:

@@ -23,6 +23,7 @@ Semantics (also in the README):
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
@@ -275,13 +276,31 @@ class StatsBatch(Sequence[Stats]):
         return f"StatsBatch({len(self)} tensors)"
 
 
+def is_dtensor(x: torch.Tensor) -> bool:
+    """Whether x is a torch.distributed DTensor (checked without importing
+    torch.distributed.tensor: no DTensor exists before it is imported)."""
+    if type(x) is torch.Tensor:
+        return False
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(x, dtensor)
+
+
 def stats(x: torch.Tensor, *, tol: float | None = None) -> Stats:
     """Scans `x` once and returns its Stats (see the module doc for each field).
 
     `tol` sets the near-zero threshold; by default torch.finfo(x.dtype).eps.
+    A DTensor (FSDP2, tensor parallel) is scanned shard by shard and merged
+    across its mesh with zeroscan.distributed.stats, a collective call that
+    every rank of the mesh must make; the result equals the stats of the full
+    tensor.
     """
     x = check_tensor("zeroscan.stats", "x", x)
     tol = check_tol("zeroscan.stats", tol)
+    if is_dtensor(x):
+        from zeroscan import distributed
+
+        return distributed.stats(x, tol=tol)  # type: ignore[return-value]
     buffer = torch.ops.zeroscan.stats.default(x, tol)
     return Stats(Readout(buffer), 0, x.dtype, x.shape, x.device, tol)
 
@@ -296,7 +315,11 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use zeroscan.stats(x)")
     tol = check_tol(op, tol)
-    xs = [check_tensor(op, f"tensors[{i}]", t) for i, t in enumerate(tensors)]
+    xs = [check_tensor(op, "tensors", t, i) for i, t in enumerate(tensors)]
+    if any(is_dtensor(x) for x in xs):
+        from zeroscan import distributed
+
+        return distributed.stats_many(xs, tol=tol)  # type: ignore[return-value]
     items: list[Stats | None] = [None] * len(xs)
     for indices in device_groups(xs):
         readout = Readout(torch.ops.zeroscan.stats_many.default([xs[i] for i in indices], tol))
@@ -328,5 +351,5 @@ def scan_buffers(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor")
     tol = check_tol(op, tol)
-    xs = [check_tensor(op, f"tensors[{i}]", t) for i, t in enumerate(tensors)]
+    xs = [check_tensor(op, "tensors", t, i) for i, t in enumerate(tensors)]
     return [torch.ops.zeroscan.stats_many.default([xs[i] for i in g], tol) for g in device_groups(xs)]

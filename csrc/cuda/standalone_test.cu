@@ -665,8 +665,9 @@ void check_row(const Case& c, const int64_t* row) {
     if (row[k] != 0) fail(c, "padding", static_cast<double>(row[k]), 0.0);
   }
   // Float compute types sum each 16-byte vector's few terms in float; the
-  // reference sums everything in double.
-  const double rtol = c.double_acc ? 1e-11 : 2e-6;
+  // reference sums millions of terms in one sequential double sum, whose own
+  // rounding reaches ~1e-11 with integer extremes.
+  const double rtol = c.double_acc ? 1e-9 : 2e-6;
   const int64_t finite = want.finite();
   const double std_dev = finite > 0 ? std::sqrt(want.m2 / finite) : 0.0;
   if (std::fabs(got.mean - want.mean) >
