@@ -27,6 +27,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
+import numpy
 import torch
 
 from zeroscan.ops import COUNT_FIELDS, FLOAT_COLUMNS, FLOAT_FIELDS, check_tensor, check_tol
@@ -68,9 +69,9 @@ class Readout:
 
 def decode(buffer: torch.Tensor) -> list[dict[str, float | int]]:
     """int64 [N, 16] (or [16]) result rows -> one dict of fields per row."""
-    host = buffer.detach().to("cpu").reshape(-1, 16)
+    host = buffer.detach().to("cpu").reshape(-1, 16).numpy()
     counts = host[:, : len(COUNT_FIELDS)].tolist()
-    floats = host[:, FLOAT_COLUMNS].contiguous().view(torch.float64).tolist()
+    floats = host[:, FLOAT_COLUMNS].view(numpy.float64).tolist()
     return [finish_row(c, f) for c, f in zip(counts, floats)]
 
 
