@@ -277,7 +277,7 @@ class StatsBatch(Sequence[Stats]):
         return f"StatsBatch({len(self)} tensors)"
 
 
-def is_dtensor(x: torch.Tensor) -> bool:
+def is_dtensor(x: object) -> bool:
     """Whether x is a torch.distributed DTensor (checked without importing
     torch.distributed.tensor: no DTensor exists before it is imported)."""
     if type(x) is torch.Tensor:
@@ -316,11 +316,28 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use zeroscan.stats(x)")
     tol = check_tol(op, tol)
-    xs = [check_tensor(op, "tensors", t, i) for i, t in enumerate(tensors)]
+    xs = tensors if isinstance(tensors, list) else list(tensors)
+    if not xs:
+        return StatsBatch([])
     if any(is_dtensor(x) for x in xs):
         from zeroscan import distributed
 
         return distributed.stats_many(xs, tol=tol)  # type: ignore[return-value]
+    devices = [x.device if isinstance(x, torch.Tensor) else None for x in xs]
+    first = devices[0]
+    if first is not None and first.type != "meta" and all(d == first for d in devices):
+        # The common case, one device: the native op checks every tensor
+        # itself, and only a failure pays for the per-tensor checks that
+        # name the offending argument.
+        try:
+            buffer = torch.ops.zeroscan.stats_many.default(xs, tol)
+        except (RuntimeError, TypeError, NotImplementedError):
+            for i, x in enumerate(xs):
+                check_tensor(op, "tensors", x, i)
+            raise
+        readout = Readout(buffer)
+        return StatsBatch([Stats(readout, row, x.dtype, x.shape, first, tol) for row, x in enumerate(xs)])
+    xs = [check_tensor(op, "tensors", x, i) for i, x in enumerate(xs)]
     items: list[Stats | None] = [None] * len(xs)
     for indices in device_groups(xs):
         readout = Readout(torch.ops.zeroscan.stats_many.default([xs[i] for i in indices], tol))

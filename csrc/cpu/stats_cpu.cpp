@@ -28,8 +28,8 @@ namespace {
 constexpr int64_t kMinChunk = 1 << 16;    // elements; small tensors: 1 chunk
 constexpr int64_t kMaxChunks = 1024;      // bounds the partials' memory
 constexpr int64_t kGather = 2048;         // elements widened per strided step
-constexpr int64_t kShiftSample = 256;     // elements that pick a chunk's shift
-constexpr int64_t kParallelMin = 1 << 20; // elements; less runs on one thread
+constexpr int64_t kShiftSample = 64;      // elements that pick a chunk's shift
+constexpr int64_t kParallelMin = 1 << 19; // elements; less runs on one thread
 
 // The type the SIMD loop reads for a storage dtype: bfloat16 and float16 as
 // raw bits (scan_span.h widens them), float and double as they are.
