@@ -35,30 +35,70 @@ first monitored step and again only when an unexplained None gradient shows
 up, so healthy training never pays for it. Activations passed through
 torch.nn.functional calls are not seen by the activation hooks; only modules
 (nn.ReLU, nn.ReLU6, nn.GELU, nn.Softmax) are.
+
+Across ranks (`process_group=`): each monitored step scans exactly as above,
+a DTensor parameter or gradient (FSDP2, tensor parallel) through its local
+shard (a Partial placement is reduced first, a collective of its own) and a
+plain tensor as one data-parallel replica (DDP), then packs the
+rows into one int64 [2P + 1, 16] buffer (a gradient and a weight row for each
+of the P parameters, and a header row: step, P, a checksum of the names) and
+issues ONE asynchronous all_gather of it on the group (zeroscan.distributed).
+The pending gather stays in the ring with its step; nothing is waited for
+until report(), which then judges global rows:
+  sharded tensors    the ranks' rows merged exactly (counts summed, min/max
+                     reduced, moments by Chan's formula): the statistics of
+                     the full tensor; a non-finite value is reported with the
+                     ranks whose shards hold it.
+  replicated tensors (plain tensors, all-Replicate DTensors) compared across
+                     ranks: their common value when the ranks agree (rank 0's
+                     bits), else a "replica_mismatch" finding naming the
+                     ranks that differ (a NaN gradient on one rank only, a
+                     diverged weight) and the majority's value.
+report() issues no collective of its own: it only waits for the all_gathers
+that the recorded steps issued, and each completes once every rank of the
+group has run that step. Every rank that calls it gets the same global
+findings; calling it on some ranks only (rank 0, to log) is safe, and such a
+rank blocks until the others have passed the steps it reads. What stays
+this rank's own: the cause analysis of a None gradient, activation findings
+(this rank's batch) and notes on tensors that could not be scanned.
+Every rank must build its Monitor on the same model (after wrapping it in DDP
+or fully_shard), with the same `every`, and step it the same number of times:
+the gathers pair up by order, and report() raises if the header rows disagree.
+The ring keeps each step's gathered buffer, world_size x (2P + 1) x 128 bytes
+on the device the group's backend uses, until report() has read it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import sys
+import zlib
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-import zeroscan.ops  # noqa: F401  (registers torch.ops.zeroscan)
+from zeroscan import distributed as zdist
 from zeroscan.diagnosis import Severity, check_fraction
-from zeroscan.stats import decode
+from zeroscan.ops import NUM_FIELDS  # importing zeroscan.ops registers torch.ops.zeroscan
+from zeroscan.stats import decode, is_dtensor
 
 KINDS = ("grad", "weight", "activation", "param")
 GLOBAL_NAME = "(all parameters)"
 MAX_CALLS_PER_STEP = 8  # activation calls of one module scanned per step
 RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.GELU)
 _DATA_GETTER = torch._C.TensorBase.__dict__.get("data")
+# Columns 13..15 of a result row are zero from the scan; across ranks the
+# Monitor marks its packed rows there (the merge and the comparison read 0..12).
+_SHARDED_COL = 14  # 1: a sharded DTensor's row (merged across ranks, not compared)
+_PRESENT_COL = 15  # 1: this rank scanned the tensor (0: no gradient, or not scannable)
 _CUT_METHODS = {
     torch.Tensor.detach: ".detach()",
     torch.Tensor.item: ".item()",
@@ -76,7 +116,11 @@ class Finding:
     "not_in_optimizer", "plain_attribute", "unused", "no_backward",
     "exact_zero", "mostly_zero", "underflow", "vanishing", "exploding",
     "nonfinite", "not_updated", "frozen_in_time", "dead_units",
-    "saturated_softmax", "norm_drift", "zero_fraction_rising", "not_scanned".
+    "saturated_softmax", "norm_drift", "zero_fraction_rising", "not_scanned",
+    and across ranks "replica_mismatch", "missing_on_ranks".
+    ranks: with a process group, the (global) ranks the finding is about
+    where that is known (the replicas that differ, the shards that hold a
+    non-finite value); None otherwise.
     """
 
     name: str
@@ -84,15 +128,21 @@ class Finding:
     severity: Severity
     cause: str
     message: str
+    ranks: tuple[int, ...] | None = None
 
-    def to_dict(self) -> dict[str, str]:
-        return {
+    def to_dict(self) -> dict[str, Any]:
+        """name, kind, severity, cause, message; plus "ranks" (a list) only
+        when the finding names ranks."""
+        out: dict[str, Any] = {
             "name": self.name,
             "kind": self.kind,
             "severity": self.severity.name.lower(),
             "cause": self.cause,
             "message": self.message,
         }
+        if self.ranks is not None:
+            out["ranks"] = list(self.ranks)
+        return out
 
 
 @dataclass(frozen=True)
@@ -117,6 +167,10 @@ class Thresholds:
         "zero_fraction_rising".
     frozen_window: a weight unchanged for this many monitored steps although
         its gradient was nonzero is "frozen_in_time" (fewer: "not_updated").
+    replica_rtol: across ranks, replicas agree when their counts and min/max
+        |x| are equal and their mean and sum of squared deviations differ by
+        at most this, relative to their scale (another reduction order); DDP
+        gradients after the all-reduce are bitwise equal.
     """
 
     mostly_zero: float = 0.5
@@ -128,6 +182,7 @@ class Thresholds:
     drift_window: int = 20
     drift_factor: float = 100.0
     frozen_window: int = 8
+    replica_rtol: float = 1e-9
 
     def __post_init__(self) -> None:
         op = "zeroscan.Thresholds"
@@ -137,6 +192,9 @@ class Thresholds:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{op}: {name} must be a positive number, got {value!r}")
+        rtol = self.replica_rtol
+        if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol < 1:
+            raise ValueError(f"{op}: replica_rtol must be a number in [0, 1), got {rtol!r}")
         for name in ("drift_window", "frozen_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 2:
@@ -170,7 +228,8 @@ class Report:
         return len(self.findings)
 
     def to_dict(self) -> dict[str, Any]:
-        """{"step", "findings": [Finding.to_dict()], "tensors": [per tensor:
+        """{"step", "findings": [Finding.to_dict(), with "ranks" where a finding
+        names ranks], "tensors": [per tensor:
         name, kind, numel, zero_fraction, subnormal_fraction,
         near_zero_fraction, nan, inf, norm, mean, std, min_abs, max_abs],
         "history": {"steps", "names", "grad_norm", "zero_fraction",
@@ -232,6 +291,9 @@ def _json_value(v: Any) -> Any:
     return v
 
 
+_Row = tuple[dict[str, float | int], tuple[int, ...]]  # a decoded result row and its raw int64 values
+
+
 @dataclass
 class _Param:
     index: int
@@ -246,7 +308,10 @@ class _Record:
     """One monitored step: raw result buffers (still on their devices) and
     what the Python side knew at that step."""
 
-    __slots__ = ("step", "groups", "requires_grad", "none_causes", "activations", "notes", "rows", "acts")
+    __slots__ = (
+        "step", "groups", "requires_grad", "none_causes", "activations", "notes", "rows", "acts",
+        "gather", "rank_findings", "shard_ranks",
+    )
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -257,6 +322,12 @@ class _Record:
         self.notes: list[tuple[str, str]] = []  # (name, why it was not scanned)
         self.rows: dict[int, tuple[dict[str, float | int], tuple[int, ...]]] | None = None
         self.acts: list[tuple[str, str, dict[str, float | int], dict[str, float | int]]] | None = None
+        # Across ranks: the pending all_gather of this step's packed rows (dropped once
+        # decoded), findings about ranks that disagree, and for codes whose merged
+        # shards hold non-finite values the ranks whose shards hold them.
+        self.gather: zdist.PendingMerge[zdist.GatheredRows] | None = None
+        self.rank_findings: dict[int, Finding] = {}
+        self.shard_ranks: dict[int, tuple[int, ...]] = {}
 
 
 class _Probe(TorchFunctionMode):
@@ -350,6 +421,11 @@ class Monitor:
     activations: hook nn.ReLU / nn.ReLU6 / nn.GELU (dead units) and
         nn.Softmax (saturated rows) modules.
     thresholds: a Thresholds (defaults documented there).
+    process_group: a torch.distributed process group (dist.group.WORLD for
+        all ranks): the report then shows global findings, sharded tensors
+        merged and replicas compared across the group's ranks (see the module
+        doc). Every DTensor parameter's device mesh must hold exactly the
+        group's ranks. None (the default): this rank alone.
     """
 
     def __init__(
@@ -362,6 +438,7 @@ class Monitor:
         activations: bool = False,
         auto: bool = True,
         thresholds: Thresholds | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         op = "zeroscan.Monitor"
         if not isinstance(model, nn.Module):
@@ -380,6 +457,9 @@ class Monitor:
         self.thresholds = thresholds or Thresholds()
         self._params = _collect_params(model)
         self._pindex = {id(p.tensor): p.index for p in self._params}
+        self._group = _check_group(op, process_group, self._params)
+        self._names_crc = zlib.crc32("\n".join(p.name for p in self._params).encode())
+        self._layouts: dict[tuple[Any, ...], tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]] = {}
         self._records: deque[_Record] = deque(maxlen=history)
         self._count = 0
         self._closed = False
@@ -560,7 +640,10 @@ class Monitor:
             codes.append(2 * p.index + 1)
         record.requires_grad = tuple(requires_grad)
         with torch.no_grad():
-            record.groups = self._run(tensors, codes, record.notes)
+            if self._group is None:
+                record.groups = self._run(tensors, codes, record.notes)
+            else:
+                record.groups, record.gather = self._scan_across_ranks(step, tensors, codes, record.notes)
         record.activations = self._acts
         record.notes.extend(self._act_notes)
         if missing:
@@ -596,6 +679,68 @@ class Monitor:
                     what = "grad" if code % 2 == 0 else "weight"
                     notes.append((f"{self._params[code // 2].name}:{what}", f"not scanned: {err}"))
         return groups
+
+    def _scan_across_ranks(
+        self, step: int, tensors: list[torch.Tensor], codes: list[int], notes: list[tuple[str, str]]
+    ) -> tuple[list[tuple[list[int], torch.Tensor]], zdist.PendingMerge[zdist.GatheredRows]]:
+        """Scans this rank's parts and starts the one all_gather of the step."""
+        # No DTensor can exist before torch.distributed.tensor is imported.
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        local = list(tensors)
+        sharded: list[int] = []
+        uncounted: list[int] = []
+        if dtensor is not None:
+            for k, (t, code) in enumerate(zip(tensors, codes)):
+                if isinstance(t, dtensor):
+                    part = zdist.local_part(t)
+                    local[k] = part.tensor
+                    if part.mode == zdist.MODE_SHARDED:
+                        sharded.append(code)
+                        if not part.counted:
+                            uncounted.append(code)
+        groups = self._run(local, codes, notes)
+        device = zdist.comm_device(self._group, groups[0][1].device if groups else torch.device("cpu"))
+        key = (device, tuple(tuple(c) for c, _ in groups), tuple(sharded), tuple(uncounted))
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= 8:
+                self._layouts.clear()
+            layout = self._layouts[key] = self._layout(device, groups, sharded, uncounted)
+        template, copies = layout
+        packed = template.clone()
+        for (dest, src), (_, buffer) in zip(copies, groups):
+            rows = buffer.to(device)
+            packed.index_copy_(0, dest, rows if src is None else rows.index_select(0, src))
+        packed[:, _SHARDED_COL:].copy_(template[:, _SHARDED_COL:])  # the marks the copies overwrote
+        packed[2 * len(self._params), 0] = step
+        pending = zdist.gather_rows(packed, self._group, async_op=True)
+        return groups, pending  # type: ignore[return-value]
+
+    def _layout(
+        self,
+        device: torch.device,
+        groups: list[tuple[list[int], torch.Tensor]],
+        sharded: list[int],
+        uncounted: list[int],
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+        """The packed buffer of a step before its rows are copied in (empty rows,
+        the presence and sharded marks, the header) and, per device group, where
+        its rows go. Built once per layout, so a step copies nothing from the host."""
+        n = 2 * len(self._params)
+        template = zdist.empty_rows(n + 1)
+        present = [c for codes, _ in groups for c in codes]
+        template[present, _PRESENT_COL] = 1
+        template[sharded, _SHARDED_COL] = 1
+        template[n, 1] = len(self._params)
+        template[n, 2] = self._names_crc
+        skip = set(uncounted)  # a replica of a shard that another rank contributes
+        copies = []
+        for codes, _ in groups:
+            keep = [k for k, c in enumerate(codes) if c not in skip]
+            dest = torch.tensor([codes[k] for k in keep], dtype=torch.int64, device=device)
+            src = None if len(keep) == len(codes) else torch.tensor(keep, dtype=torch.int64, device=device)
+            copies.append((dest, src))
+        return template.to(device), copies
 
     # ---- why is a gradient None -----------------------------------------
 
@@ -754,9 +899,14 @@ class Monitor:
     # ---- reporting -------------------------------------------------------
 
     def report(self) -> Report:
-        """Reads the recorded history back (one copy per device) and judges it."""
+        """Reads the recorded history back (one copy per device) and judges it.
+        With a process group it first waits for the recorded steps' gathers;
+        it issues no collective itself (see the module doc)."""
         records = list(self._records)
-        _decode_records(records)
+        if self._group is None:
+            _decode_records(records)
+        else:
+            self._decode_across_ranks(records)
         latest = records[-1] if records else None
         findings: list[tuple[int, Finding]] = []
         for order, f in self._static_findings(records):
@@ -771,6 +921,137 @@ class Monitor:
             self._tensor_rows(latest),
             self._history(records),
         )
+
+    def _decode_across_ranks(self, records: list[_Record]) -> None:
+        """Waits for the gathers of the records not decoded yet and gives them
+        global rows (see the module doc); activations stay this rank's own."""
+        todo = [r for r in records if r.rows is None]
+        if not todo:
+            return
+        n = 2 * len(self._params)
+        rtol = self.thresholds.replica_rtol
+        gathered = []
+        for r in todo:
+            if r.gather is None:
+                raise RuntimeError(f"zeroscan.Monitor.report: monitored step {r.step} has no gather to read")
+            gathered.append(r.gather.wait())
+        hosts = _to_host([_summarize(g.rows, n, rtol) for g in gathered])
+        results = [self._global_rows(r, g, host) for r, g, host in zip(todo, gathered, hosts)]
+        _decode_records(todo, own_rows=False)  # this rank's activations
+        for r, (rows, rank_findings, shard_ranks) in zip(todo, results):
+            r.rows = rows
+            r.rank_findings = rank_findings
+            r.shard_ranks = shard_ranks
+            r.gather = None  # the global rows are all that later reports need
+
+    def _global_rows(
+        self, rec: _Record, gathered: zdist.GatheredRows, host: torch.Tensor
+    ) -> tuple[dict[int, _Row], dict[int, Finding], dict[int, tuple[int, ...]]]:
+        """The global rows of one step from its host summary (see _summarize),
+        the findings about ranks that disagree, and the ranks whose shards hold
+        non-finite values."""
+        n = 2 * len(self._params)
+        ranks = gathered.ranks
+        glob = host[: NUM_FIELDS * n].view(n, NUM_FIELDS)
+        flags = host[NUM_FIELDS * n : (NUM_FIELDS + _NUM_FLAGS) * n].view(n, _NUM_FLAGS).tolist()
+        header = host[(NUM_FIELDS + _NUM_FLAGS) * n :].view(len(ranks), 3).tolist()
+        want = [rec.step, len(self._params), self._names_crc]
+        for rank, head in zip(ranks, header):
+            if head != want:
+                raise RuntimeError(
+                    f"zeroscan.Monitor.report: rank {rank} recorded monitored step {head[0]} over {head[1]} "
+                    f"parameters where this rank recorded step {rec.step} over {len(self._params)}"
+                    f"{' with other parameter names' if head[:2] == want[:2] else ''}: every rank of the "
+                    "process group must monitor the same model with the same `every` and step it as often"
+                )
+        if not all(f[_SAME_KIND] for f in flags):
+            bad = [self._slot_name(c) for c, f in enumerate(flags) if not f[_SAME_KIND]]
+            raise RuntimeError(
+                f"zeroscan.Monitor.report: {', '.join(bad[:4])} is a sharded DTensor on some ranks and a "
+                "plain tensor on others; every rank must wrap the model the same way"
+            )
+        fields = decode(glob)
+        raw = glob.tolist()
+        rows: dict[int, _Row] = {}
+        for c, f in enumerate(flags):
+            if (f[_ANY_PRESENT] if f[_IS_SHARDED] else raw[c][_PRESENT_COL]):
+                rows[c] = (fields[c], tuple(raw[c]))
+        differ = [c for c, f in enumerate(flags) if not f[_IS_SHARDED] and not f[_AGREE]]
+        missing = [c for c, f in enumerate(flags) if f[_IS_SHARDED] and f[_ALL_PRESENT] != f[_ANY_PRESENT]]
+        poisoned = [c for c, f in enumerate(flags) if f[_IS_SHARDED] and f[_NONFINITE]]
+        rank_findings: dict[int, Finding] = {}
+        shard_ranks: dict[int, tuple[int, ...]] = {}
+        picked = sorted(set(differ + missing + poisoned))
+        if not picked:
+            return rows, rank_findings, shard_ranks
+        per_rank = gathered.rows[:, picked].cpu()  # [W, k, 16]: only the tensors in question
+        column = {c: k for k, c in enumerate(picked)}
+        if differ:
+            replicas = zdist.replica_report(gathered, rtol=self.thresholds.replica_rtol, indices=differ)
+            for m in replicas.mismatches:
+                block = per_rank[:, column[m.index]]
+                reference = block[ranks.index(m.reference_ranks[0])]
+                if int(reference[_PRESENT_COL]):
+                    rows[m.index] = (decode(reference.unsqueeze(0))[0], tuple(reference.tolist()))
+                else:
+                    rows.pop(m.index, None)
+                rank_findings[m.index] = self._mismatch_finding(m, block, ranks)
+        for c in missing:
+            lacking = tuple(r for k, r in enumerate(ranks) if not int(per_rank[k, column[c], _PRESENT_COL]))
+            p = self._params[c // 2]
+            kind = "grad" if c % 2 == 0 else "weight"
+            what = "a gradient" if kind == "grad" else "a scan of its shard"
+            rank_findings[c] = Finding(p.name, kind, Severity.ERROR, "missing_on_ranks", (
+                f"{p.name} is sharded across the process group, but rank(s) {list(lacking)} hold no {what} "
+                "(None there, or not scannable): its statistics merge the other ranks' shards only"
+            ), lacking)
+        for c in poisoned:
+            block = decode(per_rank[:, column[c]])
+            shard_ranks[c] = tuple(r for r, f in zip(ranks, block) if f["nan"] + f["posinf"] + f["neginf"])
+        return rows, rank_findings, shard_ranks
+
+    def _mismatch_finding(self, m: zdist.ReplicaMismatch, block: torch.Tensor, ranks: tuple[int, ...]) -> Finding:
+        """A "replica_mismatch" finding; block: int64 [W, 16], every rank's row."""
+        p = self._params[m.index // 2]
+        grad = m.index % 2 == 0
+        per_rank = decode(block)
+        details = []
+        for k, rank in enumerate(ranks):
+            if rank not in m.ranks:
+                continue
+            if not int(block[k, _PRESENT_COL]):
+                details.append(f"rank {rank} has no {'gradient' if grad else 'scan of it'}")
+            elif per_rank[k]["nan"] + per_rank[k]["posinf"] + per_rank[k]["neginf"]:
+                details.append(f"rank {rank} holds {_nonfinite_words(per_rank[k])}")
+        absent = any(not int(block[k, _PRESENT_COL]) for k, rank in enumerate(ranks) if rank in m.ranks)
+        shown = [] if absent else [(f, m.fields[f]) for f in _SHOWN_FIELDS if f in m.fields][:3]
+        details.append("; ".join(
+            f"{field} " + ", ".join(f"{_short(v)} on rank {r}" for r, v in zip(ranks, values))
+            for field, values in shown
+        ))
+        tie = " (no majority: as many ranks on each side, so either side may be the wrong one)" if m.ambiguous else ""
+        if grad:
+            what = f"the gradient of {p.name}"
+            hint = (
+                "data-parallel replicas hold the same gradient after DDP's all-reduce, so it changed on those "
+                "ranks afterwards (a hook, per-rank clipping or unscaling, a write to .grad) or was never "
+                "all-reduced there (no_sync, a parameter outside DDP)"
+            )
+        else:
+            what = p.name
+            hint = (
+                "the replicas have diverged: different initial weights (no broadcast from rank 0), different "
+                "updates (optimizer state, learning rate or a step skipped on some ranks) or a write to the "
+                "weights outside the optimizer"
+            )
+        return Finding(p.name, "grad" if grad else "weight", Severity.ERROR, "replica_mismatch", (
+            f"{what} differs across data-parallel ranks: rank(s) {list(m.ranks)} disagree with rank(s) "
+            f"{list(m.reference_ranks)}{tie}: {'; '.join(d for d in details if d)}; {hint}. "
+            f"Its statistics in this report are those of rank(s) {list(m.reference_ranks)}"
+        ), tuple(m.ranks))
+
+    def _slot_name(self, code: int) -> str:
+        return f"{self._params[code // 2].name}:{'grad' if code % 2 == 0 else 'weight'}"
 
     def _static_findings(self, records: list[_Record]) -> list[tuple[int, Finding]]:
         out: list[tuple[int, Finding]] = []
@@ -820,11 +1101,14 @@ class Monitor:
             grad = rows.get(2 * i)
             weight = rows.get(2 * i + 1)
             w = weight[0] if weight is not None else None
+            for code in (2 * i, 2 * i + 1):
+                if code in rec.rank_findings:
+                    out.append((i, rec.rank_findings[code]))
             if w is not None and w["nan"] + w["posinf"] + w["neginf"]:
-                out.append((i, Finding(name, "weight", Severity.ERROR, "nonfinite", (
+                out.append((i, _in_shards(Finding(name, "weight", Severity.ERROR, "nonfinite", (
                     f"{name} holds {_nonfinite_words(w)}: the weights are already poisoned; "
                     "look for the first step where the gradient went non-finite"
-                ))))
+                )), rec.shard_ranks.get(2 * i + 1))))
             if i >= len(rec.requires_grad):
                 continue
             if not rec.requires_grad[i]:
@@ -840,6 +1124,8 @@ class Monitor:
                 continue
             finding = self._grad_finding(p, grad[0], w, dead, records, underflowing)
             if finding is not None:
+                if finding.cause == "nonfinite":
+                    finding = _in_shards(finding, rec.shard_ranks.get(2 * i))
                 out.append((i, finding))
             elif in_opt is None or id(p.tensor) in in_opt:
                 finding = self._update_finding(p, records)
@@ -1117,6 +1403,97 @@ class Monitor:
         }
 
 
+def _check_group(op: str, group: Any, params: list[_Param]) -> dist.ProcessGroup | None:
+    """The Monitor's process group, checked (None stays None)."""
+    if group is None:
+        return None
+    if not dist.is_available():
+        raise RuntimeError(f"{op}: process_group was given but this torch has no torch.distributed")
+    if group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):  # what new_group gives a non-member
+        raise ValueError(f"{op}: this rank (global rank {dist.get_rank()}) is not a member of process_group")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{op}: process_group must be a torch.distributed.ProcessGroup (dist.group.WORLD for every rank) "
+            f"or None, got {type(group).__name__}"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{op}: process_group was given but torch.distributed is not initialized; "
+            "call torch.distributed.init_process_group() first"
+        )
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{op}: this rank (global rank {dist.get_rank()}) is not a member of process_group")
+    ranks = sorted(dist.get_process_group_ranks(group))
+    for p in params:
+        if is_dtensor(p.tensor):
+            mesh_ranks = sorted(p.tensor.device_mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
+            if mesh_ranks != ranks:
+                raise ValueError(
+                    f"{op}: parameter {p.name} is a DTensor on a device mesh of ranks {mesh_ranks}, but "
+                    f"process_group holds ranks {ranks}; pass a group over exactly the mesh's ranks"
+                )
+    return group
+
+
+# Fields a replica_mismatch message shows, at most three that differ.
+_SHOWN_FIELDS = ("numel", "nan", "posinf", "neginf", "zeros", "max_abs", "min_abs", "mean", "std")
+# The per-slot flags of a step's host summary (see _summarize).
+_IS_SHARDED, _ALL_PRESENT, _ANY_PRESENT, _AGREE, _NONFINITE, _SAME_KIND = range(6)
+_NUM_FLAGS = 6
+
+
+def _summarize(gathered: torch.Tensor, n: int, rtol: float) -> torch.Tensor:
+    """What the host needs of one step's gathered rows int64 [W, n + 1, 16],
+    computed where they are, as one int64 vector: the global rows [n, 16]
+    (sharded slots merged, the others rank 0's), the per-slot flags [n, 6]
+    (indexed by _IS_SHARDED ...) and every rank's header [W, 3]."""
+    body = gathered[:, :n]
+    kinds = body[..., _SHARDED_COL]
+    sharded = kinds[0] == 1
+    present = body[..., _PRESENT_COL] > 0
+    merged = zdist.combine_rows(body) if n else body[0]
+    rows = torch.where(sharded.unsqueeze(1), merged, body[0])
+    flags = torch.stack(
+        [
+            sharded,
+            present.all(0),
+            present.any(0),
+            zdist.rows_agree(body, body[:1], rtol).all(0),
+            (body[..., 4:7].sum(-1) > 0).any(0),  # nan, +inf, -inf counts
+            (kinds == kinds[:1]).all(0),
+        ],
+        dim=1,
+    ).to(torch.int64)
+    return torch.cat([rows.reshape(-1), flags.reshape(-1), gathered[:, n, :3].reshape(-1)])
+
+
+def _to_host(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies the vectors to the host, one copy per device."""
+    out: list[torch.Tensor | None] = [None] * len(vectors)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, v in enumerate(vectors):
+        by_device.setdefault(v.device, []).append(k)
+    for indices in by_device.values():
+        host = torch.cat([vectors[k] for k in indices]).cpu()
+        start = 0
+        for k in indices:
+            out[k] = host[start : start + vectors[k].numel()]
+            start += vectors[k].numel()
+    return out  # type: ignore[return-value]
+
+
+def _in_shards(finding: Finding, ranks: tuple[int, ...] | None) -> Finding:
+    """A non-finite finding of a sharded tensor, with the ranks whose shards hold the values."""
+    if ranks is None:
+        return finding
+    where = f"rank {ranks[0]}'s shard" if len(ranks) == 1 else f"the shards of ranks {list(ranks)}"
+    return dataclasses.replace(finding, ranks=ranks, message=f"{finding.message}; the values are in {where}")
+
+
+def _short(v: float | int) -> str:
+    return str(v) if isinstance(v, int) else f"{v:.6g}"
+
+
 def _native_many(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One native scan of tensors on one device: int64 [N, 16], not read."""
     return torch.ops.zeroscan.stats_many.default(tensors, None)
@@ -1184,12 +1561,13 @@ def _softmax_gap(out: torch.Tensor, module: nn.Module) -> torch.Tensor:
     return (1.0 - out.amax(dim=dim)).reshape(-1)
 
 
-def _decode_records(records: list[_Record]) -> None:
-    """Host-decodes every record not decoded yet: one copy per device."""
+def _decode_records(records: list[_Record], *, own_rows: bool = True) -> None:
+    """Host-decodes every record not decoded yet: one copy per device.
+    own_rows=False decodes the activations only (the rows come from elsewhere)."""
     pending: list[tuple[_Record, str, int, torch.Tensor]] = []
     for r in records:
         if r.rows is None:
-            for k, (_, buf) in enumerate(r.groups):
+            for k, (_, buf) in enumerate(r.groups if own_rows else []):
                 pending.append((r, "group", k, buf))
             for k, (_, _, buf) in enumerate(r.activations):
                 pending.append((r, "act", k, buf))
@@ -1210,7 +1588,7 @@ def _decode_records(records: list[_Record]) -> None:
         if r.rows is not None:
             continue
         rows: dict[int, tuple[dict[str, float | int], tuple[int, ...]]] = {}
-        for k, (codes, _) in enumerate(r.groups):
+        for k, (codes, _) in enumerate(r.groups if own_rows else []):
             fields, raw = decoded[(id(r), "group", k)]
             for code, f, w in zip(codes, fields, raw):
                 rows[code] = (f, tuple(w))

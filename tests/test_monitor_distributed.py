@@ -1,0 +1,383 @@
+"""zeroscan.Monitor with a process group: global findings across ranks.
+
+Two gloo processes, spawned once by this file (bounded in time: a hang fails
+the run), run every check; each records "ok" or its traceback, and the report
+it produced. One test per check reads the records and compares the ranks'
+reports, which must be identical. Data-parallel replicas use torch's
+DistributedDataParallel (and plain replicas), the sharded model torch's FSDP2
+(fully_shard) on CPU/gloo, whose merged statistics are checked against one
+scan of the full tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import multiprocessing
+import os
+import time
+import traceback
+import types
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zeroscan
+import zeroscan.distributed as zdist
+import zeroscan.monitor as monitor_module
+from helpers import COUNT_FIELDS, EXACT_FLOAT_FIELDS, close, fresh_generator
+from zeroscan import Finding, Monitor, Report, Severity, Thresholds
+
+WORLD = 2
+WORLD_TIMEOUT_S = 90.0  # every check together takes ~15 s; past this it is a hang
+COLLECTIVE_TIMEOUT_S = 30.0
+MOMENT_RTOL = 1e-12  # float64 moments merged from shards vs one scan of the full tensor
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EMPTY_HISTORY: dict[str, list[Any]] = {
+    "steps": [], "names": [], "grad_norm": [], "zero_fraction": [], "underflow_fraction": [],
+}
+
+
+def _example(name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(f"zeroscan_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def serious(report: Report) -> list[Finding]:
+    return [f for f in report.findings if f.severity >= Severity.WARNING]
+
+
+def summary(report: Report) -> list[tuple[str, str, str, tuple[int, ...] | None]]:
+    return sorted((f.name, f.kind, f.cause, f.ranks) for f in serious(report))  # type: ignore[type-var]
+
+
+def assert_row_is_stats_of(got: dict[str, Any], x: torch.Tensor, what: str) -> None:
+    """A decoded global row equals zeroscan.stats of the full tensor: counts and
+    min/max |x| exactly, moments to MOMENT_RTOL (float64)."""
+    want = zeroscan.stats(x).to_dict()
+    for field in COUNT_FIELDS:
+        assert got[field] == want[field], f"{what} {field}: got {got[field]}, want {want[field]}"
+    for field in EXACT_FLOAT_FIELDS:
+        assert got[field] == want[field] or (math.isnan(got[field]) and math.isnan(want[field])), (
+            f"{what} {field}: got {got[field]!r}, want {want[field]!r}"
+        )
+    finite = max(1, int(want["finite"]))
+    rms = float(want["norm"]) / math.sqrt(finite)
+    for field in ("mean", "std", "norm", "sum"):
+        scale = rms * finite if field == "sum" else rms
+        assert close(float(got[field]), float(want[field]), MOMENT_RTOL, scale), (
+            f"{what} {field}: got {got[field]!r}, want {want[field]!r}"
+        )
+
+
+# ------------------------------------------------------------ the checks
+# Each runs on every rank of the spawned world and returns its report.
+
+
+def check_ddp_nan_on_one_rank(rank: int, seed: int) -> Report:
+    """DDP; after the all-reduce rank 1 alone writes a NaN into one gradient."""
+    names = ["module.0.weight", "module.0.bias", "module.2.weight", "module.2.bias"]
+    nan_param = names[seed % len(names)]
+    steps = 5
+    gathers: list[int] = []
+    real_gather, real_decode = dist.all_gather_single, monitor_module.decode
+
+    def counting_gather(*args: Any, **kwargs: Any) -> Any:
+        gathers.append(1)
+        return real_gather(*args, **kwargs)
+
+    def no_decode(*args: Any) -> Any:
+        raise AssertionError("the Monitor read results back during training")
+
+    dist.all_gather_single = counting_gather  # type: ignore[assignment]
+    monitor_module.decode = no_decode  # type: ignore[assignment]
+    try:
+        monitor = _example("monitor_ddp").train(seed, steps=steps, nan_rank=1, nan_param=nan_param)
+    finally:
+        dist.all_gather_single = real_gather  # type: ignore[assignment]
+        monitor_module.decode = real_decode  # type: ignore[assignment]
+    records = list(monitor._records)
+    assert len(gathers) == steps, f"{len(gathers)} all_gathers in {steps} steps"
+    assert len(records) == steps and all(r.rows is None and r.gather is not None for r in records)
+
+    report = monitor.report()
+    assert summary(report) == [(nan_param, "grad", "replica_mismatch", (1,))], str(report)
+    (finding,) = serious(report)
+    assert finding.severity == Severity.ERROR and "rank 1 holds 1 NaN" in finding.message, finding.message
+    assert report.to_dict()["findings"][0]["ranks"] == [1]
+    grad_row = next(t for t in report.tensors if (t["name"], t["kind"]) == (nan_param, "grad"))
+    model = monitor.model
+    assert grad_row["nan"] == 0 and grad_row["numel"] == dict(model.named_parameters())[nan_param].numel()
+    assert all(r.gather is None for r in monitor._records)  # read once, kept as global rows
+    assert monitor.report().to_json_lines() == report.to_json_lines()
+    return report
+
+
+def check_ddp_healthy(rank: int, seed: int) -> Report:
+    """DDP training with nothing wrong: no findings, and the global rows are
+    this rank's own (replicas agree), as a Monitor without a group sees them."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 3))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(seed + 1 + rank)
+    across = Monitor(ddp, opt, process_group=dist.group.WORLD)
+    alone = Monitor(ddp, opt)
+    for _ in range(6):
+        x = torch.randn(16, 12, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), x[:, :3].cos()).backward()
+        opt.step()
+    across.close()
+    alone.close()
+    report, local = across.report(), alone.report()
+    assert serious(report) == [], str(report)
+    assert report.tensors == local.tensors
+    assert report.history == local.history
+    assert report.to_dict()["findings"] == local.to_dict()["findings"]
+    assert all("ranks" not in f for f in report.to_dict()["findings"])
+    for name, p in ddp.named_parameters():
+        row = next(t for t in report.tensors if (t["name"], t["kind"]) == (name, "grad"))
+        want = zeroscan.stats(p.grad)
+        assert (row["numel"], row["nan"], row["norm"], row["max_abs"]) == (
+            want.numel, want.nan, want.norm, want.max_abs
+        ), name
+    return report
+
+
+def check_replicas_diverge(rank: int, seed: int) -> Report:
+    """Plain replicas fed the same batches (so equal gradients); at the last
+    step rank 1 changes a weight outside the optimizer and drops a gradient."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(seed + 11)  # the same on every rank
+    with Monitor(model, opt, process_group=dist.group.WORLD) as monitor:
+        for step in range(3):
+            x = torch.randn(10, 8, generator=g)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            if step == 2 and rank == 1:
+                with torch.no_grad():
+                    model[0].weight.mul_(1 + 1e-3)
+                model[2].bias.grad = None
+            opt.step()
+    report = monitor.report()
+    assert summary(report) == [
+        ("0.weight", "weight", "replica_mismatch", (1,)),
+        ("2.bias", "grad", "replica_mismatch", (1,)),
+    ], str(report)
+    found = {f.name: f for f in serious(report)}
+    assert "no majority" in found["0.weight"].message and "max_abs" in found["0.weight"].message
+    assert "rank 1 has no gradient" in found["2.bias"].message
+    bias_grad = next(t for t in report.tensors if (t["name"], t["kind"]) == ("2.bias", "grad"))
+    assert bias_grad["numel"] == 2  # rank 0's gradient, the reference
+    return report
+
+
+def check_fsdp2(rank: int, seed: int) -> Report:
+    """FSDP2 (fully_shard) in float64 with uneven shards, one of them empty:
+    merged rows equal zeroscan.stats of the full tensors; a NaN in rank 1's
+    shard of a gradient is reported with rank 1."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = [n for n, _ in model.named_parameters()]
+    g = torch.Generator().manual_seed(seed + 100 + rank)
+    monitor = Monitor(model, opt, auto=False, process_group=dist.group.WORLD)
+    full: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.randn(7, 6, generator=g, dtype=torch.float64)).square().mean().backward()
+        if step == 1 and rank == 1:
+            shard = model[0].weight.grad.to_local()
+            assert shard.numel() > 0
+            shard.view(-1)[int(torch.randint(0, shard.numel(), (), generator=g))] = math.nan
+        monitor.step()
+        if step == 0:
+            full = [(p.grad.full_tensor(), p.detach().full_tensor()) for p in model.parameters()]
+        opt.step()
+    monitor.close()
+    report = monitor.report()
+    assert model[4].weight.to_local().numel() == (3 if rank == 0 else 0)  # an empty shard on rank 1
+    first = monitor._records[0].rows
+    assert first is not None
+    for i, (name, (grad, weight)) in enumerate(zip(names, full)):
+        assert_row_is_stats_of(first[2 * i][0], grad, f"{name} grad")
+        assert_row_is_stats_of(first[2 * i + 1][0], weight, f"{name} weight")
+    assert summary(report) == [("0.weight", "grad", "nonfinite", (1,))], str(report)
+    assert "rank 1's shard" in serious(report)[0].message
+    numels = {(t["name"], t["kind"]): t["numel"] for t in report.tensors}
+    assert numels == {(n, k): p.numel() for n, p in model.named_parameters() for k in ("grad", "weight")}
+    assert next(t for t in report.tensors if (t["name"], t["kind"]) == ("0.weight", "grad"))["nan"] == 1
+    return report
+
+
+def check_misuse(rank: int, seed: int) -> Report:
+    """A group that is not the parameters' mesh, a rank outside the group, and
+    ranks that monitored different steps."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    sub = dist.new_group([0])
+    sharded = nn.Linear(4, 4)
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (WORLD,)))
+    if rank == 0:
+        with pytest.raises(ValueError, match=r"weight is a DTensor on a device mesh of ranks \[0, 1\]"):
+            Monitor(sharded, process_group=sub)
+    else:
+        with pytest.raises(ValueError, match="is not a member of process_group"):
+            Monitor(nn.Linear(2, 2), process_group=sub)
+
+    model = nn.Linear(3, 2)
+    every = 1 if rank == 0 else 2  # rank 0 monitors steps 0, 1; rank 1 steps 0, 2
+    with Monitor(model, every=every, process_group=dist.group.WORLD) as monitor:
+        for _ in range(2 if rank == 0 else 3):
+            model.zero_grad()
+            model(torch.randn(4, 3)).sum().backward()
+            monitor.step()
+    with pytest.raises(RuntimeError, match="recorded monitored step"):
+        monitor.report()
+    return Report(-1, [], [], EMPTY_HISTORY)
+
+
+CHECKS: dict[str, Callable[[int, int], Report]] = {
+    "ddp_nan_on_one_rank": check_ddp_nan_on_one_rank,
+    "ddp_healthy": check_ddp_healthy,
+    "replicas_diverge": check_replicas_diverge,
+    "fsdp2": check_fsdp2,
+    "misuse": check_misuse,
+}
+
+
+def _worker(rank: int, store: str, out_dir: str, seed: int) -> None:
+    torch.set_num_threads(1)
+    results: dict[str, dict[str, str]] = {}
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        for name, check in CHECKS.items():
+            try:
+                report = check(rank, seed)
+                results[name] = {"status": "ok", "report": report.to_json_lines()}
+            except Exception:
+                results[name] = {"status": traceback.format_exc(), "report": ""}
+            dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        results["setup"] = {"status": traceback.format_exc(), "report": ""}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    seed = int.from_bytes(os.urandom(4), "little") % 2**31
+    print(f"seed={seed}")
+    tmp = tmp_path_factory.mktemp("monitor_world")
+    ctx = multiprocessing.get_context("spawn")
+    store = str(tmp / "store")
+    procs = [ctx.Process(target=_worker, args=(r, store, str(tmp), seed), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    results = {}
+    for r in range(WORLD):
+        path = tmp / f"rank{r}.json"
+        results[r] = json.loads(path.read_text()) if path.exists() else {}
+    return {"seed": seed, "hung": hung, "results": results, "exitcodes": [p.exitcode for p in procs]}
+
+
+def assert_check_passed(world: dict[str, Any], name: str) -> None:
+    """The check passed on every rank, and every rank produced the same report."""
+    assert not world["hung"], f"ranks {world['hung']} still ran after {WORLD_TIMEOUT_S} s (seed {world['seed']})"
+    for rank, results in world["results"].items():
+        assert "setup" not in results, f"rank {rank} failed to start:\n{results['setup']['status']}"
+        assert name in results, f"rank {rank} wrote no result for {name} (exit codes {world['exitcodes']})"
+        assert results[name]["status"] == "ok", f"rank {rank} (seed {world['seed']}):\n{results[name]['status']}"
+    reports = [results[name]["report"] for results in world["results"].values()]
+    assert all(r == reports[0] for r in reports), "the ranks' reports differ"
+
+
+def test_ddp_nan_gradient_on_one_rank_names_that_rank(world: dict[str, Any]) -> None:
+    assert_check_passed(world, "ddp_nan_on_one_rank")
+
+
+def test_healthy_ddp_global_stats_are_the_local_ones(world: dict[str, Any]) -> None:
+    assert_check_passed(world, "ddp_healthy")
+
+
+def test_diverged_weight_and_missing_gradient_name_the_rank(world: dict[str, Any]) -> None:
+    assert_check_passed(world, "replicas_diverge")
+
+
+def test_fsdp2_merged_stats_equal_the_full_tensors(world: dict[str, Any]) -> None:
+    assert_check_passed(world, "fsdp2")
+
+
+def test_misuse_across_ranks_raises_clear_errors(world: dict[str, Any]) -> None:
+    assert_check_passed(world, "misuse")
+
+
+# ------------------------------------------------------------ in-process
+
+
+def test_finding_ranks_appear_in_to_dict_only_when_known() -> None:
+    plain = Finding("w", "grad", Severity.ERROR, "nonfinite", "m")
+    assert plain.ranks is None and set(plain.to_dict()) == {"name", "kind", "severity", "cause", "message"}
+    ranked = Finding("w", "grad", Severity.ERROR, "replica_mismatch", "m", (1, 3))
+    assert ranked.to_dict()["ranks"] == [1, 3]
+    line = json.loads(Report(0, [ranked], [], EMPTY_HISTORY).to_json_lines())
+    assert line["ranks"] == [1, 3] and line["cause"] == "replica_mismatch"
+
+
+def test_without_a_group_nothing_is_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_gather(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a Monitor without a process group gathered")
+
+    monkeypatch.setattr(zdist, "gather_rows", no_gather)
+    g = fresh_generator()
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    with Monitor(model) as monitor:
+        for _ in range(3):
+            model.zero_grad()
+            model(torch.randn(5, 4, generator=g)).sum().backward()
+            monitor.step()
+    report = monitor.report()
+    assert all(r.gather is None and not r.rank_findings for r in monitor._records)
+    grad = next(t for t in report.tensors if (t["name"], t["kind"]) == ("0.weight", "grad"))
+    assert grad["norm"] == zeroscan.stats(model[0].weight.grad).norm
+
+
+def test_process_group_and_replica_rtol_are_checked() -> None:
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
+        Monitor(nn.Linear(2, 2), process_group="world")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="replica_rtol must be a number in"):
+        Thresholds(replica_rtol=-1e-9)
