@@ -51,7 +51,8 @@ def extension():
             extra_link_args=["-fopenmp"],
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-    sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
+    kernels = [f for f in sorted(glob.glob("csrc/cuda/*.cu")) if not f.endswith("standalone_test.cu")]
+    sources += sorted(glob.glob("csrc/cuda/*.cpp")) + kernels
     return CUDAExtension(
         "zeroscan._C",
         sources,

@@ -70,13 +70,14 @@ def make_values(
 
 
 def close(got: float, want: float, rtol: float, scale: float) -> bool:
-    """Relative agreement, with an absolute floor at rtol * 1e-6 * scale for
-    values that are themselves cancellations (the mean of zero-centred data)."""
+    """Relative agreement, with an absolute floor at 1e-12 * scale for values
+    that are themselves cancellations (the mean of zero-centred data): a sum
+    of n float64 terms is only known to ~sqrt(n) ulps of the data's scale."""
     if math.isnan(want) or math.isnan(got):
         return math.isnan(want) and math.isnan(got)
     if math.isinf(want) or math.isinf(got):
         return want == got
-    return abs(got - want) <= rtol * abs(want) + rtol * 1e-6 * scale
+    return abs(got - want) <= rtol * abs(want) + 1e-12 * scale
 
 
 def assert_matches_reference(

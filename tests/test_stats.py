@@ -63,7 +63,7 @@ def test_matches_reference(specials: str, n: int, dtype: torch.dtype, layout: st
     g = fresh_generator()
     every = {"dense": 50, "sparse": 20_000, "none": 1}[specials]
     values = make_values(n, dtype, g, specials=specials != "none", every=every)
-    x = in_layout(values, layout).to(device)
+    x = in_layout(values.to(device), layout)
     if layout in ("transposed", "sliced", "short_rows") and n >= 300:
         assert not x.is_contiguous()  # the layout under test really is strided
     s = zeroscan.stats(x)
@@ -191,3 +191,15 @@ def test_reading_a_field_decodes_once() -> None:
     assert rows is not None
     _ = s.mean, s.std, repr(s)
     assert s._readout._rows is rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("magnitude", [1e4, 1e19, 1e25, 1e36])
+def test_large_magnitudes_do_not_overflow(magnitude: float, dtype: torch.dtype, device: str) -> None:
+    g = fresh_generator()
+    finite_max = torch.finfo(dtype).max
+    x = (torch.randn(100_003, generator=g, dtype=torch.float64) * min(magnitude, finite_max / 8)).to(dtype).to(device)
+    s = zeroscan.stats(x)
+    assert_matches_reference(s, x)
+    assert math.isfinite(s.std) and math.isfinite(s.norm)

@@ -2,7 +2,7 @@
 //
 // The hot loop keeps L independent lanes per statistic so the compiler turns
 // it into SIMD code. It assumes the common case -- no zeros, no subnormals,
-// no NaN/Inf -- and checks that assumption once per block of L * kIters
+// no NaN/Inf, no |x| near overflow -- and checks that once per block of L * kIters
 // elements. A block that breaks it is rescanned (it is still in L1) by the
 // exact scalar classifier, so rare values cost little and the answer never
 // depends on the assumption.
@@ -37,6 +37,18 @@ ZS_INLINE float widen(Bf16Bits b) {
   float f;
   memcpy(&f, &u, sizeof(f));
   return f;
+}
+
+// Fast blocks hold no |x| at or above this: shifted values then stay below
+// 2^61 (float) or 2^501 (double), so the short float sums of their squares
+// cannot overflow. A shift this large sends every block to the exact path.
+template <typename acc_t>
+ZS_INLINE typename FloatBits<acc_t>::bits_t fast_ceiling(acc_t shift) {
+  using B = FloatBits<acc_t>;
+  const typename B::bits_t ceiling =
+      sizeof(acc_t) == 4 ? typename B::bits_t(0x5D800000u)             // 2^60
+                         : typename B::bits_t(0x5EB0000000000000ull);  // 2^500
+  return (to_bits(shift) & B::kAbsMask) < ceiling ? ceiling : 0;
 }
 
 // Chunk-level SIMD lanes of the fast path. Folded into a ScalarAccumulator
@@ -88,6 +100,7 @@ ZS_INLINE void scan_span_impl(const Src* p, int64_t n,
   // A block whose smallest |x| is below this holds a zero or a subnormal.
   const bits_t floor = th.tiny > 1 ? th.tiny : bits_t(1);
   const acc_t shift = acc.shift;
+  const bits_t ceiling = fast_ceiling(shift);
   const double dshift = static_cast<double>(shift);
 
   int64_t i = 0;
@@ -128,7 +141,7 @@ ZS_INLINE void scan_span_impl(const Src* p, int64_t n,
       lo = mn[j] < lo ? mn[j] : lo;
       hi = mx[j] > hi ? mx[j] : hi;
     }
-    if (lo < floor || hi >= B::kInf) {
+    if (lo < floor || hi >= ceiling) {
       for (int64_t k = 0; k < kBlock; ++k) acc.push(widen(q[k]), th);
       continue;
     }
@@ -190,7 +203,7 @@ scan_span_bf16_avx512(const Bf16Bits* p, int64_t n, const Thresholds<float>& th,
   // |x| <  floor <=> bits16 <  ceil(floor32 / 2^16).
   const uint16_t tol16 = static_cast<uint16_t>(th.tol >> 16);
   const uint16_t floor16 = static_cast<uint16_t>((floor32 + 0xffffu) >> 16);
-  const uint16_t inf16 = 0x7f80;
+  const uint16_t ceiling16 = static_cast<uint16_t>(fast_ceiling(acc.shift) >> 16);
   const __m512i abs_mask = _mm512_set1_epi16(0x7fff);
   const __m512i tol_v = _mm512_set1_epi16(static_cast<short>(tol16));
   const __m512i one16 = _mm512_set1_epi16(1);
@@ -232,7 +245,7 @@ scan_span_bf16_avx512(const Bf16Bits* p, int64_t n, const Thresholds<float>& th,
     m256 = _mm256_min_epu16(_mm512_castsi512_si256(not_mx), _mm512_extracti64x4_epi64(not_mx, 1));
     m128 = _mm_min_epu16(_mm256_castsi256_si128(m256), _mm256_extracti128_si256(m256, 1));
     const uint16_t hi16 = static_cast<uint16_t>(~_mm_cvtsi128_si32(_mm_minpos_epu16(m128)));
-    if (lo16 < floor16 || hi16 >= inf16) {
+    if (lo16 < floor16 || hi16 >= ceiling16) {
       for (int64_t k = 0; k < kBlock; ++k) acc.push(widen(p[i + k]), th);
       continue;
     }
@@ -268,6 +281,7 @@ scan_span_f32_avx512(const float* p, int64_t n, const Thresholds<float>& th,
                      ScalarAccumulator<float>& acc) {
   constexpr int64_t kBlock = 32 * kIters;
   const uint32_t floor32 = th.tiny > 1 ? th.tiny : 1u;
+  const uint32_t ceiling = fast_ceiling(acc.shift);
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   const __m512i tol_v = _mm512_set1_epi32(static_cast<int>(th.tol));
   const __m512i one = _mm512_set1_epi32(1);
@@ -303,7 +317,7 @@ scan_span_f32_avx512(const float* p, int64_t n, const Thresholds<float>& th,
     }
     const uint32_t lo = static_cast<uint32_t>(_mm512_reduce_min_epu32(mn));
     const uint32_t hi = static_cast<uint32_t>(_mm512_reduce_max_epu32(mx));
-    if (lo < floor32 || hi >= FloatBits<float>::kInf) {
+    if (lo < floor32 || hi >= ceiling) {
       for (int64_t k = 0; k < kBlock; ++k) acc.push(q[k], th);
       continue;
     }

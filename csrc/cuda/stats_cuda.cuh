@@ -402,11 +402,11 @@ ZS_HDI void push_one(ScalarAccumulator<acc_t>& acc, acc_t x,
 // near-zero is `|x| <= tol`, negative is `x < 0`, min |x| is also min nonzero
 // |x|, and the zero, subnormal and non-finite counts are 0. A group that
 // breaks the assumption is classified again, element by element, from the
-// registers it is still in. Each 16-byte vector's shifted values and their
-// squares (at most 16 of each) are summed in acc_t and added to double sums
-// once per vector: a short float sum rounds about as much as forming each
-// x - shift in float already does, while a long one would lose the mean of
-// zero-centred data.
+// registers it is still in. As on the CPU, the mean needs every value in
+// double (x - shift rounded in float, or summed in float, costs ~1e-7 of the
+// spread per value, which swamps the mean of zero-centred data), while the
+// squares are positive and well conditioned around the shift: each 16-byte
+// vector's (at most 16) squares are summed in acc_t and widened once.
 template <typename T, int V>
 ZS_HDI void scan_group(const uint4 (&v)[V],
                        ScalarAccumulator<acc_of<T>>& acc,
@@ -443,12 +443,14 @@ ZS_HDI void scan_group(const uint4 (&v)[V],
   }
 
   const acc_t shift = acc.shift;
+  const double dshift = static_cast<double>(shift);
   bits_t lo = B::kAbsMask, hi = 0;
   uint32_t near_zero = 0, negative = 0;
   double s1 = 0.0, s2 = 0.0;
 #pragma unroll
   for (int u = 0; u < V; ++u) {
-    acc_t sum = acc_t(0), sq = acc_t(0);
+    double sum = 0.0;
+    acc_t sq = acc_t(0);
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
       const acc_t x = widen(element<T>(v[u], k));
@@ -457,11 +459,11 @@ ZS_HDI void scan_group(const uint4 (&v)[V],
       hi = a > hi ? a : hi;
       near_zero += a <= th.tol;
       negative += x < acc_t(0);
+      sum += static_cast<double>(x) - dshift;
       const acc_t d = x - shift;
-      sum += d;
       sq += d * d;
     }
-    s1 += static_cast<double>(sum);
+    s1 += sum;
     s2 += static_cast<double>(sq);
   }
 
