@@ -319,24 +319,22 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
     xs = tensors if isinstance(tensors, list) else list(tensors)
     if not xs:
         return StatsBatch([])
+    # The common case first: plain tensors on one device, one native call that
+    # checks every tensor itself. Anything else it refuses -- None, mixed
+    # devices, sparse or DTensor inputs -- takes the careful path below, which
+    # names the offending argument or splits the work.
+    try:
+        buffer = torch.ops.zeroscan.stats_many.default(xs, tol)
+    except (RuntimeError, TypeError, NotImplementedError):
+        buffer = None
+    if buffer is not None and not any(x.is_meta for x in xs):  # meta inputs reach the fake kernel
+        readout = Readout(buffer)
+        device = buffer.device
+        return StatsBatch([Stats(readout, row, x.dtype, x.shape, device, tol) for row, x in enumerate(xs)])
     if any(is_dtensor(x) for x in xs):
         from zeroscan import distributed
 
         return distributed.stats_many(xs, tol=tol)  # type: ignore[return-value]
-    devices = [x.device if isinstance(x, torch.Tensor) else None for x in xs]
-    first = devices[0]
-    if first is not None and first.type != "meta" and all(d == first for d in devices):
-        # The common case, one device: the native op checks every tensor
-        # itself, and only a failure pays for the per-tensor checks that
-        # name the offending argument.
-        try:
-            buffer = torch.ops.zeroscan.stats_many.default(xs, tol)
-        except (RuntimeError, TypeError, NotImplementedError):
-            for i, x in enumerate(xs):
-                check_tensor(op, "tensors", x, i)
-            raise
-        readout = Readout(buffer)
-        return StatsBatch([Stats(readout, row, x.dtype, x.shape, first, tol) for row, x in enumerate(xs)])
     xs = [check_tensor(op, "tensors", x, i) for i, x in enumerate(xs)]
     items: list[Stats | None] = [None] * len(xs)
     for indices in device_groups(xs):

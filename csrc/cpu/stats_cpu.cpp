@@ -231,15 +231,18 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
               bool as_list, int64_t* rows) {
   check_tol(op, tol);
   const int64_t n = static_cast<int64_t>(xs.size());
-  std::vector<Layout> layouts(n);
+  // Layouts are ~1 KB each, so they are planned again where used rather than
+  // kept for every tensor of a long list (planning costs nanoseconds).
+  std::vector<int64_t> repeats(n);
   std::vector<Task> tasks;
   std::vector<int64_t> first_task(n + 1);
   int64_t total = 0;
   for (int64_t t = 0; t < n; ++t) {
     check_input(op, as_list ? ArgName{"xs", t} : ArgName{"x", -1}, xs[t]);
-    layouts[t] = layout_of(xs[t]);
+    const Layout layout = layout_of(xs[t]);
+    repeats[t] = layout.repeat;
     first_task[t] = static_cast<int64_t>(tasks.size());
-    const int64_t numel = layouts[t].numel;
+    const int64_t numel = layout.numel;
     const int64_t step = chunk_size(numel);
     for (int64_t b = 0; b < numel; b += step) {
       tasks.push_back({t, b, std::min(numel, b + step)});
@@ -253,7 +256,8 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
   auto run = [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const Task& task = tasks[k];
-      partials[k] = scan_task(xs[task.tensor], layouts[task.tensor], tol, task);
+      const Layout layout = layout_of(xs[task.tensor]);
+      partials[k] = scan_task(xs[task.tensor], layout, tol, task);
     }
   };
   // Waking other threads costs more than scanning a few small tensors, so
@@ -271,7 +275,7 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
     own.assign(partials.begin() + first_task[t],
                partials.begin() + first_task[t + 1]);
     Partial p = combine_tree(own);
-    repeat(p, layouts[t].repeat);
+    repeat(p, repeats[t]);
     store(p, rows + t * kNumFields);
   }
 }
