@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import overload
 
 import numpy
@@ -252,10 +252,30 @@ def _num(v: float) -> str:
 
 
 class StatsBatch(Sequence[Stats]):
-    """The Stats of many tensors from one stats_many call; indexes like a list."""
+    """The Stats of many tensors from one stats_many call; indexes like a list.
+
+    Built by stats_many, its Stats objects are made when first indexed, so a
+    long list costs little until it is looked at.
+    """
 
     def __init__(self, items: list[Stats]) -> None:
-        self._items = items
+        self._items: list[Stats | None] = list(items)
+        self._make: Callable[[int], Stats] | None = None
+
+    @classmethod
+    def lazy(cls, n: int, make: Callable[[int], Stats]) -> StatsBatch:
+        """A batch of n whose i-th Stats is make(i), made on first access."""
+        batch = cls([])
+        batch._items = [None] * n
+        batch._make = make
+        return batch
+
+    def _get(self, i: int) -> Stats:
+        item = self._items[i]
+        if item is None:
+            assert self._make is not None
+            item = self._items[i] = self._make(i)
+        return item
 
     def __len__(self) -> int:
         return len(self._items)
@@ -265,13 +285,15 @@ class StatsBatch(Sequence[Stats]):
     @overload
     def __getitem__(self, index: slice) -> list[Stats]: ...
     def __getitem__(self, index: int | slice) -> Stats | list[Stats]:
-        return self._items[index]
+        if isinstance(index, slice):
+            return [self._get(i) for i in range(len(self))[index]]
+        return self._get(range(len(self))[index])
 
     def __iter__(self) -> Iterator[Stats]:
-        return iter(self._items)
+        return (self._get(i) for i in range(len(self)))
 
     def to_dicts(self) -> list[dict[str, object]]:
-        return [s.to_dict() for s in self._items]
+        return [s.to_dict() for s in self]
 
     def __repr__(self) -> str:
         return f"StatsBatch({len(self)} tensors)"
@@ -330,7 +352,8 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
     if buffer is not None and not any(x.is_meta for x in xs):  # meta inputs reach the fake kernel
         readout = Readout(buffer)
         device = buffer.device
-        return StatsBatch([Stats(readout, row, x.dtype, x.shape, device, tol) for row, x in enumerate(xs)])
+        metas = [(x.dtype, x.shape) for x in xs]
+        return StatsBatch.lazy(len(xs), lambda row: Stats(readout, row, *metas[row], device, tol))
     if any(is_dtensor(x) for x in xs):
         from zeroscan import distributed
 
