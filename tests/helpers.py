@@ -94,7 +94,12 @@ def assert_matches_reference(
     finite = x.detach().cpu().reshape(-1).to(torch.float64)
     finite = finite[finite.isfinite()]
     scale = float(finite.abs().mean()) if finite.numel() else 0.0
-    for field in ("mean", "std", "norm", "sum"):
+    fields = ("mean", "std", "norm", "sum")
+    if finite.numel() and float(finite.abs().max()) < 1e-150:
+        # Squares of these float64 values underflow: std and norm lose them
+        # in the kernel and in the torch reference alike, differently (README).
+        fields = ("mean", "sum")
+    for field in fields:
         field_scale = scale * max(1, want["finite"]) if field == "sum" else scale
         assert close(got[field], want[field], rtol, field_scale), (
             f"{field}: got {got[field]!r}, want {want[field]!r} (rtol {rtol})"
