@@ -1,121 +1,137 @@
-// How one element is classified and accumulated.
+// How one element is classified and folded into the statistics.
 //
-// Every backend reads an element, widens it exactly to a compute type
-// (`float` for 8/16/32-bit floats, `double` for float64 and integers), and
-// classifies it on the bit pattern of |x|. For non-negative IEEE values the
-// unsigned order of the bit patterns is the numeric order, so "is zero",
-// "is subnormal", "is at most tol", "is NaN", "is inf", and min/max |x| are
-// all exact integer compares that cannot be fooled by rounding, and NaN
-// (any pattern above +inf) can never slip through a min or max the way it
-// does with fminf/fmaxf.
+// Every element is read as the unsigned key of |x| (dtypes.h). For
+// non-negative values key order is numeric order and NaN keys sit above all
+// others, so each class is a range of keys and every test is one unsigned
+// compare against a per-dtype limit:
+//
+//   key == 0                      zero
+//   key <= sub_max                zero or subnormal
+//   key <= tol_max                zero or near zero (|x| <= tol)
+//   key <= finite_max             finite
+//   key <= nonnan_max             not NaN (infinite when above finite_max)
+//
+// Min/max |x| are integer min/max on keys, and the moments sum only the
+// finite values (shifted, see set_moments). Nothing branches on the value,
+// so zeros, subnormals, NaN and Inf cost what any other value costs. CUDA
+// threads run `Tally::add` on every element; the CPU's vector loop
+// (cpu/scan_span.h) evaluates the same compares lane-parallel and adds its
+// sums into a Tally. Free of torch headers.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
+#include "dtypes.h"
 #include "stats_record.h"
 
 namespace zeroscan {
 
-template <typename acc_t>
-struct FloatBits;
-
-template <>
-struct FloatBits<float> {
-  using bits_t = uint32_t;
-  static constexpr bits_t kAbsMask = 0x7fffffffu;
-  static constexpr bits_t kSignMask = 0x80000000u;
-  static constexpr bits_t kInf = 0x7f800000u;
+// The key limits of one dtype and tol, widened to 64 bits so that one record
+// serves every key width (and travels in the CUDA launch header).
+struct Limits {
+  uint64_t sub_max;     // largest key below tiny; 0 when there is none
+  uint64_t tol_max;     // largest key at most tol; 0 when there is none
+  uint64_t finite_max;  // largest finite key
+  uint64_t nonnan_max;  // largest key that is not NaN
 };
 
-template <>
-struct FloatBits<double> {
-  using bits_t = uint64_t;
-  static constexpr bits_t kAbsMask = 0x7fffffffffffffffull;
-  static constexpr bits_t kSignMask = 0x8000000000000000ull;
-  static constexpr bits_t kInf = 0x7ff0000000000000ull;
-};
-
-template <typename acc_t>
-ZS_HD typename FloatBits<acc_t>::bits_t to_bits(acc_t x) {
-  typename FloatBits<acc_t>::bits_t b;
-  memcpy(&b, &x, sizeof(b));
-  return b;
-}
-
-template <typename acc_t>
-ZS_HD acc_t from_bits(typename FloatBits<acc_t>::bits_t b) {
-  acc_t x;
-  memcpy(&x, &b, sizeof(x));
-  return x;
-}
-
-// Thresholds on |x|, as bit patterns of the compute type.
-template <typename acc_t>
-struct Thresholds {
-  using bits_t = typename FloatBits<acc_t>::bits_t;
-  bits_t tiny;  // |x| < tiny (and != 0) is subnormal; 0 for integer inputs
-  bits_t tol;   // |x| <= tol (and != 0) is near zero
-};
-
-// Scalar accumulation of one thread's elements. The CPU kernel uses it for
-// block tails and blocks that contain zeros, subnormals or non-finite values;
-// CUDA threads use it for every element.
-template <typename acc_t>
-struct ScalarAccumulator {
-  using B = FloatBits<acc_t>;
-  using bits_t = typename B::bits_t;
-  static constexpr bits_t kNone = B::kAbsMask;  // above every non-NaN |x|
-
-  int64_t numel = 0, zeros = 0, subnormal = 0, near_zero = 0;
-  int64_t nan = 0, posinf = 0, neginf = 0, negative = 0;
-  bits_t min_a = kNone, min_nonzero = kNone, max_a = 0;
-  acc_t shift = 0;  // subtracted before summing; see set_moments
-  double s1 = 0.0, s2 = 0.0;
-
-  ZS_HD void push(acc_t x, const Thresholds<acc_t>& th) {
-    const bits_t bits = to_bits(x);
-    const bits_t a = bits & B::kAbsMask;
-    const bool is_nan = a > B::kInf;
-    const bool is_inf = a == B::kInf;
-    const bool is_zero = a == 0;
-    numel += 1;
-    zeros += is_zero;
-    subnormal += (!is_zero) & (a < th.tiny);
-    near_zero += (!is_zero) & (a <= th.tol);
-    nan += is_nan;
-    posinf += is_inf & ((bits & B::kSignMask) == 0);
-    neginf += is_inf & ((bits & B::kSignMask) != 0);
-    negative += x < acc_t(0);
-    if (!is_nan) {
-      min_a = a < min_a ? a : min_a;
-      max_a = a > max_a ? a : max_a;
-      if (!is_zero) min_nonzero = a < min_nonzero ? a : min_nonzero;
-    }
-    if (a < B::kInf) {
-      const double d = static_cast<double>(x) - static_cast<double>(shift);
-      s1 += d;
-      s2 += d * d;
+// The largest key whose magnitude satisfies `ok` (true for small keys, false
+// from some key on), or 0 when even key 0 fails. Host only: the limits are
+// computed once per call, by the launcher.
+template <typename S, typename Ok>
+uint64_t largest_key(Ok ok) {
+  using F = Format<S>;
+  uint64_t lo = 0, hi = F::kMaxKey;
+  if (!ok(F::magnitude(0))) return 0;
+  while (lo < hi) {  // ok(lo) holds; the answer is in [lo, hi]
+    const uint64_t gap = hi - lo;  // hi - lo + 1 would overflow for uint64 keys
+    const uint64_t mid = lo + gap / 2 + (gap & 1);
+    if (ok(F::magnitude(static_cast<typename F::key_t>(mid)))) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
     }
   }
+  return lo;
+}
 
-  ZS_HD Partial finish() const {
+// `tiny` and `tol` as real numbers: |x| < tiny is subnormal, |x| <= tol is
+// near zero. Exact: the key tests then decide exactly what the real-number
+// tests would.
+template <typename S>
+Limits limits_for(double tiny, double tol) {
+  Limits l;
+  l.sub_max = largest_key<S>([tiny](double v) { return v < tiny; });
+  l.tol_max = largest_key<S>([tol](double v) { return v <= tol; });
+  l.finite_max = largest_key<S>([](double v) { return std::isfinite(v); });
+  l.nonnan_max = largest_key<S>([](double v) { return !std::isnan(v); });
+  return l;
+}
+
+// The running statistics of some elements of storage type S. `count_t` is
+// int64_t on the CPU; a CUDA thread, which sees far fewer than 2^32
+// elements, uses uint32_t.
+template <typename S, typename count_t>
+struct Tally {
+  using F = Format<S>;
+  using key_t = typename F::key_t;
+
+  count_t numel = 0;
+  count_t zeros = 0;
+  count_t at_most_sub = 0;  // key <= sub_max
+  count_t at_most_tol = 0;  // key <= tol_max
+  count_t finite = 0;
+  count_t non_nan = 0;
+  count_t negative = 0;     // sign set, nonzero, not NaN
+  count_t neginf = 0;
+  // min |x| is 0 when there is a zero and the min nonzero key otherwise, so
+  // only the latter is kept (NaN keys, above all others, lose any min).
+  key_t lo_nonzero = key_t(~key_t(0));  // min nonzero key
+  key_t hi = 0;                         // max non-NaN key
+  double s1 = 0.0, s2 = 0.0;            // sums of d and d^2, d = x - shift
+
+  ZS_HD void add(S x, const Limits& lim, double shift) {
+    const key_t key = F::key(x);
+    const bool sign = F::negative_sign(x);
+    const bool nonzero = key != 0;
+    const bool fin = key <= static_cast<key_t>(lim.finite_max);
+    const bool num = key <= static_cast<key_t>(lim.nonnan_max);
+    numel += 1;
+    zeros += !nonzero;
+    at_most_sub += key <= static_cast<key_t>(lim.sub_max);
+    at_most_tol += key <= static_cast<key_t>(lim.tol_max);
+    finite += fin;
+    non_nan += num;
+    negative += sign & nonzero & num;
+    neginf += sign & num & !fin;
+    lo_nonzero = nonzero & (key < lo_nonzero) ? key : lo_nonzero;
+    hi = num & (key > hi) ? key : hi;
+    // A non-finite value adds nothing: it is selected away, never summed.
+    const double d = static_cast<double>(F::value(x)) - shift;
+    const double kept = fin ? d : 0.0;
+    s1 += kept;
+    s2 += kept * kept;
+  }
+
+  ZS_HD Partial finish(double shift) const {
     Partial p = empty_partial();
-    p.numel = numel;
-    p.zeros = zeros;
-    p.subnormal = subnormal;
-    p.near_zero = near_zero;
-    p.nan = nan;
-    p.posinf = posinf;
-    p.neginf = neginf;
-    p.negative = negative;
-    if (numel - nan > 0) {
-      p.min_abs = static_cast<double>(from_bits<acc_t>(min_a));
-      p.max_abs = static_cast<double>(from_bits<acc_t>(max_a));
+    p.numel = static_cast<int64_t>(numel);
+    p.zeros = static_cast<int64_t>(zeros);
+    p.subnormal = static_cast<int64_t>(at_most_sub - zeros);
+    p.near_zero = static_cast<int64_t>(at_most_tol - zeros);
+    p.nan = static_cast<int64_t>(numel - non_nan);
+    p.neginf = static_cast<int64_t>(neginf);
+    p.posinf = static_cast<int64_t>(non_nan - finite - neginf);
+    p.negative = static_cast<int64_t>(negative);
+    // A nonzero non-NaN key is below every NaN key, so the min over nonzero
+    // keys is right whenever there is one.
+    if (non_nan > zeros) p.min_abs_nonzero = F::magnitude(lo_nonzero);
+    if (non_nan > 0) {
+      p.min_abs = zeros > 0 ? 0.0 : p.min_abs_nonzero;
+      p.max_abs = F::magnitude(hi);
     }
-    if (min_nonzero != kNone) {
-      p.min_abs_nonzero = static_cast<double>(from_bits<acc_t>(min_nonzero));
-    }
-    set_moments(p, p.finite(), static_cast<double>(shift), s1, s2);
+    set_moments(p, p.finite(), shift, s1, s2);
     return p;
   }
 };

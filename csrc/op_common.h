@@ -5,95 +5,68 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
-#include <cfloat>
 #include <cmath>
 #include <ostream>
 #include <vector>
 
 #include "classify.h"
+#include "dtypes.h"
 #include "layout.h"
 #include "stats_record.h"
 
 namespace zeroscan {
 
-// The compute type a dtype is widened to, exactly: float for floating types
-// of up to 32 bits, double for float64 and for integers (whose counts and
-// |x| range must not round).
-inline bool widens_to_float(at::ScalarType t) {
+// Calls fn(DtypeTag<S>{}) with the storage type S of dtype `t` (dtypes.h).
+template <typename S>
+struct DtypeTag {
+  using type = S;
+};
+
+template <typename Fn>
+decltype(auto) visit_dtype(at::ScalarType t, Fn&& fn) {
   switch (t) {
-    case at::kFloat:
-    case at::kHalf:
-    case at::kBFloat16:
-    case at::kFloat8_e4m3fn:
-    case at::kFloat8_e5m2:
-      return true;
+#define ZEROSCAN_CASE(name, S, value_t, tiny, eps) \
+  case at::ScalarType::name:                       \
+    return fn(DtypeTag<S>{});
+    ZEROSCAN_DTYPES(ZEROSCAN_CASE)
+#undef ZEROSCAN_CASE
     default:
-      return false;
+      TORCH_CHECK(false, "zeroscan: unsupported dtype ", t);
   }
 }
 
 inline bool is_supported_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kFloat:
-    case at::kDouble:
-    case at::kHalf:
-    case at::kBFloat16:
-    case at::kFloat8_e4m3fn:
-    case at::kFloat8_e5m2:
-    case at::kBool:
-    case at::kByte:
-    case at::kChar:
-    case at::kShort:
-    case at::kInt:
-    case at::kLong:
-      return true;
+#define ZEROSCAN_CASE(name, S, value_t, tiny, eps) case at::ScalarType::name:
+    ZEROSCAN_DTYPES(ZEROSCAN_CASE)
+#undef ZEROSCAN_CASE
+    return true;
     default:
       return false;
   }
 }
 
-// torch.finfo(t).tiny and torch.finfo(t).eps; 0 and 0 for integer types,
-// which have no subnormals and no rounding unit.
-inline double dtype_tiny(at::ScalarType t) {
+// The key limits (classify.h) of dtype `t` for `tol`, which defaults to the
+// dtype's eps. The default ones are computed once per dtype.
+template <typename S>
+Limits limits_of(double tiny, double eps, c10::optional<double> tol) {
+  static const Limits by_default = limits_for<S>(tiny, eps);
+  if (!tol.has_value()) return by_default;
+  Limits l = by_default;
+  l.tol_max = largest_key<S>([t = *tol](double v) { return v <= t; });
+  return l;
+}
+
+inline Limits limits_of(at::ScalarType t, c10::optional<double> tol) {
   switch (t) {
-    case at::kFloat: return FLT_MIN;
-    case at::kDouble: return DBL_MIN;
-    case at::kHalf: return std::ldexp(1.0, -14);
-    case at::kBFloat16: return std::ldexp(1.0, -126);
-    case at::kFloat8_e4m3fn: return std::ldexp(1.0, -6);
-    case at::kFloat8_e5m2: return std::ldexp(1.0, -14);
-    default: return 0.0;
+#define ZEROSCAN_CASE(name, S, value_t, tiny, eps) \
+  case at::ScalarType::name:                       \
+    return limits_of<S>(tiny, eps, tol);
+    ZEROSCAN_DTYPES(ZEROSCAN_CASE)
+#undef ZEROSCAN_CASE
+    default:
+      TORCH_CHECK(false, "zeroscan: unsupported dtype ", t);
   }
-}
-
-inline double dtype_eps(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return std::ldexp(1.0, -23);
-    case at::kDouble: return std::ldexp(1.0, -52);
-    case at::kHalf: return std::ldexp(1.0, -10);
-    case at::kBFloat16: return std::ldexp(1.0, -7);
-    case at::kFloat8_e4m3fn: return std::ldexp(1.0, -3);
-    case at::kFloat8_e5m2: return std::ldexp(1.0, -2);
-    default: return 0.0;
-  }
-}
-
-// The largest acc_t value that is <= v (v >= 0), so that `|x| <= v` tested
-// in acc_t is exactly `|x| <= v` tested in real numbers.
-template <typename acc_t>
-acc_t round_down(double v) {
-  acc_t r = static_cast<acc_t>(v);
-  if (static_cast<double>(r) > v) r = std::nextafter(r, acc_t(0));
-  return r;
-}
-
-template <typename acc_t>
-Thresholds<acc_t> thresholds_for(at::ScalarType t, c10::optional<double> tol) {
-  Thresholds<acc_t> th;
-  // tiny is a power of two, exact in every compute type.
-  th.tiny = to_bits(static_cast<acc_t>(dtype_tiny(t)));
-  th.tol = to_bits(round_down<acc_t>(tol.has_value() ? *tol : dtype_eps(t)));
-  return th;
 }
 
 inline void check_tol(const char* op, c10::optional<double> tol) {

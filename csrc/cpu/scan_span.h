@@ -1,382 +1,442 @@
-// The CPU's SIMD scan of one contiguous span, free of torch headers.
+// The CPU's scan of one contiguous span, free of torch headers.
 //
-// The hot loop keeps L independent lanes per statistic so the compiler turns
-// it into SIMD code. It assumes the common case -- no zeros, no subnormals,
-// no NaN/Inf, no |x| near overflow -- and checks that once per block of L * kIters
-// elements. A block that breaks it is rescanned (it is still in L1) by the
-// exact scalar classifier, so rare values cost little and the answer never
-// depends on the assumption.
+// Every element goes through the exact classification of classify.h, with no
+// branch on its value. On x86-64 CPUs with AVX-512 the span is read 64 bytes
+// at a time and the classification runs on all lanes at once: each key test
+// is one mask compare, each count a masked subtraction into narrow lane
+// counters (widened every kFold<W> vectors), min/max |x| are integer min/max on
+// the keys, and the moments add the finite lanes, widened to double, 8 at a
+// time. So a span of zeros, subnormals or NaN costs what a span of ordinary
+// values costs. The last few elements of a span, and every element on CPUs
+// without AVX-512, go through Tally::add one at a time.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
+#include <type_traits>
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#define ZS_HAVE_AVX512_KERNELS 1
 #endif
 
 #include "../classify.h"
 
-#define ZS_INLINE __attribute__((always_inline)) inline
-
 namespace zeroscan {
 namespace cpu {
 
-constexpr int kIters = 16;  // SIMD iterations per checked block
-
-// bfloat16 as its raw bits: widening it is the kernel's job.
-struct Bf16Bits {
-  uint16_t x;
-};
-
-ZS_INLINE float widen(float x) { return x; }
-ZS_INLINE double widen(double x) { return x; }
-ZS_INLINE float widen(Bf16Bits b) {
-  // bfloat16 is the top half of a float32: widening is a shift.
-  const uint32_t u = static_cast<uint32_t>(b.x) << 16;
-  float f;
-  memcpy(&f, &u, sizeof(f));
-  return f;
+// p: [n] contiguous. Adds its elements to `t` one at a time.
+template <typename S>
+void scan_span_scalar(const S* p, int64_t n, const Limits& lim, double shift,
+                      Tally<S, int64_t>& t) {
+  for (int64_t i = 0; i < n; ++i) t.add(p[i], lim, shift);
 }
 
-// Fast blocks hold no |x| at or above this: shifted values then stay below
-// 2^61 (float) or 2^501 (double), so the short float sums of their squares
-// cannot overflow. A shift this large sends every block to the exact path.
-template <typename acc_t>
-ZS_INLINE typename FloatBits<acc_t>::bits_t fast_ceiling(acc_t shift) {
-  using B = FloatBits<acc_t>;
-  const typename B::bits_t ceiling =
-      sizeof(acc_t) == 4 ? typename B::bits_t(0x5D800000u)             // 2^60
-                         : typename B::bits_t(0x5EB0000000000000ull);  // 2^500
-  return (to_bits(shift) & B::kAbsMask) < ceiling ? ceiling : 0;
-}
+#if defined(ZS_HAVE_AVX512_KERNELS)
 
-// Chunk-level SIMD lanes of the fast path. Folded into a ScalarAccumulator
-// (which shares the same shift) when the chunk is done.
-template <typename acc_t>
-struct Lanes {
-  using B = FloatBits<acc_t>;
-  using bits_t = typename B::bits_t;
-  static constexpr int L = 16;  // one 512-bit vector of floats
+#define ZS_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c,fma")))
+#define ZS_VEC __attribute__((always_inline)) inline ZS_AVX512
 
-  bits_t min_a[L], max_a[L], near_zero[L], negative[L];
-  double s1[L], s2[L];
-  int64_t numel = 0;
+// AVX-512 operations on the 64 / W unsigned lanes of W bytes in one vector.
+template <int W>
+struct Lanes;
 
-  Lanes() {
-    for (int j = 0; j < L; ++j) {
-      min_a[j] = B::kAbsMask;
-      max_a[j] = 0;
-      near_zero[j] = negative[j] = 0;
-      s1[j] = s2[j] = 0.0;
-    }
+template <>
+struct Lanes<1> {
+  using mask_t = __mmask64;
+  static ZS_VEC __m512i set1(uint64_t v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+  static ZS_VEC mask_t le(__m512i a, __m512i b) { return _mm512_cmple_epu8_mask(a, b); }
+  static ZS_VEC mask_t nonzero(__m512i a) { return _mm512_test_epi8_mask(a, a); }
+  static ZS_VEC mask_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi8_mask(a, b); }
+  static ZS_VEC mask_t sign(__m512i a) { return _mm512_movepi8_mask(a); }
+  static ZS_VEC __m512i count(__m512i c, mask_t m) {
+    return _mm512_mask_sub_epi8(c, m, c, _mm512_set1_epi8(-1));
   }
-
-  // The fast blocks hold no zero, subnormal or non-finite value, so their
-  // near-zero count is the `<= tol` count and min |x| is also min nonzero.
-  void fold_into(ScalarAccumulator<acc_t>& acc) const {
-    acc.numel += numel;
-    for (int j = 0; j < L; ++j) {
-      acc.near_zero += near_zero[j];
-      acc.negative += negative[j];
-      acc.min_a = min_a[j] < acc.min_a ? min_a[j] : acc.min_a;
-      acc.min_nonzero = min_a[j] < acc.min_nonzero ? min_a[j] : acc.min_nonzero;
-      acc.max_a = max_a[j] > acc.max_a ? max_a[j] : acc.max_a;
-      acc.s1 += s1[j];
-      acc.s2 += s2[j];
-    }
+  static ZS_VEC __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi8(a, b); }
+  static ZS_VEC __m512i abs(__m512i a) { return _mm512_abs_epi8(a); }
+  static ZS_VEC __m512i min(__m512i a, __m512i b) { return _mm512_min_epu8(a, b); }
+  static ZS_VEC __m512i max(__m512i a, __m512i b) { return _mm512_max_epu8(a, b); }
+  static ZS_VEC __m512i mask_min(__m512i a, mask_t m, __m512i b) {
+    return _mm512_mask_min_epu8(a, m, a, b);
+  }
+  static ZS_VEC __m512i mask_max(__m512i a, mask_t m, __m512i b) {
+    return _mm512_mask_max_epu8(a, m, a, b);
+  }
+  // The lane counters summed into 8 uint64 lanes.
+  static ZS_VEC __m512i widen_counts(__m512i c) {
+    return _mm512_sad_epu8(c, _mm512_setzero_si512());
   }
 };
 
-// p: [n] contiguous.
-template <typename Src, typename acc_t>
-ZS_INLINE void scan_span_impl(const Src* p, int64_t n,
-                              const Thresholds<acc_t>& th, Lanes<acc_t>& lanes,
-                              ScalarAccumulator<acc_t>& acc) {
-  using B = FloatBits<acc_t>;
-  using bits_t = typename B::bits_t;
-  constexpr int L = Lanes<acc_t>::L;
-  constexpr int64_t kBlock = int64_t(L) * kIters;
-  // A block whose smallest |x| is below this holds a zero or a subnormal.
-  const bits_t floor = th.tiny > 1 ? th.tiny : bits_t(1);
-  const acc_t shift = acc.shift;
-  const bits_t ceiling = fast_ceiling(shift);
-  const double dshift = static_cast<double>(shift);
+template <>
+struct Lanes<2> {
+  using mask_t = __mmask32;
+  static ZS_VEC __m512i set1(uint64_t v) { return _mm512_set1_epi16(static_cast<short>(v)); }
+  static ZS_VEC mask_t le(__m512i a, __m512i b) { return _mm512_cmple_epu16_mask(a, b); }
+  static ZS_VEC mask_t nonzero(__m512i a) { return _mm512_test_epi16_mask(a, a); }
+  static ZS_VEC mask_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi16_mask(a, b); }
+  static ZS_VEC mask_t sign(__m512i a) { return _mm512_movepi16_mask(a); }
+  static ZS_VEC __m512i count(__m512i c, mask_t m) {
+    return _mm512_mask_sub_epi16(c, m, c, _mm512_set1_epi16(-1));
+  }
+  static ZS_VEC __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi16(a, b); }
+  static ZS_VEC __m512i abs(__m512i a) { return _mm512_abs_epi16(a); }
+  static ZS_VEC __m512i min(__m512i a, __m512i b) { return _mm512_min_epu16(a, b); }
+  static ZS_VEC __m512i max(__m512i a, __m512i b) { return _mm512_max_epu16(a, b); }
+  static ZS_VEC __m512i mask_min(__m512i a, mask_t m, __m512i b) {
+    return _mm512_mask_min_epu16(a, m, a, b);
+  }
+  static ZS_VEC __m512i mask_max(__m512i a, mask_t m, __m512i b) {
+    return _mm512_mask_max_epu16(a, m, a, b);
+  }
+  static ZS_VEC __m512i widen_counts(__m512i c) {
+    const __m512i pairs = _mm512_madd_epi16(c, _mm512_set1_epi16(1));  // u32
+    return _mm512_add_epi64(_mm512_srli_epi64(pairs, 32),
+                            _mm512_and_si512(pairs, _mm512_set1_epi64(0xffffffff)));
+  }
+};
 
-  int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    const Src* q = p + i;
-    bits_t mn[L], mx[L], nz[L], ng[L];
-    // The mean needs every value in double: rounding x - shift in float, or
-    // summing in float, costs ~1e-7 of the spread per value, which swamps
-    // the mean of zero-centred data. The second moment is a sum of positive
-    // terms, well conditioned around the shift, so a kIters-term float sum
-    // per lane (widened once per block) keeps it within ~1e-7.
-    double f1[L];
-    acc_t f2[L];
-    for (int j = 0; j < L; ++j) {
-      mn[j] = B::kAbsMask;
-      mx[j] = 0;
-      nz[j] = ng[j] = 0;
-      f1[j] = 0.0;
-      f2[j] = acc_t(0);
+template <>
+struct Lanes<4> {
+  using mask_t = __mmask16;
+  static ZS_VEC __m512i set1(uint64_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
+  static ZS_VEC mask_t le(__m512i a, __m512i b) { return _mm512_cmple_epu32_mask(a, b); }
+  static ZS_VEC mask_t nonzero(__m512i a) { return _mm512_test_epi32_mask(a, a); }
+  static ZS_VEC mask_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  static ZS_VEC mask_t sign(__m512i a) { return _mm512_movepi32_mask(a); }
+  static ZS_VEC __m512i count(__m512i c, mask_t m) {
+    return _mm512_mask_sub_epi32(c, m, c, _mm512_set1_epi32(-1));
+  }
+  static ZS_VEC __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
+  static ZS_VEC __m512i abs(__m512i a) { return _mm512_abs_epi32(a); }
+  static ZS_VEC __m512i min(__m512i a, __m512i b) { return _mm512_min_epu32(a, b); }
+  static ZS_VEC __m512i max(__m512i a, __m512i b) { return _mm512_max_epu32(a, b); }
+  static ZS_VEC __m512i mask_min(__m512i a, mask_t m, __m512i b) {
+    return _mm512_mask_min_epu32(a, m, a, b);
+  }
+  static ZS_VEC __m512i mask_max(__m512i a, mask_t m, __m512i b) {
+    return _mm512_mask_max_epu32(a, m, a, b);
+  }
+  static ZS_VEC __m512i widen_counts(__m512i c) {
+    return _mm512_add_epi64(_mm512_srli_epi64(c, 32),
+                            _mm512_and_si512(c, _mm512_set1_epi64(0xffffffff)));
+  }
+};
+
+template <>
+struct Lanes<8> {
+  using mask_t = __mmask8;
+  static ZS_VEC __m512i set1(uint64_t v) { return _mm512_set1_epi64(static_cast<long long>(v)); }
+  static ZS_VEC mask_t le(__m512i a, __m512i b) { return _mm512_cmple_epu64_mask(a, b); }
+  static ZS_VEC mask_t nonzero(__m512i a) { return _mm512_test_epi64_mask(a, a); }
+  static ZS_VEC mask_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi64_mask(a, b); }
+  static ZS_VEC mask_t sign(__m512i a) { return _mm512_movepi64_mask(a); }
+  static ZS_VEC __m512i count(__m512i c, mask_t m) {
+    return _mm512_mask_sub_epi64(c, m, c, _mm512_set1_epi64(-1));
+  }
+  static ZS_VEC __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi64(a, b); }
+  static ZS_VEC __m512i abs(__m512i a) { return _mm512_abs_epi64(a); }
+  static ZS_VEC __m512i min(__m512i a, __m512i b) { return _mm512_min_epu64(a, b); }
+  static ZS_VEC __m512i max(__m512i a, __m512i b) { return _mm512_max_epu64(a, b); }
+  static ZS_VEC __m512i mask_min(__m512i a, mask_t m, __m512i b) {
+    return _mm512_mask_min_epu64(a, m, a, b);
+  }
+  static ZS_VEC __m512i mask_max(__m512i a, mask_t m, __m512i b) {
+    return _mm512_mask_max_epu64(a, m, a, b);
+  }
+  static ZS_VEC __m512i widen_counts(__m512i c) { return c; }
+};
+
+// Horizontal min / max of the key lanes: narrow lanes are widened, half a
+// vector at a time, until they are 32 bits wide.
+ZS_VEC __m512i u8_halves_to_u16(__m512i a, bool take_min) {
+  const __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(a));
+  const __m512i hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(a, 1));
+  return take_min ? _mm512_min_epu16(lo, hi) : _mm512_max_epu16(lo, hi);
+}
+ZS_VEC __m512i u16_halves_to_u32(__m512i a, bool take_min) {
+  const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(a));
+  const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a, 1));
+  return take_min ? _mm512_min_epu32(lo, hi) : _mm512_max_epu32(lo, hi);
+}
+
+template <int W>
+ZS_VEC uint64_t reduce_key(__m512i a, bool take_min) {
+  if constexpr (W == 8) {
+    return take_min ? _mm512_reduce_min_epu64(a) : _mm512_reduce_max_epu64(a);
+  } else {
+    if constexpr (W == 1) a = u8_halves_to_u16(a, take_min);
+    if constexpr (W <= 2) a = u16_halves_to_u32(a, take_min);
+    return static_cast<uint32_t>(take_min ? _mm512_reduce_min_epu32(a)
+                                          : _mm512_reduce_max_epu32(a));
+  }
+}
+
+// Eight consecutive elements, widened exactly to double.
+ZS_VEC __m512d widen8(const float* p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+ZS_VEC __m512d widen8(const double* p) { return _mm512_loadu_pd(p); }
+ZS_VEC __m512d widen8(const f16_t* p) {
+  return _mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+ZS_VEC __m512d widen8(const bf16_t* p) {
+  // bfloat16 is the top half of a float32.
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+}
+ZS_VEC __m128i load8_u16(const uint8_t* p) {
+  return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+ZS_VEC __m512d widen8(const e5m2_t* p) {
+  // float8_e5m2 is the top byte of a float16.
+  const __m128i h = _mm_slli_epi16(load8_u16(&p->bits), 8);
+  return _mm512_cvtps_pd(_mm256_cvtph_ps(h));
+}
+ZS_VEC __m512d widen8(const e4m3_t* p) {
+  // |x|'s 7 bits placed in a float16's exponent and mantissa give
+  // |x| * 2^-8 (the biases differ by 8); the sign moves to bit 15. NaN lanes
+  // come out finite, but they are never summed.
+  const __m128i b = load8_u16(&p->bits);
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+  return _mm512_cvtps_pd(_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f)));
+}
+ZS_VEC __m512d widen8(const bool_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_min_epu8(b, _mm_set1_epi8(1))));
+}
+ZS_VEC __m512d widen8(const uint8_t* p) {
+  return _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+ZS_VEC __m512d widen8(const int8_t* p) {
+  return _mm512_cvtepi32_pd(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+ZS_VEC __m512d widen8(const int16_t* p) {
+  return _mm512_cvtepi32_pd(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+ZS_VEC __m512d widen8(const int32_t* p) {
+  return _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+ZS_VEC __m512d widen8(const int64_t* p) { return _mm512_cvtepi64_pd(_mm512_loadu_si512(p)); }
+
+// Vectors between widenings of the narrow lane counters of W-byte lanes: a
+// lane counts at most one element per vector, and must not pass its maximum
+// (255 for bytes, 65535 for 16-bit lanes).
+template <int W>
+constexpr int64_t kFold = W == 1 ? 255 : 4096;
+
+// The vector registers of one span's scan. Counts are of lanes whose key is
+// at most a limit (see classify.h), or nonzero, in narrow lane counters that
+// scan_vectors widens into uint64 totals every kFold<W> vectors.
+struct VectorTally {
+  __m512i nonzero, sub, tol, finite, non_nan, negative, neginf;
+  __m512i lo_nonzero, hi;
+  __m512d s1a, s1b, s2a, s2b;  // two of each: half the add latency chain
+};
+
+struct VectorTotals {
+  __m512i nonzero, sub, tol, finite, non_nan, negative, neginf;  // uint64
+};
+
+template <int W>
+ZS_VEC void fold(__m512i& total, __m512i& narrow) {
+  total = _mm512_add_epi64(total, Lanes<W>::widen_counts(narrow));
+  narrow = _mm512_setzero_si512();
+}
+
+// The limits of classify.h, broadcast to every lane.
+struct VectorLimits {
+  __m512i sub_max, tol_max, finite_max, nonnan_max;
+  // Floats: x < 0 is raw in [sign + 1, sign + nonnan_max] (one subtraction
+  // and one unsigned compare), and -inf, where there is one, is the single
+  // pattern sign + nonnan_max.
+  __m512i negative_lo, negative_span, neginf;
+  __m512d shift;
+};
+
+// Adds `vectors` vectors of 64 bytes at p to the narrow counters of `v`
+// (at most kFold<W> of them, so that no narrow lane overflows). Not inlined:
+// a loop of its own keeps every accumulator in a register.
+template <typename S>
+__attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
+                                                    const VectorLimits& lim,
+                                                    VectorTally& tally) {
+  using F = Format<S>;
+  constexpr int W = sizeof(S);
+  using V = Lanes<W>;
+  using mask_t = typename V::mask_t;
+  constexpr int kLanes = 64 / W;
+  // Copied member by member into locals: `p` may alias anything (the
+  // vector types may_alias), so accumulators reached through a reference
+  // would be kept in memory.
+  __m512i c_nonzero = tally.nonzero, c_sub = tally.sub, c_tol = tally.tol;
+  __m512i c_finite = tally.finite, c_non_nan = tally.non_nan;
+  __m512i c_negative = tally.negative, c_neginf = tally.neginf;
+  __m512i lo_nonzero = tally.lo_nonzero, hi = tally.hi;
+  __m512d s1a = tally.s1a, s1b = tally.s1b, s2a = tally.s2a, s2b = tally.s2b;
+  for (int64_t k = 0; k < vectors; ++k) {
+    const S* q = p + k * kLanes;
+    const __m512i raw = _mm512_loadu_si512(q);
+    __m512i key;
+    if constexpr (F::kFloating) {
+      key = _mm512_and_si512(raw, V::set1(F::kAbsMask));
+    } else if constexpr (F::kSigned) {
+      key = V::abs(raw);  // |INT_MIN| wraps to 2^(w-1): right as unsigned
+    } else if constexpr (std::is_same_v<S, bool_t>) {
+      key = V::min(raw, V::set1(1));
+    } else {
+      key = raw;
     }
-    // Vectorise across lanes (j), not across iterations.
-#pragma GCC unroll 1
-    for (int it = 0; it < kIters; ++it) {
-      for (int j = 0; j < L; ++j) {
-        const acc_t x = widen(q[it * L + j]);
-        const bits_t a = to_bits(x) & B::kAbsMask;
-        mn[j] = a < mn[j] ? a : mn[j];
-        mx[j] = a > mx[j] ? a : mx[j];
-        nz[j] += a <= th.tol;
-        ng[j] += x < acc_t(0);
-        const acc_t d = x - shift;
-        f1[j] += static_cast<double>(x) - dshift;
-        f2[j] += d * d;
+    const mask_t nonzero = V::nonzero(key);
+    c_nonzero = V::count(c_nonzero, nonzero);
+    lo_nonzero = V::mask_min(lo_nonzero, nonzero, key);
+    mask_t finite = static_cast<mask_t>(~mask_t(0));
+    if constexpr (F::kHasNan) {
+      const mask_t non_nan = V::le(key, lim.nonnan_max);
+      c_non_nan = V::count(c_non_nan, non_nan);
+      hi = V::mask_max(hi, non_nan, key);
+      finite = non_nan;
+    } else {
+      hi = V::max(hi, key);
+    }
+    if constexpr (F::kHasInf) {
+      finite = V::le(key, lim.finite_max);
+      c_finite = V::count(c_finite, finite);
+      c_neginf = V::count(c_neginf, V::eq(raw, lim.neginf));
+    }
+    if constexpr (F::kFloating) {
+      c_sub = V::count(c_sub, V::le(key, lim.sub_max));
+      c_negative = V::count(c_negative, V::le(V::sub(raw, lim.negative_lo), lim.negative_span));
+    } else if constexpr (F::kSigned) {
+      c_negative = V::count(c_negative, V::sign(raw));
+    }
+    c_tol = V::count(c_tol, V::le(key, lim.tol_max));
+    // The moments: finite lanes only, 8 at a time in double; a masked-out
+    // lane adds exactly nothing.
+#pragma GCC unroll 8
+    for (int g = 0; g < kLanes / 8; ++g) {
+      const __m512d x = widen8(q + 8 * g);
+      const __m512d d = F::kHasNan
+                            ? _mm512_maskz_sub_pd(static_cast<__mmask8>(finite >> (8 * g)), x, lim.shift)
+                            : _mm512_sub_pd(x, lim.shift);
+      if (g % 2 == 0) {
+        s1a = _mm512_add_pd(s1a, d);
+        s2a = _mm512_fmadd_pd(d, d, s2a);
+      } else {
+        s1b = _mm512_add_pd(s1b, d);
+        s2b = _mm512_fmadd_pd(d, d, s2b);
       }
     }
-    bits_t lo = B::kAbsMask, hi = 0;
-    for (int j = 0; j < L; ++j) {
-      lo = mn[j] < lo ? mn[j] : lo;
-      hi = mx[j] > hi ? mx[j] : hi;
-    }
-    if (lo < floor || hi >= ceiling) {
-      for (int64_t k = 0; k < kBlock; ++k) acc.push(widen(q[k]), th);
-      continue;
-    }
-    for (int j = 0; j < L; ++j) {
-      lanes.min_a[j] = mn[j] < lanes.min_a[j] ? mn[j] : lanes.min_a[j];
-      lanes.max_a[j] = mx[j] > lanes.max_a[j] ? mx[j] : lanes.max_a[j];
-      lanes.near_zero[j] += nz[j];
-      lanes.negative[j] += ng[j];
-      lanes.s1[j] += f1[j];
-      lanes.s2[j] += static_cast<double>(f2[j]);
-    }
-    lanes.numel += kBlock;
   }
-  for (; i < n; ++i) acc.push(widen(p[i]), th);
+  tally.nonzero = c_nonzero;
+  tally.sub = c_sub;
+  tally.tol = c_tol;
+  tally.finite = c_finite;
+  tally.non_nan = c_non_nan;
+  tally.negative = c_negative;
+  tally.neginf = c_neginf;
+  tally.lo_nonzero = lo_nonzero;
+  tally.hi = hi;
+  tally.s1a = s1a;
+  tally.s1b = s1b;
+  tally.s2a = s2a;
+  tally.s2b = s2b;
 }
 
-// The instruction-set clones live on these non-template entry points; the
-// template above is inlined into each clone and compiled for its ISA.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ZS_SIMD_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define ZS_SIMD_CLONES
-#endif
+// p: [n] contiguous, n a multiple of the vector's lanes. Adds the span's
+// statistics to `t` (see the file comment).
+template <typename S>
+ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
+                            double shift, Tally<S, int64_t>& t) {
+  using F = Format<S>;
+  constexpr int W = sizeof(S);
+  using V = Lanes<W>;
+  constexpr int kLanes = 64 / W;
+  constexpr bool kFloating = F::kFloating;
+  constexpr bool kHasNan = F::kHasNan;
+  constexpr bool kHasInf = F::kHasInf;
 
-ZS_SIMD_CLONES inline void scan_span_f32_generic(const float* p, int64_t n,
-                                                 const Thresholds<float>& th,
-                                                 Lanes<float>& lanes,
-                                                 ScalarAccumulator<float>& acc) {
-  scan_span_impl(p, n, th, lanes, acc);
-}
-ZS_SIMD_CLONES inline void scan_span_bf16_generic(const Bf16Bits* p, int64_t n,
-                                                  const Thresholds<float>& th,
-                                                  Lanes<float>& lanes,
-                                                  ScalarAccumulator<float>& acc) {
-  scan_span_impl(p, n, th, lanes, acc);
-}
+  VectorLimits vl;
+  vl.sub_max = V::set1(lim.sub_max);
+  vl.tol_max = V::set1(lim.tol_max);
+  vl.finite_max = V::set1(lim.finite_max);
+  vl.nonnan_max = V::set1(lim.nonnan_max);
+  uint64_t sign_bit = 0;
+  if constexpr (kFloating) sign_bit = F::kSignBit;
+  vl.negative_lo = V::set1(sign_bit + 1);
+  vl.negative_span = V::set1(lim.nonnan_max - 1);
+  vl.neginf = V::set1(sign_bit + lim.nonnan_max);
+  vl.shift = _mm512_set1_pd(shift);
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define ZS_HAVE_AVX512_KERNELS 1
-// Adds the 16 floats of v, widened to double, into the 8 lanes of sum.
-__attribute__((target("avx512f,avx512dq"))) inline __m512d add_widened(__m512d sum, __m512 v) {
-  sum = _mm512_add_pd(sum, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  return _mm512_add_pd(sum, _mm512_cvtps_pd(upper));
-}
-
-// bfloat16 with AVX-512BW. Everything but the moments is decided on the 16-bit
-// patterns, 32 lanes at a time (min/max/compare on |x| bits need no
-// widening); only the moments widen, which is a shift into the upper half of
-// a float. The sum of values is kept in double so the mean of zero-centred data
-// keeps its digits.
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) inline void
-scan_span_bf16_avx512(const Bf16Bits* p, int64_t n, const Thresholds<float>& th,
-                      ScalarAccumulator<float>& acc) {
-  constexpr int64_t kBlock = 32 * kIters;
-  const uint32_t floor32 = th.tiny > 1 ? th.tiny : 1u;
-  // |x| <= tol  <=>  bits16 <= tol32 >> 16 (the low half of |x| is zero);
-  // |x| <  floor <=> bits16 <  ceil(floor32 / 2^16).
-  const uint16_t tol16 = static_cast<uint16_t>(th.tol >> 16);
-  const uint16_t floor16 = static_cast<uint16_t>((floor32 + 0xffffu) >> 16);
-  const uint16_t ceiling16 = static_cast<uint16_t>(fast_ceiling(acc.shift) >> 16);
-  const __m512i abs_mask = _mm512_set1_epi16(0x7fff);
-  const __m512i tol_v = _mm512_set1_epi16(static_cast<short>(tol16));
-  const __m512i one16 = _mm512_set1_epi16(1);
   const __m512i zero = _mm512_setzero_si512();
-  const __m512 shift = _mm512_set1_ps(acc.shift);
+  VectorTally v;
+  v.nonzero = v.sub = v.tol = v.finite = v.non_nan = v.negative = v.neginf = zero;
+  v.lo_nonzero = _mm512_set1_epi32(-1);
+  v.hi = zero;
+  v.s1a = v.s1b = v.s2a = v.s2b = _mm512_setzero_pd();
+  VectorTotals total;
+  total.nonzero = total.sub = total.tol = total.finite = zero;
+  total.non_nan = total.negative = total.neginf = zero;
 
-  __m512i near_zero = _mm512_setzero_si512(), negative = _mm512_setzero_si512();
-  __m512d s1 = _mm512_setzero_pd(), s2 = _mm512_setzero_pd();
-  int64_t fast = 0;
-  int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    const uint16_t* q = reinterpret_cast<const uint16_t*>(p + i);
-    __m512i mn = _mm512_set1_epi16(-1), mx = zero, nz = zero, ng = zero;
-    __m512 f2a = _mm512_setzero_ps(), f2b = _mm512_setzero_ps();
-    __m512d f1a = _mm512_setzero_pd(), f1b = _mm512_setzero_pd();
-    for (int it = 0; it < kIters; ++it) {
-      const __m512i v = _mm512_loadu_si512(q + 32 * it);
-      const __m512i a = _mm512_and_si512(v, abs_mask);
-      mn = _mm512_min_epu16(mn, a);
-      mx = _mm512_max_epu16(mx, a);
-      nz = _mm512_mask_add_epi16(nz, _mm512_cmple_epu16_mask(a, tol_v), nz, one16);
-      // No zero or NaN in a fast block, so x < 0 is the sign bit.
-      ng = _mm512_add_epi16(ng, _mm512_srli_epi16(v, 15));
-      // Interleaving with zeros puts each bfloat16 in the top half of a
-      // float; the lane order changes, which sums do not mind.
-      const __m512 lo = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v)), shift);
-      const __m512 hi = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)), shift);
-      f2a = _mm512_fmadd_ps(lo, lo, f2a);
-      f2b = _mm512_fmadd_ps(hi, hi, f2b);
-      f1a = add_widened(f1a, _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v)));
-      f1b = add_widened(f1b, _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)));
-    }
-    // Smallest and largest |x| bits of the block (minpos finds a u16 minimum;
-    // the maximum is the minimum of the complement).
-    __m256i m256 = _mm256_min_epu16(_mm512_castsi512_si256(mn), _mm512_extracti64x4_epi64(mn, 1));
-    __m128i m128 = _mm_min_epu16(_mm256_castsi256_si128(m256), _mm256_extracti128_si256(m256, 1));
-    const uint16_t lo16 = static_cast<uint16_t>(_mm_cvtsi128_si32(_mm_minpos_epu16(m128)));
-    const __m512i not_mx = _mm512_xor_si512(mx, _mm512_set1_epi16(-1));
-    m256 = _mm256_min_epu16(_mm512_castsi512_si256(not_mx), _mm512_extracti64x4_epi64(not_mx, 1));
-    m128 = _mm_min_epu16(_mm256_castsi256_si128(m256), _mm256_extracti128_si256(m256, 1));
-    const uint16_t hi16 = static_cast<uint16_t>(~_mm_cvtsi128_si32(_mm_minpos_epu16(m128)));
-    if (lo16 < floor16 || hi16 >= ceiling16) {
-      for (int64_t k = 0; k < kBlock; ++k) acc.push(widen(p[i + k]), th);
-      continue;
-    }
-    const uint32_t lo32 = static_cast<uint32_t>(lo16) << 16;
-    const uint32_t hi32 = static_cast<uint32_t>(hi16) << 16;
-    acc.min_a = lo32 < acc.min_a ? lo32 : acc.min_a;
-    acc.min_nonzero = lo32 < acc.min_nonzero ? lo32 : acc.min_nonzero;
-    acc.max_a = hi32 > acc.max_a ? hi32 : acc.max_a;
-    // u16 counters (at most kIters each) widened by pairwise adds to i32.
-    near_zero = _mm512_add_epi32(near_zero, _mm512_madd_epi16(nz, one16));
-    negative = _mm512_add_epi32(negative, _mm512_madd_epi16(ng, one16));
-    s1 = _mm512_add_pd(s1, _mm512_add_pd(f1a, f1b));
-    const __m512 f2 = _mm512_add_ps(f2a, f2b);
-    s2 = _mm512_add_pd(s2, _mm512_cvtps_pd(_mm512_castps512_ps256(f2)));
-    s2 = _mm512_add_pd(s2, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f2), 1))));
-    fast += kBlock;
+  const int64_t vectors = n / kLanes;
+  for (int64_t begin = 0; begin < vectors; begin += kFold<W>) {
+    scan_block(p + begin * kLanes, std::min(kFold<W>, vectors - begin), vl, v);
+    fold<W>(total.nonzero, v.nonzero);
+    fold<W>(total.sub, v.sub);
+    fold<W>(total.tol, v.tol);
+    fold<W>(total.finite, v.finite);
+    fold<W>(total.non_nan, v.non_nan);
+    fold<W>(total.negative, v.negative);
+    fold<W>(total.neginf, v.neginf);
   }
-  acc.numel += fast;
-  acc.near_zero += _mm512_reduce_add_epi32(near_zero);
-  acc.negative += _mm512_reduce_add_epi32(negative);
-  // s1 summed the values themselves; the accumulator wants x - shift.
-  acc.s1 += _mm512_reduce_add_pd(s1) - static_cast<double>(fast) * acc.shift;
-  acc.s2 += _mm512_reduce_add_pd(s2);
-  for (; i < n; ++i) acc.push(widen(p[i]), th);
+
+  const int64_t count = vectors * kLanes;
+  const int64_t nonzero = _mm512_reduce_add_epi64(total.nonzero);
+  const int64_t zeros = count - nonzero;
+  const int64_t non_nan = kHasNan ? _mm512_reduce_add_epi64(total.non_nan) : count;
+  t.numel += count;
+  t.zeros += zeros;
+  // Integers have no subnormals: sub_max is 0, so "at most sub_max" is zero.
+  t.at_most_sub += kFloating ? _mm512_reduce_add_epi64(total.sub) : zeros;
+  t.at_most_tol += _mm512_reduce_add_epi64(total.tol);
+  t.finite += kHasInf ? _mm512_reduce_add_epi64(total.finite) : non_nan;
+  t.non_nan += non_nan;
+  t.negative += _mm512_reduce_add_epi64(total.negative);
+  t.neginf += _mm512_reduce_add_epi64(total.neginf);
+  using key_t = typename F::key_t;
+  const key_t lo_nonzero = static_cast<key_t>(reduce_key<W>(v.lo_nonzero, true));
+  const key_t hi = static_cast<key_t>(reduce_key<W>(v.hi, false));
+  t.lo_nonzero = std::min(t.lo_nonzero, lo_nonzero);
+  t.hi = std::max(t.hi, hi);
+  t.s1 += _mm512_reduce_add_pd(_mm512_add_pd(v.s1a, v.s1b));
+  t.s2 += _mm512_reduce_add_pd(_mm512_add_pd(v.s2a, v.s2b));
 }
-#endif
 
-#if defined(ZS_HAVE_AVX512_KERNELS)
-// float32 with AVX-512: the same scheme as the generic loop, 32 values per
-// step, with the counters as masked adds and the sum of values in double.
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) inline void
-scan_span_f32_avx512(const float* p, int64_t n, const Thresholds<float>& th,
-                     ScalarAccumulator<float>& acc) {
-  constexpr int64_t kBlock = 32 * kIters;
-  const uint32_t floor32 = th.tiny > 1 ? th.tiny : 1u;
-  const uint32_t ceiling = fast_ceiling(acc.shift);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-  const __m512i tol_v = _mm512_set1_epi32(static_cast<int>(th.tol));
-  const __m512i one = _mm512_set1_epi32(1);
-  const __m512 shift = _mm512_set1_ps(acc.shift);
-
-  __m512i near_zero = _mm512_setzero_si512(), negative = _mm512_setzero_si512();
-  __m512d s1 = _mm512_setzero_pd(), s2 = _mm512_setzero_pd();
-  int64_t fast = 0;
-  int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    const float* q = p + i;
-    __m512i mn = _mm512_set1_epi32(-1), mx = _mm512_setzero_si512();
-    __m512i nz = _mm512_setzero_si512(), ng = _mm512_setzero_si512();
-    __m512 f2a = _mm512_setzero_ps(), f2b = _mm512_setzero_ps();
-    __m512d f1a = _mm512_setzero_pd(), f1b = _mm512_setzero_pd();
-    for (int it = 0; it < kIters; ++it) {
-      const __m512i va = _mm512_loadu_si512(q + 32 * it);
-      const __m512i vb = _mm512_loadu_si512(q + 32 * it + 16);
-      const __m512i aa = _mm512_and_si512(va, abs_mask);
-      const __m512i ab = _mm512_and_si512(vb, abs_mask);
-      mn = _mm512_min_epu32(mn, _mm512_min_epu32(aa, ab));
-      mx = _mm512_max_epu32(mx, _mm512_max_epu32(aa, ab));
-      nz = _mm512_mask_add_epi32(nz, _mm512_cmple_epu32_mask(aa, tol_v), nz, one);
-      nz = _mm512_mask_add_epi32(nz, _mm512_cmple_epu32_mask(ab, tol_v), nz, one);
-      // No zero or NaN in a fast block, so x < 0 is the sign bit.
-      ng = _mm512_add_epi32(ng, _mm512_add_epi32(_mm512_srli_epi32(va, 31), _mm512_srli_epi32(vb, 31)));
-      const __m512 da = _mm512_sub_ps(_mm512_castsi512_ps(va), shift);
-      const __m512 db = _mm512_sub_ps(_mm512_castsi512_ps(vb), shift);
-      f2a = _mm512_fmadd_ps(da, da, f2a);
-      f2b = _mm512_fmadd_ps(db, db, f2b);
-      f1a = add_widened(f1a, _mm512_castsi512_ps(va));
-      f1b = add_widened(f1b, _mm512_castsi512_ps(vb));
-    }
-    const uint32_t lo = static_cast<uint32_t>(_mm512_reduce_min_epu32(mn));
-    const uint32_t hi = static_cast<uint32_t>(_mm512_reduce_max_epu32(mx));
-    if (lo < floor32 || hi >= ceiling) {
-      for (int64_t k = 0; k < kBlock; ++k) acc.push(q[k], th);
-      continue;
-    }
-    acc.min_a = lo < acc.min_a ? lo : acc.min_a;
-    acc.min_nonzero = lo < acc.min_nonzero ? lo : acc.min_nonzero;
-    acc.max_a = hi > acc.max_a ? hi : acc.max_a;
-    near_zero = _mm512_add_epi32(near_zero, nz);
-    negative = _mm512_add_epi32(negative, ng);
-    s1 = _mm512_add_pd(s1, _mm512_add_pd(f1a, f1b));
-    const __m512 f2 = _mm512_add_ps(f2a, f2b);
-    s2 = _mm512_add_pd(s2, _mm512_cvtps_pd(_mm512_castps512_ps256(f2)));
-    s2 = _mm512_add_pd(s2, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f2), 1))));
-    fast += kBlock;
-  }
-  acc.numel += fast;
-  // i32 lanes: a span handed to one call is at most one chunk, so each lane
-  // counts at most chunk / 16 elements.
-  acc.near_zero += static_cast<uint32_t>(_mm512_reduce_add_epi32(near_zero));
-  acc.negative += static_cast<uint32_t>(_mm512_reduce_add_epi32(negative));
-  // s1 summed the values themselves; the accumulator wants x - shift.
-  acc.s1 += _mm512_reduce_add_pd(s1) - static_cast<double>(fast) * acc.shift;
-  acc.s2 += _mm512_reduce_add_pd(s2);
-  for (; i < n; ++i) acc.push(p[i], th);
-}
-#endif
-
-// Picks the AVX-512 kernels when the running CPU has them.
+// Whether the running CPU has every instruction set the vector loop uses.
 inline bool cpu_has_avx512() {
-#if defined(ZS_HAVE_AVX512_KERNELS)
-  static const bool has = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("avx512vl");
+  static const bool has =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   return has;
-#else
-  return false;
-#endif
 }
 
-inline void scan_span(const float* p, int64_t n, const Thresholds<float>& th,
-                      Lanes<float>& lanes, ScalarAccumulator<float>& acc) {
-#if defined(ZS_HAVE_AVX512_KERNELS)
-  if (cpu_has_avx512()) return scan_span_f32_avx512(p, n, th, acc);
-#endif
-  scan_span_f32_generic(p, n, th, lanes, acc);
-}
+#endif  // ZS_HAVE_AVX512_KERNELS
 
-inline void scan_span(const Bf16Bits* p, int64_t n, const Thresholds<float>& th,
-                      Lanes<float>& lanes, ScalarAccumulator<float>& acc) {
+// p: [n] contiguous. Adds its elements' statistics to `t`; `shift` is the
+// value subtracted before the moments are summed (see set_moments).
+template <typename S>
+void scan_span(const S* p, int64_t n, const Limits& lim, double shift,
+               Tally<S, int64_t>& t) {
+  int64_t done = 0;
 #if defined(ZS_HAVE_AVX512_KERNELS)
-  if (cpu_has_avx512()) return scan_span_bf16_avx512(p, n, th, acc);
+  if (cpu_has_avx512()) {
+    constexpr int64_t kLanes = 64 / static_cast<int64_t>(sizeof(S));
+    done = n / kLanes * kLanes;
+    if (done > 0) scan_vectors(p, done, lim, shift, t);
+  }
 #endif
-  scan_span_bf16_generic(p, n, th, lanes, acc);
-}
-ZS_SIMD_CLONES inline void scan_span(const double* p, int64_t n,
-                                     const Thresholds<double>& th,
-                                     Lanes<double>& lanes,
-                                     ScalarAccumulator<double>& acc) {
-  scan_span_impl(p, n, th, lanes, acc);
+  scan_span_scalar(p + done, n - done, lim, shift, t);
 }
 
 }  // namespace cpu

@@ -3,20 +3,13 @@
 // Work is split into fixed chunks of the tensor (the split depends on the
 // tensor alone, never on the thread count), each chunk is reduced to a
 // Partial, and the partials are combined in a fixed tree order, so results
-// are bitwise identical whatever torch.set_num_threads says. The SIMD loop
+// are bitwise identical whatever torch.set_num_threads says. The vector loop
 // over one contiguous span is in scan_span.h.
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <array>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-#include <type_traits>
+#include <algorithm>
+#include <cmath>
 
 #include "../op_common.h"
 #include "scan_span.h"
@@ -27,149 +20,59 @@ namespace {
 
 constexpr int64_t kMinChunk = 1 << 16;    // elements; small tensors: 1 chunk
 constexpr int64_t kMaxChunks = 1024;      // bounds the partials' memory
-constexpr int64_t kGather = 2048;         // elements widened per strided step
+constexpr int64_t kGather = 2048;         // elements gathered per strided step
 constexpr int64_t kShiftSample = 64;      // elements that pick a chunk's shift
 constexpr int64_t kParallelMin = 1 << 19; // elements; less runs on one thread
 
-// The type the SIMD loop reads for a storage dtype: bfloat16 and float16 as
-// raw bits (scan_span.h widens them), float and double as they are.
-template <typename scalar_t>
-struct Direct {
-  using type = void;  // not read directly: widened into a buffer first
-};
-template <>
-struct Direct<float> {
-  using type = float;
-};
-template <>
-struct Direct<double> {
-  using type = double;
-};
-template <>
-struct Direct<c10::BFloat16> {
-  using type = Bf16Bits;
-};
-
-// Every float8 value widened to float, indexed by its bit pattern.
-template <typename fp8_t>
-const float* fp8_table() {
-  static const auto table = [] {
-    std::array<float, 256> t;
-    for (int b = 0; b < 256; ++b) {
-      t[b] = static_cast<float>(fp8_t(static_cast<uint8_t>(b), fp8_t::from_bits()));
-    }
-    return t;
-  }();
-  return table.data();
-}
-
-// Exact widening of any supported dtype, one element at a time.
-template <typename acc_t, typename scalar_t>
-ZS_INLINE acc_t widen_to(scalar_t x) {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    return widen(Bf16Bits{x.x});
-  } else if constexpr (std::is_same_v<scalar_t, c10::Float8_e4m3fn> ||
-                       std::is_same_v<scalar_t, c10::Float8_e5m2>) {
-    return fp8_table<scalar_t>()[x.x];
-  } else {
-    return static_cast<acc_t>(x);
-  }
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx,f16c"))) void half_to_float_f16c(
-    const c10::Half* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-#endif
-
-// src, dst: [n] contiguous. Exact; the hardware converter where there is one.
-void half_to_float(const c10::Half* src, float* dst, int64_t n) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool has_f16c = __builtin_cpu_supports("f16c");
-  if (has_f16c) {
-    half_to_float_f16c(src, dst, n);
-    return;
-  }
-#endif
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// src: [n] with `stride` -> dst: [n] contiguous.
-template <typename acc_t, typename scalar_t>
-void widen_run(const scalar_t* src, int64_t stride, acc_t* dst, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    if (stride == 1) return half_to_float(src, dst, n);
-  }
-  if (stride == 1) {
-    for (int64_t t = 0; t < n; ++t) dst[t] = widen_to<acc_t>(src[t]);
-  } else {
-    for (int64_t t = 0; t < n; ++t) dst[t] = widen_to<acc_t>(src[t * stride]);
-  }
-}
-
 // The shift is the mean of the first finite values of the chunk: close to the
 // chunk's mean, so the shifted second moment barely cancels.
-template <typename acc_t, typename scalar_t>
-acc_t pick_shift(const Layout& l, const scalar_t* data, int64_t begin,
-                 int64_t end) {
+template <typename S>
+double pick_shift(const Layout& l, const S* data, int64_t begin, int64_t end) {
   double sum = 0.0;
   int64_t count = 0;
   const int64_t stop = std::min(end, begin + kShiftSample);
   for_each_run(l, begin, stop, [&](int64_t off, int64_t len, int64_t stride) {
     for (int64_t k = 0; k < len; ++k) {
-      const acc_t x = widen_to<acc_t>(data[off + k * stride]);
-      const auto a = to_bits(x) & FloatBits<acc_t>::kAbsMask;
-      if (a < FloatBits<acc_t>::kInf) {
-        sum += static_cast<double>(x);
+      const double x = static_cast<double>(Format<S>::value(data[off + k * stride]));
+      if (std::isfinite(x)) {
+        sum += x;
         ++count;
       }
     }
   });
-  return count == 0 ? acc_t(0) : static_cast<acc_t>(sum / count);
+  const double shift = count == 0 ? 0.0 : sum / static_cast<double>(count);
+  return std::isfinite(shift) ? shift : 0.0;  // a float64 sum can overflow
 }
 
 // Positions [begin, end) of one tensor, reduced to a Partial.
-template <typename scalar_t, typename acc_t>
-Partial scan_chunk(const Layout& l, const scalar_t* data, int64_t begin,
-                   int64_t end, const Thresholds<acc_t>& th) {
-  ScalarAccumulator<acc_t> acc;
-  acc.shift = pick_shift<acc_t>(l, data, begin, end);
-  Lanes<acc_t> lanes;
-  acc_t buffer[kGather];
+template <typename S>
+Partial scan_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
+                   const Limits& lim) {
+  const double shift = pick_shift(l, data, begin, end);
+  Tally<S, int64_t> tally;
+  S buffer[kGather];
   int64_t filled = 0;
-  auto flush = [&]() {
-    scan_span(buffer, filled, th, lanes, acc);
-    filled = 0;
-  };
   for_each_run(l, begin, end, [&](int64_t off, int64_t len, int64_t stride) {
-    using direct_t = typename Direct<scalar_t>::type;
-    if constexpr (!std::is_void_v<direct_t>) {
-      if (stride == 1 && len >= kGather) {
-        scan_span(reinterpret_cast<const direct_t*>(data + off), len, th,
-                  lanes, acc);
-        return;
-      }
+    if (stride == 1 && len >= kGather) {
+      scan_span(data + off, len, lim, shift, tally);
+      return;
     }
-    // Short or strided runs, and dtypes the SIMD loop cannot read: widen
-    // into a bounded buffer, never a copy of the tensor.
+    // Short or strided runs are gathered into a bounded buffer of raw
+    // elements, never a copy of the tensor.
     for (int64_t k = 0; k < len;) {
       const int64_t take = std::min(len - k, kGather - filled);
-      const scalar_t* src = data + off + k * stride;
-      widen_run<acc_t>(src, stride, buffer + filled, take);
+      const S* src = data + off + k * stride;
+      for (int64_t t = 0; t < take; ++t) buffer[filled + t] = src[t * stride];
       filled += take;
       k += take;
-      if (filled == kGather) flush();
+      if (filled == kGather) {
+        scan_span(buffer, filled, lim, shift, tally);
+        filled = 0;
+      }
     }
   });
-  if (filled > 0) flush();
-  lanes.fold_into(acc);
-  return acc.finish();
+  if (filled > 0) scan_span(buffer, filled, lim, shift, tally);
+  return tally.finish(shift);
 }
 
 // Combines partials[0..n) in a fixed pairwise order.
@@ -194,35 +97,15 @@ struct Task {
   int64_t begin, end;
 };
 
-template <typename scalar_t, typename acc_t>
-Partial scan_task_typed(const at::Tensor& x, const Layout& l,
-                        c10::optional<double> tol, const Task& task) {
-  const auto th = thresholds_for<acc_t>(x.scalar_type(), tol);
-  const scalar_t* data = x.const_data_ptr<scalar_t>();
-  return scan_chunk<scalar_t, acc_t>(l, data, task.begin, task.end, th);
-}
-
-Partial scan_task(const at::Tensor& x, const Layout& l,
-                  c10::optional<double> tol, const Task& task) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return scan_task_typed<float, float>(x, l, tol, task);
-    case at::kDouble: return scan_task_typed<double, double>(x, l, tol, task);
-    case at::kBFloat16:
-      return scan_task_typed<c10::BFloat16, float>(x, l, tol, task);
-    case at::kHalf: return scan_task_typed<c10::Half, float>(x, l, tol, task);
-    case at::kFloat8_e4m3fn:
-      return scan_task_typed<c10::Float8_e4m3fn, float>(x, l, tol, task);
-    case at::kFloat8_e5m2:
-      return scan_task_typed<c10::Float8_e5m2, float>(x, l, tol, task);
-    case at::kBool: return scan_task_typed<bool, double>(x, l, tol, task);
-    case at::kByte: return scan_task_typed<uint8_t, double>(x, l, tol, task);
-    case at::kChar: return scan_task_typed<int8_t, double>(x, l, tol, task);
-    case at::kShort: return scan_task_typed<int16_t, double>(x, l, tol, task);
-    case at::kInt: return scan_task_typed<int32_t, double>(x, l, tol, task);
-    case at::kLong: return scan_task_typed<int64_t, double>(x, l, tol, task);
-    default:
-      TORCH_CHECK(false, "zeroscan: unsupported dtype ", x.scalar_type());
-  }
+Partial scan_task(const at::Tensor& x, const Layout& l, const Limits& lim,
+                  const Task& task) {
+  return visit_dtype(x.scalar_type(), [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    // The storage types mirror torch's element types bit for bit.
+    TORCH_INTERNAL_ASSERT(x.element_size() == static_cast<int64_t>(sizeof(S)));
+    const S* data = reinterpret_cast<const S*>(x.const_data_ptr());
+    return scan_chunk<S>(l, data, task.begin, task.end, lim);
+  });
 }
 
 // Scans xs (all on the CPU) into rows: int64 [N, kNumFields].
@@ -234,6 +117,7 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
   // Layouts are ~1 KB each, so they are planned again where used rather than
   // kept for every tensor of a long list (planning costs nanoseconds).
   std::vector<int64_t> repeats(n);
+  std::vector<Limits> limits(n);
   std::vector<Task> tasks;
   std::vector<int64_t> first_task(n + 1);
   int64_t total = 0;
@@ -241,6 +125,7 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
     check_input(op, as_list ? ArgName{"xs", t} : ArgName{"x", -1}, xs[t]);
     const Layout layout = layout_of(xs[t]);
     repeats[t] = layout.repeat;
+    limits[t] = limits_of(xs[t].scalar_type(), tol);
     first_task[t] = static_cast<int64_t>(tasks.size());
     const int64_t numel = layout.numel;
     const int64_t step = chunk_size(numel);
@@ -257,7 +142,7 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
     for (int64_t k = lo; k < hi; ++k) {
       const Task& task = tasks[k];
       const Layout layout = layout_of(xs[task.tensor]);
-      partials[k] = scan_task(xs[task.tensor], layout, tol, task);
+      partials[k] = scan_task(xs[task.tensor], layout, limits[task.tensor], task);
     }
   };
   // Waking other threads costs more than scanning a few small tensors, so

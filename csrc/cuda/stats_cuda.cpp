@@ -35,14 +35,13 @@ struct Call {
   cudaStream_t stream = nullptr;
 };
 
-// Launches the scan of `inputs`, all of storage type T.
+// Launches the scan of `inputs`, all of storage type T, with the key limits
+// of their dtype.
 template <typename T>
-void launch_as(const std::vector<ScanInput>& inputs, at::ScalarType dtype,
-               c10::optional<double> tol, Call& call) {
-  const auto th = thresholds_for<acc_of<T>>(dtype, tol);
+void launch_as(const std::vector<ScanInput>& inputs, const Limits& limits,
+               Call& call) {
   LaunchHeader h = call.common;
-  h.tiny = th.tiny;
-  h.tol = th.tol;
+  h.limits = limits;
   auto grid = [&](int tiles) { return std::min(tiles, call.max_grid); };
   plan_launches(
       inputs.data(), static_cast<int64_t>(inputs.size()), sizeof(T), h,
@@ -59,22 +58,11 @@ void launch_as(const std::vector<ScanInput>& inputs, at::ScalarType dtype,
 
 void launch_dtype(const std::vector<ScanInput>& inputs, at::ScalarType dtype,
                   c10::optional<double> tol, Call& call) {
-  switch (dtype) {
-    case at::kFloat: return launch_as<float>(inputs, dtype, tol, call);
-    case at::kDouble: return launch_as<double>(inputs, dtype, tol, call);
-    case at::kHalf: return launch_as<f16_t>(inputs, dtype, tol, call);
-    case at::kBFloat16: return launch_as<bf16_t>(inputs, dtype, tol, call);
-    case at::kFloat8_e4m3fn: return launch_as<e4m3_t>(inputs, dtype, tol, call);
-    case at::kFloat8_e5m2: return launch_as<e5m2_t>(inputs, dtype, tol, call);
-    case at::kBool: return launch_as<bool_t>(inputs, dtype, tol, call);
-    case at::kByte: return launch_as<uint8_t>(inputs, dtype, tol, call);
-    case at::kChar: return launch_as<int8_t>(inputs, dtype, tol, call);
-    case at::kShort: return launch_as<int16_t>(inputs, dtype, tol, call);
-    case at::kInt: return launch_as<int32_t>(inputs, dtype, tol, call);
-    case at::kLong: return launch_as<int64_t>(inputs, dtype, tol, call);
-    default:
-      TORCH_CHECK(false, "zeroscan: unsupported dtype ", dtype);
-  }
+  const Limits limits = limits_of(dtype, tol);
+  visit_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    launch_as<T>(inputs, limits, call);
+  });
 }
 
 // xs: N tensors on one CUDA device -> int64 [N, kNumFields] on that device.

@@ -29,57 +29,12 @@
 #include <cstring>
 
 #include "../classify.h"
+#include "../dtypes.h"
 #include "../layout.h"
 #include "../stats_record.h"
 
 namespace zeroscan {
 namespace cuda {
-
-// Element storage types that have no builtin C++ type: their raw bits.
-struct f16_t {
-  uint16_t bits;
-};
-struct bf16_t {
-  uint16_t bits;
-};
-struct e4m3_t {  // float8_e4m3fn
-  uint8_t bits;
-};
-struct e5m2_t {  // float8_e5m2
-  uint8_t bits;
-};
-struct bool_t {
-  uint8_t bits;
-};
-
-// The compute type of a storage type (as in op_common.h's widens_to_float):
-// float for floating types of up to 32 bits, double for float64 and integers.
-template <typename T>
-struct AccOf {
-  using type = double;
-};
-template <>
-struct AccOf<float> {
-  using type = float;
-};
-template <>
-struct AccOf<f16_t> {
-  using type = float;
-};
-template <>
-struct AccOf<bf16_t> {
-  using type = float;
-};
-template <>
-struct AccOf<e4m3_t> {
-  using type = float;
-};
-template <>
-struct AccOf<e5m2_t> {
-  using type = float;
-};
-template <typename T>
-using acc_of = typename AccOf<T>::type;
 
 constexpr int kThreads = 256;  // per block
 constexpr int kUnroll = 4;     // 16-byte loads in flight per thread
@@ -118,8 +73,7 @@ struct LaunchHeader {
   int32_t num_tensors = 0;
   int32_t num_tiles = 0;
   int64_t slot_base = 0;  // tile k's partial goes to partials[slot_base + k]
-  uint64_t tiny = 0;      // Thresholds<acc_t>::tiny of the launch's dtype
-  uint64_t tol = 0;       // Thresholds<acc_t>::tol
+  Limits limits = {};     // the key limits of the launch's dtype and tol
   int64_t* out = nullptr;         // [rows, kNumFields]
   Partial* partials = nullptr;    // [tiles of the whole call]; may be null
   int32_t* counters = nullptr;    // [rows], zeroed before the call; may be null
@@ -148,17 +102,13 @@ void launch_contig(const ContigBatch& batch, int grid, cudaStream_t stream);
 template <typename T>
 void launch_strided(const StridedBatch& batch, int grid, cudaStream_t stream);
 
-#define ZEROSCAN_FOR_EACH_STORAGE_TYPE(X)                             \
-  X(float) X(double) X(zeroscan::cuda::f16_t) X(zeroscan::cuda::bf16_t) \
-  X(zeroscan::cuda::e4m3_t) X(zeroscan::cuda::e5m2_t)                   \
-  X(zeroscan::cuda::bool_t) X(uint8_t) X(int8_t) X(int16_t) X(int32_t)  \
-  X(int64_t)
-#define ZEROSCAN_DECLARE_LAUNCHERS(T)                                     \
-  extern template void launch_contig<T>(const ContigBatch&, int,         \
+// One per dtype of the table in dtypes.h.
+#define ZEROSCAN_DECLARE_LAUNCHERS(name, S, value_t, tiny, eps)          \
+  extern template void launch_contig<S>(const ContigBatch&, int,         \
                                         cudaStream_t);                    \
-  extern template void launch_strided<T>(const StridedBatch&, int,       \
+  extern template void launch_strided<S>(const StridedBatch&, int,       \
                                          cudaStream_t);
-ZEROSCAN_FOR_EACH_STORAGE_TYPE(ZEROSCAN_DECLARE_LAUNCHERS)
+ZEROSCAN_DTYPES(ZEROSCAN_DECLARE_LAUNCHERS)
 #undef ZEROSCAN_DECLARE_LAUNCHERS
 
 // ---- The launch plan (host side, shared by the launcher and the test) -----
@@ -195,7 +145,7 @@ struct ScanInput {
 // Packs `inputs` (all of one storage type, elem_size bytes each) into
 // launches: `contig(const ContigBatch&)` and `strided(const StridedBatch&)`
 // are called once per full batch and once for each last one. `common`
-// supplies the thresholds and buffers; `slot_cursor` numbers tiles across all
+// supplies the key limits and buffers; `slot_cursor` numbers tiles across all
 // launches of one call (start it at 0, and size the partials buffer by the sum
 // of tiles_of over the call).
 template <typename LaunchContig, typename LaunchStrided>
@@ -260,8 +210,6 @@ void plan_launches(const ScanInput* inputs, int64_t n, int64_t elem_size,
 // ---- Device code ----------------------------------------------------------
 #if defined(__CUDACC__)
 
-#include <cuda_fp16.h>
-
 #include <cub/block/block_reduce.cuh>
 
 // The per-thread code is __host__ __device__ so that the standalone test can
@@ -272,39 +220,6 @@ void plan_launches(const ScanInput* inputs, int64_t n, int64_t elem_size,
 
 namespace zeroscan {
 namespace cuda {
-
-// Exact widening of one element to its compute type.
-ZS_HDI float widen(float x) { return x; }
-ZS_HDI double widen(double x) { return x; }
-ZS_HDI float widen(bf16_t v) {
-  // bfloat16 is the top half of a float32.
-  return from_bits<float>(static_cast<uint32_t>(v.bits) << 16);
-}
-ZS_HDI float widen(f16_t v) { return __half2float(__ushort_as_half(v.bits)); }
-ZS_HDI float widen(e5m2_t v) {
-  // float8_e5m2 is the top byte of a float16 (infinities and NaN included).
-  return __half2float(
-      __ushort_as_half(static_cast<unsigned short>(v.bits << 8)));
-}
-ZS_HDI float widen(e4m3_t v) {
-  // |x|'s 7 bits shifted into a float16's exponent and mantissa give
-  // |x| / 2^8 for normal and subnormal values alike (the exponent biases
-  // differ by 8), so one exact scale finishes the job. 0x7f is NaN; there are
-  // no infinities.
-  const uint32_t a = v.bits & 0x7fu;
-  const float m =
-      __half2float(__ushort_as_half(static_cast<unsigned short>(a << 7))) *
-      256.0f;
-  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x80u) << 24;
-  const uint32_t u = a == 0x7fu ? 0x7fc00000u : to_bits(m);
-  return from_bits<float>(u | sign);
-}
-ZS_HDI double widen(bool_t v) { return v.bits != 0 ? 1.0 : 0.0; }
-ZS_HDI double widen(uint8_t x) { return static_cast<double>(x); }
-ZS_HDI double widen(int8_t x) { return static_cast<double>(x); }
-ZS_HDI double widen(int16_t x) { return static_cast<double>(x); }
-ZS_HDI double widen(int32_t x) { return static_cast<double>(x); }
-ZS_HDI double widen(int64_t x) { return static_cast<double>(x); }
 
 // A 16-byte load of data nobody writes during the kernel.
 ZS_HDI uint4 load16(const uint4* p) {
@@ -342,160 +257,48 @@ ZS_HDI T element(const uint4& v, int k) {
   return out;
 }
 
-// v[u] for a run-time u, by selects: indexing a register array with a
-// run-time index would move it to local memory.
-template <int V>
-ZS_HDI uint4 pick(const uint4 (&v)[V], int u) {
-  uint4 w = v[0];
-#pragma unroll
-  for (int k = 1; k < V; ++k) {
-    if (u == k) w = v[k];
-  }
-  return w;
-}
-
-// The same bits, which the compiler must assume are new: each pass over a
-// group widens its elements afresh instead of keeping every widened value of
-// the group live from one pass to the next (a register each).
-ZS_HDI uint4 opaque(uint4 w) {
-  asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w));
-  return w;
-}
-
-// The fast path handles |x| and |shift| below this bit pattern (2^60 for
-// float, 2^500 for double), where a sum of 16 squared differences cannot
-// overflow acc_t; larger values take the exact path, which sums in double.
-template <typename acc_t>
-struct FastLimit;
-template <>
-struct FastLimit<float> {
-  static constexpr uint32_t kBits = uint32_t(127 + 60) << 23;
-};
-template <>
-struct FastLimit<double> {
-  static constexpr uint64_t kBits = uint64_t(1023 + 500) << 52;
-};
-
-template <typename acc_t>
-ZS_HDI bool is_finite(acc_t x) {
-  using B = FloatBits<acc_t>;
-  return (to_bits(x) & B::kAbsMask) < B::kInf;
-}
-
-// One element through the exact classifier. A thread's shift (see
-// set_moments) is its first finite value: set while it has summed nothing.
-template <typename acc_t>
-ZS_HDI void push_one(ScalarAccumulator<acc_t>& acc, acc_t x,
-                     const Thresholds<acc_t>& th, bool& have_shift) {
-  if (!have_shift && is_finite(x)) {
-    acc.shift = x;
-    have_shift = true;
-  }
-  acc.push(x, th);
-}
-
-// V loaded 16-byte vectors of T: the fast path, or the exact classifier.
+// One thread's statistics: a Tally (classify.h) that every element goes
+// through, the same branch-free classification the CPU uses, and the shift
+// its moments are taken about (see set_moments).
 //
-// The fast path assumes every element is finite, nonzero, normal and below
-// FastLimit, and checks that afterwards from the group's min and max |x| bit
-// patterns. Then
-// near-zero is `|x| <= tol`, negative is `x < 0`, min |x| is also min nonzero
-// |x|, and the zero, subnormal and non-finite counts are 0. A group that
-// breaks the assumption is classified again, element by element, from the
-// registers it is still in. As on the CPU, the mean needs every value in
-// double (x - shift rounded in float, or summed in float, costs ~1e-7 of the
-// spread per value, which swamps the mean of zero-centred data), while the
-// squares are positive and well conditioned around the shift: each 16-byte
-// vector's (at most 16) squares are summed in acc_t and widened once.
+// The shift is the thread's first finite value, chosen by a select: until a
+// finite value has been added it follows every element, and it is set before
+// the element is added, so the first finite value adds d = 0 and every later
+// one is summed about it. Non-finite values add nothing to the sums (the
+// Tally selects them away), whatever the shift was while they went by; a
+// thread that sees no finite value reports no moments.
+template <typename T>
+struct ThreadStats {
+  Tally<T, uint32_t> tally;
+  double shift = 0.0;
+
+  ZS_HDI void add(T x, const Limits& lim) {
+    const double v = static_cast<double>(Format<T>::value(x));
+    shift = tally.finite == 0 ? v : shift;
+    tally.add(x, lim, shift);
+  }
+  ZS_HDI Partial finish() const { return tally.finish(shift); }
+};
+
+// V loaded 16-byte vectors of T, element by element.
 template <typename T, int V>
-ZS_HDI void scan_group(const uint4 (&v)[V],
-                       ScalarAccumulator<acc_of<T>>& acc,
-                       const Thresholds<acc_of<T>>& th, bool& have_shift) {
-  using acc_t = acc_of<T>;
-  using B = FloatBits<acc_t>;
-  using bits_t = typename B::bits_t;
+ZS_HDI void scan_group(const uint4 (&v)[V], ThreadStats<T>& st,
+                       const Limits& lim) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));
-
-  if (!have_shift) {
-    // The thread's first group with a finite value sets its shift to the
-    // mean of the group's finite values: close to the data's mean.
-    double sum = 0.0;
-    int count = 0;
-    acc_t first = acc_t(0);
-#pragma unroll
-    for (int u = 0; u < V; ++u) {
-      const uint4 w = opaque(v[u]);
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        const acc_t x = widen(element<T>(w, k));
-        if (is_finite(x)) {
-          first = count == 0 ? x : first;
-          sum += static_cast<double>(x);
-          count += 1;
-        }
-      }
-    }
-    if (count > 0) {
-      const acc_t mean = static_cast<acc_t>(sum / count);
-      acc.shift = is_finite(mean) ? mean : first;  // float64 sums can overflow
-      have_shift = true;
-    }
-  }
-
-  const acc_t shift = acc.shift;
-  const double dshift = static_cast<double>(shift);
-  bits_t lo = B::kAbsMask, hi = 0;
-  uint32_t near_zero = 0, negative = 0;
-  double s1 = 0.0, s2 = 0.0;
 #pragma unroll
   for (int u = 0; u < V; ++u) {
-    double sum = 0.0;
-    acc_t sq = acc_t(0);
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const acc_t x = widen(element<T>(v[u], k));
-      const bits_t a = to_bits(x) & B::kAbsMask;
-      lo = a < lo ? a : lo;
-      hi = a > hi ? a : hi;
-      near_zero += a <= th.tol;
-      negative += x < acc_t(0);
-      sum += static_cast<double>(x) - dshift;
-      const acc_t d = x - shift;
-      sq += d * d;
-    }
-    s1 += sum;
-    s2 += static_cast<double>(sq);
-  }
-
-  const bits_t floor = th.tiny > 1 ? th.tiny : bits_t(1);
-  const bits_t limit = FastLimit<acc_t>::kBits;
-  if (lo >= floor && hi < limit && (to_bits(shift) & B::kAbsMask) < limit) {
-    acc.numel += V * kPer;
-    acc.near_zero += near_zero;
-    acc.negative += negative;
-    acc.min_a = lo < acc.min_a ? lo : acc.min_a;
-    acc.min_nonzero = lo < acc.min_nonzero ? lo : acc.min_nonzero;
-    acc.max_a = hi > acc.max_a ? hi : acc.max_a;
-    acc.s1 += s1;
-    acc.s2 += s2;
-    return;
-  }
-  // Rare, so kept small: a rolled loop over the vectors.
-#pragma unroll 1
-  for (int u = 0; u < V; ++u) {
-    const uint4 w = opaque(pick(v, u));
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      acc.push(widen(element<T>(w, k)), th);
-    }
+    for (int k = 0; k < kPer; ++k) st.add(element<T>(v[u], k), lim);
   }
 }
 
-// 16-byte loads in flight per thread: fewer for the small integer types,
-// whose 16 elements per load each widen to a double.
+// 16-byte loads in flight per thread. Every element costs the same handful
+// of compares and two double adds whatever its type, and is folded in as soon
+// as it is extracted, so the loads in flight, not the elements, are what
+// occupy registers: the same for every type.
 template <typename T>
 constexpr int unroll_of() {
-  return sizeof(T) < 4 && sizeof(acc_of<T>) == 8 ? kUnroll / 2 : kUnroll;
+  return kUnroll;
 }
 
 // This thread's share of positions [begin, end) of a contiguous tensor:
@@ -503,9 +306,7 @@ constexpr int unroll_of() {
 // the few unaligned elements at either end one per thread.
 template <typename T>
 ZS_HDI void scan_contiguous(const T* data, int64_t begin, int64_t end, int tid,
-                            ScalarAccumulator<acc_of<T>>& acc,
-                            const Thresholds<acc_of<T>>& th,
-                            bool& have_shift) {
+                            ThreadStats<T>& st, const Limits& lim) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));
   const T* p = data + begin;
   const int64_t n = end - begin;
@@ -516,8 +317,8 @@ ZS_HDI void scan_contiguous(const T* data, int64_t begin, int64_t end, int tid,
   const int64_t nvec = (n - head) / kPer;
   const int64_t tail = head + nvec * kPer;
 
-  if (tid < head) push_one(acc, widen(p[tid]), th, have_shift);
-  if (tid < n - tail) push_one(acc, widen(p[tail + tid]), th, have_shift);
+  if (tid < head) st.add(p[tid], lim);
+  if (tid < n - tail) st.add(p[tail + tid], lim);
 
   const uint4* vp = reinterpret_cast<const uint4*>(p + head);
   constexpr int U = unroll_of<T>();
@@ -526,11 +327,11 @@ ZS_HDI void scan_contiguous(const T* data, int64_t begin, int64_t end, int tid,
     uint4 r[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) r[u] = load16(vp + i + u * kThreads);
-    scan_group<T>(r, acc, th, have_shift);
+    scan_group<T>(r, st, lim);
   }
   for (; i < nvec; i += kThreads) {
     const uint4 r[1] = {load16(vp + i)};
-    scan_group<T>(r, acc, th, have_shift);
+    scan_group<T>(r, st, lim);
   }
 }
 
@@ -540,8 +341,7 @@ ZS_HDI void scan_contiguous(const T* data, int64_t begin, int64_t end, int tid,
 template <typename T>
 ZS_HDI void scan_strided(const T* data, const StridedShape& shape,
                          int64_t begin, int64_t end, int tid,
-                         ScalarAccumulator<acc_of<T>>& acc,
-                         const Thresholds<acc_of<T>>& th, bool& have_shift) {
+                         ThreadStats<T>& st, const Limits& lim) {
   int64_t pos = begin + tid;
   if (pos >= end) return;
   int64_t size[kMaxStridedDims], stride[kMaxStridedDims];
@@ -558,7 +358,7 @@ ZS_HDI void scan_strided(const T* data, const StridedShape& shape,
     offset += index[d] * stride[d];
   }
   for (; pos < end; pos += kThreads) {
-    push_one(acc, widen(data[offset]), th, have_shift);
+    st.add(data[offset], lim);
     int64_t carry = 0;
     offset = 0;
 #pragma unroll
@@ -632,16 +432,12 @@ ZS_HDI TileSpan locate(const LaunchHeader& h, const TensorTiles* t, int g) {
 // Grid-stride loop over the launch's tiles. See the file comment.
 template <typename T, bool kStrided, typename Batch>
 __device__ __forceinline__ void scan_tiles(const Batch& b) {
-  using acc_t = acc_of<T>;
-  using bits_t = typename FloatBits<acc_t>::bits_t;
   using Reduce = cub::BlockReduce<Partial, kThreads>;
   __shared__ typename Reduce::TempStorage temp;
   __shared__ bool last_tile_done;
 
   const LaunchHeader& h = b.h;
-  Thresholds<acc_t> th;
-  th.tiny = static_cast<bits_t>(h.tiny);
-  th.tol = static_cast<bits_t>(h.tol);
+  const Limits lim = h.limits;
 
   const int tid = static_cast<int>(threadIdx.x);
   for (int g = blockIdx.x; g < h.num_tiles; g += gridDim.x) {
@@ -650,16 +446,14 @@ __device__ __forceinline__ void scan_tiles(const Batch& b) {
     const int tiles = span.tiles;
     const T* data = static_cast<const T*>(t.data);
 
-    ScalarAccumulator<acc_t> acc;
-    bool have_shift = false;
+    ThreadStats<T> st;
     if constexpr (kStrided) {
       scan_strided<T>(data, b.shape[span.tensor], span.begin, span.end, tid,
-                      acc, th, have_shift);
+                      st, lim);
     } else {
-      scan_contiguous<T>(data, span.begin, span.end, tid, acc, th,
-                         have_shift);
+      scan_contiguous<T>(data, span.begin, span.end, tid, st, lim);
     }
-    Partial p = Reduce(temp).Reduce(acc.finish(), CombineOp());
+    Partial p = Reduce(temp).Reduce(st.finish(), CombineOp());
     int64_t* row = h.out + static_cast<int64_t>(t.row) * kNumFields;
 
     if (tiles == 1) {
@@ -699,8 +493,15 @@ __global__ void __launch_bounds__(kThreads)
   scan_tiles<T, false>(b);
 }
 
+// The strided walker keeps four int64 digits per dimension live next to the
+// Tally. Left to itself, ptxas squeezes the narrow types' strided kernels
+// into 80 registers (three blocks per SM) and spills; asking for two blocks
+// per SM (at most 128 registers) is the occupancy they had before and keeps
+// every kernel free of spills.
+constexpr int kStridedMinBlocksPerSm = 2;
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kStridedMinBlocksPerSm)
     scan_strided_kernel(const __grid_constant__ StridedBatch b) {
   scan_tiles<T, true>(b);
 }

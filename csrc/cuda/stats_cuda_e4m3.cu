@@ -2,4 +2,4 @@
 // (one file per dtype, so a build compiles them in parallel).
 #include "stats_cuda.cuh"
 
-ZEROSCAN_INSTANTIATE_CUDA(zeroscan::cuda::e4m3_t);
+ZEROSCAN_INSTANTIATE_CUDA(zeroscan::e4m3_t);

@@ -2,4 +2,4 @@
 // (one file per dtype, so a build compiles them in parallel).
 #include "stats_cuda.cuh"
 
-ZEROSCAN_INSTANTIATE_CUDA(zeroscan::cuda::e5m2_t);
+ZEROSCAN_INSTANTIATE_CUDA(zeroscan::e5m2_t);

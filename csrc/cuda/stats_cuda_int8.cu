@@ -2,6 +2,6 @@
 // (one file per dtype, so a build compiles them in parallel).
 #include "stats_cuda.cuh"
 
-ZEROSCAN_INSTANTIATE_CUDA(zeroscan::cuda::bool_t);
+ZEROSCAN_INSTANTIATE_CUDA(zeroscan::bool_t);
 ZEROSCAN_INSTANTIATE_CUDA(uint8_t);
 ZEROSCAN_INSTANTIATE_CUDA(int8_t);
