@@ -182,15 +182,17 @@ def test_fields_repr_and_dict() -> None:
     assert s.zero_fraction == pytest.approx(5 / 2048)
 
 
-def test_reading_a_field_decodes_once() -> None:
+def test_reading_a_field_copies_once() -> None:
     x = torch.randn(1000)
+    x[:7] = 0
     s = zeroscan.stats(x)
-    assert s._readout._rows is None  # nothing read yet: no copy made
-    _ = s.zeros
-    rows = s._readout._rows
-    assert rows is not None
+    assert s._readout._words is None  # nothing read yet: no copy made
+    assert s.zeros == 7
+    words = s._readout._words
+    assert words is not None and not s._readout._rows  # a count decodes no row
     _ = s.mean, s.std, repr(s)
-    assert s._readout._rows is rows
+    assert s._readout._words is words  # one copy serves every later read
+    assert s.to_dict()["zeros"] == s.zeros == 7
 
 
 @pytest.mark.parametrize("device", DEVICES)

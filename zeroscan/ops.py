@@ -32,6 +32,12 @@ def _stats_fake(x: torch.Tensor, tol: float | None = None) -> torch.Tensor:
 
 @torch.library.register_fake("zeroscan::stats_many")
 def _stats_many_fake(xs: list[torch.Tensor], tol: float | None = None) -> torch.Tensor:
+    # One meta tensor among real ones dispatches the whole call here: refuse
+    # it, as the real kernels refuse mixed devices.
+    devices = {x.device for x in xs}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise RuntimeError(f"zeroscan.stats_many: all tensors of one call must be on one device, got {names}")
     return xs[0].new_empty((len(xs), NUM_FIELDS), dtype=torch.int64)
 
 

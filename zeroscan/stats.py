@@ -23,6 +23,7 @@ Semantics (also in the README):
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import overload
@@ -53,18 +54,65 @@ FIELDS = (
 
 
 class Readout:
-    """One native call's result buffer and its host copy, made on first read."""
+    """One native call's result buffer and its host copy, made on first read.
 
-    __slots__ = ("buffer", "_rows")
+    The buffer is copied to the host once: one row (stats) as a list of its
+    16 words, many rows (stats_many) as an int64 [N, 16] array whose columns
+    are listed for every row when first read (the usual pattern is one field
+    of every tensor). A row's floating fields are decoded when one of them is
+    first read.
+    """
+
+    __slots__ = ("buffer", "_words", "_host", "_columns", "_rows")
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer  # int64 [16] or [N, 16], on the scanned device
-        self._rows: list[dict[str, float | int]] | None = None
+        self._words: list[int] | None = None  # the one row of a [16] buffer
+        self._host: numpy.ndarray | None = None  # a copy of an [N, 16] buffer
+        self._columns: dict[int, list[int]] = {}
+        self._rows: dict[int, dict[str, float | int]] = {}
+
+    def _row_words(self, index: int) -> list[int]:
+        if self.buffer.dim() == 1:
+            if self._words is None:
+                self._words = self.buffer.detach().tolist()
+            return self._words
+        return self._array()[index].tolist()
+
+    def _array(self) -> numpy.ndarray:
+        if self._host is None:
+            self._host = self.buffer.detach().cpu().numpy()
+        return self._host
+
+    def count(self, index: int, column: int) -> int:
+        """One int64 word of row `index`."""
+        values = self._columns.get(column)
+        if values is None:
+            if self.buffer.dim() == 1:
+                values = [self._row_words(0)[column]]
+            else:
+                values = self._array()[:, column].tolist()
+            self._columns[column] = values
+        return values[index]
 
     def row(self, index: int) -> dict[str, float | int]:
-        if self._rows is None:
-            self._rows = decode(self.buffer)
-        return self._rows[index]
+        """Every field of row `index`, decoded once."""
+        row = self._rows.get(index)
+        if row is None:
+            words = self._row_words(index)
+            floats = [_as_float64(w) for w in words[FLOAT_COLUMNS]]
+            row = self._rows[index] = finish_row(words[: len(COUNT_FIELDS)], floats)
+        return row
+
+
+_COUNT_COLUMN = {name: column for column, name in enumerate(COUNT_FIELDS)}
+_pack_int64 = struct.Struct("<q").pack
+_unpack_float64 = struct.Struct("<d").unpack
+
+
+def _as_float64(word: int) -> float:
+    """The float64 stored bit for bit in an int64 result word."""
+    return _unpack_float64(_pack_int64(word))[0]
 
 
 def decode(buffer: torch.Tensor) -> list[dict[str, float | int]]:
@@ -126,37 +174,41 @@ class Stats:
     def _field(self, name: str) -> float | int:
         return self._readout.row(self._index)[name]
 
+    def _count(self, name: str) -> int:
+        """A count, read from its int64 word without decoding the row."""
+        return self._readout.count(self._index, _COUNT_COLUMN[name])
+
     @property
     def numel(self) -> int:
-        return int(self._field("numel"))
+        return self._count("numel")
 
     @property
     def zeros(self) -> int:
-        return int(self._field("zeros"))
+        return self._count("zeros")
 
     @property
     def subnormal(self) -> int:
-        return int(self._field("subnormal"))
+        return self._count("subnormal")
 
     @property
     def near_zero(self) -> int:
-        return int(self._field("near_zero"))
+        return self._count("near_zero")
 
     @property
     def nan(self) -> int:
-        return int(self._field("nan"))
+        return self._count("nan")
 
     @property
     def posinf(self) -> int:
-        return int(self._field("posinf"))
+        return self._count("posinf")
 
     @property
     def neginf(self) -> int:
-        return int(self._field("neginf"))
+        return self._count("neginf")
 
     @property
     def negative(self) -> int:
-        return int(self._field("negative"))
+        return self._count("negative")
 
     @property
     def finite(self) -> int:
@@ -349,7 +401,7 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
         buffer = torch.ops.zeroscan.stats_many.default(xs, tol)
     except (RuntimeError, TypeError, NotImplementedError):
         buffer = None
-    if buffer is not None and not any(x.is_meta for x in xs):  # meta inputs reach the fake kernel
+    if buffer is not None and not buffer.is_meta:  # meta inputs reach the fake kernel
         readout = Readout(buffer)
         device = buffer.device
         metas = [(x.dtype, x.shape) for x in xs]
