@@ -232,11 +232,22 @@ struct VectorTally {
   __m512i nonzero, sub, tol, finite, non_nan, negative, neginf;
   __m512i lo_nonzero, hi;
   __m512d s1a, s1b, s2a, s2b;  // two of each: half the add latency chain
+  // 1-byte integers: exact integer moments instead (see kExactBytes).
+  __m512i sum;     // uint64 lanes: sums of the values (int8: plus 128)
+  __m512i sum_sq;  // int32 lanes: sums of squares, widened every kFold<1>
 };
 
 struct VectorTotals {
   __m512i nonzero, sub, tol, finite, non_nan, negative, neginf;  // uint64
+  __m512i sum_sq;                                                 // uint64
 };
+
+// int8, uint8 and bool: their moments are summed exactly in integers (a sum
+// of absolute differences for the values, pairwise multiply-adds of the
+// values widened to 16 bits for the squares), which costs a handful of
+// instructions per 64 elements instead of eight double conversions.
+template <typename S>
+constexpr bool kExactBytes = sizeof(S) == 1 && !Format<S>::kFloating;
 
 template <int W>
 ZS_VEC void fold(__m512i& total, __m512i& narrow) {
@@ -274,6 +285,7 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
   __m512i c_negative = tally.negative, c_neginf = tally.neginf;
   __m512i lo_nonzero = tally.lo_nonzero, hi = tally.hi;
   __m512d s1a = tally.s1a, s1b = tally.s1b, s2a = tally.s2a, s2b = tally.s2b;
+  __m512i sum = tally.sum, sum_sq = tally.sum_sq;
   for (int64_t k = 0; k < vectors; ++k) {
     const S* q = p + k * kLanes;
     const __m512i raw = _mm512_loadu_si512(q);
@@ -311,6 +323,20 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
       c_negative = V::count(c_negative, V::sign(raw));
     }
     c_tol = V::count(c_tol, V::le(key, lim.tol_max));
+    if constexpr (kExactBytes<S>) {
+      // Per vector an int32 lane of sum_sq gains at most 2 * 2 * 255^2, so
+      // kFold<1> = 255 vectors stay below 2^31.
+      const __m512i values = std::is_same_v<S, bool_t> ? key : raw;
+      const __m512i biased =  // int8 + 128 is an unsigned byte
+          F::kSigned ? _mm512_xor_si512(values, _mm512_set1_epi8(static_cast<char>(0x80))) : values;
+      sum = _mm512_add_epi64(sum, _mm512_sad_epu8(biased, _mm512_setzero_si512()));
+      const __m256i low = _mm512_castsi512_si256(values);
+      const __m256i high = _mm512_extracti64x4_epi64(values, 1);
+      const __m512i w0 = F::kSigned ? _mm512_cvtepi8_epi16(low) : _mm512_cvtepu8_epi16(low);
+      const __m512i w1 = F::kSigned ? _mm512_cvtepi8_epi16(high) : _mm512_cvtepu8_epi16(high);
+      sum_sq = _mm512_add_epi32(sum_sq, _mm512_add_epi32(_mm512_madd_epi16(w0, w0), _mm512_madd_epi16(w1, w1)));
+      continue;
+    }
     // The moments: finite lanes only, 8 at a time in double; a masked-out
     // lane adds exactly nothing.
 #pragma GCC unroll 8
@@ -341,6 +367,8 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
   tally.s1b = s1b;
   tally.s2a = s2a;
   tally.s2b = s2b;
+  tally.sum = sum;
+  tally.sum_sq = sum_sq;
 }
 
 // p: [n] contiguous, n a multiple of the vector's lanes. Adds the span's
@@ -374,9 +402,10 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
   v.lo_nonzero = _mm512_set1_epi32(-1);
   v.hi = zero;
   v.s1a = v.s1b = v.s2a = v.s2b = _mm512_setzero_pd();
+  v.sum = v.sum_sq = zero;
   VectorTotals total;
   total.nonzero = total.sub = total.tol = total.finite = zero;
-  total.non_nan = total.negative = total.neginf = zero;
+  total.non_nan = total.negative = total.neginf = total.sum_sq = zero;
 
   const int64_t vectors = n / kLanes;
   for (int64_t begin = 0; begin < vectors; begin += kFold<W>) {
@@ -388,6 +417,7 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
     fold<W>(total.non_nan, v.non_nan);
     fold<W>(total.negative, v.negative);
     fold<W>(total.neginf, v.neginf);
+    if constexpr (kExactBytes<S>) fold<4>(total.sum_sq, v.sum_sq);
   }
 
   const int64_t count = vectors * kLanes;
@@ -408,8 +438,19 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
   const key_t hi = static_cast<key_t>(reduce_key<W>(v.hi, false));
   t.lo_nonzero = std::min(t.lo_nonzero, lo_nonzero);
   t.hi = std::max(t.hi, hi);
-  t.s1 += _mm512_reduce_add_pd(_mm512_add_pd(v.s1a, v.s1b));
-  t.s2 += _mm512_reduce_add_pd(_mm512_add_pd(v.s2a, v.s2b));
+  if constexpr (kExactBytes<S>) {
+    // The shift of an integer dtype is a whole number (scan_span's contract),
+    // so the shifted sums are exact in int64: |x - shift| < 2^9 and a span
+    // holds far fewer than 2^36 elements.
+    const int64_t k = static_cast<int64_t>(shift);
+    const int64_t sum = _mm512_reduce_add_epi64(v.sum) - (F::kSigned ? 128 * count : 0);
+    const int64_t sum_sq = _mm512_reduce_add_epi64(total.sum_sq);
+    t.s1 += static_cast<double>(sum - count * k);
+    t.s2 += static_cast<double>(sum_sq - 2 * k * sum + count * k * k);
+  } else {
+    t.s1 += _mm512_reduce_add_pd(_mm512_add_pd(v.s1a, v.s1b));
+    t.s2 += _mm512_reduce_add_pd(_mm512_add_pd(v.s2a, v.s2b));
+  }
 }
 
 // Whether the running CPU has every instruction set the vector loop uses.
@@ -424,7 +465,8 @@ inline bool cpu_has_avx512() {
 #endif  // ZS_HAVE_AVX512_KERNELS
 
 // p: [n] contiguous. Adds its elements' statistics to `t`; `shift` is the
-// value subtracted before the moments are summed (see set_moments).
+// value subtracted before the moments are summed (see set_moments), and a
+// whole number for integer dtypes.
 template <typename S>
 void scan_span(const S* p, int64_t n, const Limits& lim, double shift,
                Tally<S, int64_t>& t) {

@@ -40,8 +40,10 @@ double pick_shift(const Layout& l, const S* data, int64_t begin, int64_t end) {
       }
     }
   });
-  const double shift = count == 0 ? 0.0 : sum / static_cast<double>(count);
-  return std::isfinite(shift) ? shift : 0.0;  // a float64 sum can overflow
+  double shift = count == 0 ? 0.0 : sum / static_cast<double>(count);
+  if (!std::isfinite(shift)) shift = 0.0;  // a float64 sum can overflow
+  // Integer moments are then sums of whole numbers (exact; see scan_span).
+  return Format<S>::kFloating ? shift : std::nearbyint(shift);
 }
 
 // Positions [begin, end) of one tensor, reduced to a Partial.
