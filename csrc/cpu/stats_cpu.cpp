@@ -42,8 +42,11 @@ double pick_shift(const Layout& l, const S* data, int64_t begin, int64_t end) {
   });
   double shift = count == 0 ? 0.0 : sum / static_cast<double>(count);
   if (!std::isfinite(shift)) shift = 0.0;  // a float64 sum can overflow
-  // Integer moments are then sums of whole numbers (exact; see scan_span).
-  return Format<S>::kFloating ? shift : std::nearbyint(shift);
+  // Integer moments are then sums of whole numbers, exact; float8_e4m3fn's
+  // a whole number of 2^-9, exact in float32 (cpu/scan_span.h).
+  if (!Format<S>::kFloating) return std::nearbyint(shift);
+  if (std::is_same_v<S, e4m3_t>) return std::nearbyint(shift * 512.0) / 512.0;
+  return shift;
 }
 
 // Positions [begin, end) of one tensor, reduced to a Partial.
