@@ -277,10 +277,20 @@ ZS_VEC typename Lanes<sizeof(S)>::mask_t count_non_finite(__m512i raw, __m512i k
 
 // ---- Moments ---------------------------------------------------------------
 //
-// d = x - shift of the finite values, summed in double: x widens exactly to
-// double, so d is exact but for the one rounding of a double subtraction,
-// and the mean of zero-centred data keeps double accuracy. float8_e4m3fn
-// alone sums in float32 (kFloat32Sums), where its sums are exact.
+// What is summed, per dtype:
+//   float64              d = x - shift and d^2, in double.
+//   other floats         x in double (exact but for the double sums' own
+//                        rounding: float32 sums of x lose the mean of
+//                        zero-centred data as soon as small values mix with
+//                        large ones), and d^2 in float32 runs; float8_e4m3fn
+//                        sums x in float32 runs too, exactly (below).
+//   integers             d and d^2 in double, or exactly (kExactBytes).
+// A run is kRun<W> vectors, whose float32 sums are folded into double at
+// its end, so a float32 lane adds at most 16 terms: the squares are
+// positive, and their float32 sums stay within ~16 roundings (1e-6) of
+// exact however long the tensor. sum(d) is then sum(x) - n * shift, in
+// double. float32 and bfloat16 reach 2^-149 and 2^128, beyond what float32
+// squares hold, so their runs square d * 2^k (RunScale).
 
 // Eight consecutive integers, widened exactly to double.
 ZS_VEC __m512d widen8(const int16_t* p) {
@@ -291,14 +301,23 @@ ZS_VEC __m512d widen8(const int32_t* p) {
 }
 ZS_VEC __m512d widen8(const int64_t* p) { return _mm512_cvtepi64_pd(_mm512_loadu_si512(p)); }
 
-// Floats of up to 32 bits: the g-th 16 values of the vector `raw` as
-// float32, times kWidenScale<S> (exact). The lanes come in some order (sums
-// do not care), which masks follow through lanes_of.
 template <typename S>
-constexpr double kWidenScale = std::is_same_v<S, e5m2_t> ? 0x1p112
-                               : std::is_same_v<S, e4m3_t> ? 0x1p120
-                                                           : 1.0;
+constexpr bool kFloat32Squares = Format<S>::kFloating && sizeof(S) <= 4;
+// float8_e4m3fn values are whole multiples of 2^-9 below 2^9: 16 of them
+// sum to less than 2^22 such units, which float32 holds exactly.
+template <typename S>
+constexpr bool kFloat32Values = std::is_same_v<S, e4m3_t>;
+template <typename S>
+constexpr bool kScaledSquares = std::is_same_v<S, float> || std::is_same_v<S, bf16_t>;
 
+// widen16 gives the values divided by this power of two.
+template <typename S>
+constexpr float kWidenScale = std::is_same_v<S, e4m3_t> ? 256.0f : 1.0f;
+
+// Floats of up to 32 bits: the g-th 16 values of the vector `raw` as
+// float32, exactly (divided by kWidenScale<S>). The lanes come in some
+// order (sums do not care), which masks follow through lanes_of. Every
+// conversion is exact and ignores MXCSR's denormals-are-zero.
 ZS_VEC __m512 widen16(float, __m512i raw, int) { return _mm512_castsi512_ps(raw); }
 ZS_VEC __m512 widen16(bf16_t, __m512i raw, int g) {
   // bfloat16 is the top half of a float32: interleaving zeros below the
@@ -306,34 +325,38 @@ ZS_VEC __m512 widen16(bf16_t, __m512i raw, int g) {
   const __m512i z = _mm512_setzero_si512();
   return _mm512_castsi512_ps(g == 0 ? _mm512_unpacklo_epi16(z, raw) : _mm512_unpackhi_epi16(z, raw));
 }
-ZS_VEC __m512 widen16(f16_t, __m512i raw, int g) {
-  return _mm512_cvtph_ps(g == 0 ? _mm512_castsi512_si256(raw) : _mm512_extracti64x4_epi64(raw, 1));
+ZS_VEC __m512 half_to_float(__m512i h, int half) {
+  return _mm512_cvtph_ps(half == 0 ? _mm512_castsi512_si256(h) : _mm512_extracti64x4_epi64(h, 1));
 }
-// float8: the byte, sign-extended and shifted so that its exponent and
-// mantissa land in the low bits of a float32's, with the exponent's top bits
-// cleared, is x * 2^-112 (e5m2) or x * 2^-120 (e4m3), subnormals included.
-// NaN and Inf lanes come out finite; they are masked out or summed again.
-ZS_VEC __m512i sign_extended16(__m512i raw, int g) {
-  return _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(raw, g));
+ZS_VEC __m512 widen16(f16_t, __m512i raw, int g) { return half_to_float(raw, g); }
+// float8 as float16 bits: e5m2 is the top byte of a float16, so a zero byte
+// interleaved below each value widens it (group g: bytes 16 j + 8 (g & 1)
+// + 0..7 of each 128-bit lane j in half g / 2). e4m3 moves its 7 magnitude
+// bits one place down into the float16's (x * 2^-8: the biases differ by 8),
+// the sign staying on top. NaN and Inf lanes come out finite; they are
+// masked out or summed again.
+ZS_VEC __m512i bytes_as_high(__m512i raw, int g) {
+  const __m512i z = _mm512_setzero_si512();
+  return (g & 1) == 0 ? _mm512_unpacklo_epi8(z, raw) : _mm512_unpackhi_epi8(z, raw);
 }
-ZS_VEC __m512 widen16(e5m2_t, __m512i raw, int g) {
-  const __m512i b = _mm512_slli_epi32(sign_extended16(raw, g), 21);
-  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(static_cast<int>(0x8fe00000u))));
-}
+ZS_VEC __m512 widen16(e5m2_t, __m512i raw, int g) { return half_to_float(bytes_as_high(raw, g), g >> 1); }
 ZS_VEC __m512 widen16(e4m3_t, __m512i raw, int g) {
-  const __m512i b = _mm512_slli_epi32(sign_extended16(raw, g), 20);
-  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(static_cast<int>(0x87f00000u))));
+  const __m512i h = _mm512_and_si512(_mm512_srai_epi16(bytes_as_high(raw, g), 1),
+                                     _mm512_set1_epi16(static_cast<short>(0xbfff)));
+  return half_to_float(h, g >> 1);
 }
 
 // The bits of a vector mask that belong to widen16's lanes of group g.
 template <typename S>
 ZS_VEC __mmask16 lanes_of(typename Lanes<sizeof(S)>::mask_t m, int g) {
+  const uint64_t bits = static_cast<uint64_t>(m);
   if constexpr (std::is_same_v<S, bf16_t>) {
-    // Group g holds elements 8 j + 4 g + 0..3 of every 128-bit lane j.
-    const uint64_t pick = g == 0 ? 0x0f0f0f0fu : 0xf0f0f0f0u;
-    return static_cast<__mmask16>(_pext_u64(static_cast<uint64_t>(m), pick));
+    return static_cast<__mmask16>(_pext_u64(bits, g == 0 ? 0x0f0f0f0full : 0xf0f0f0f0ull));
+  } else if constexpr (sizeof(S) == 1) {
+    const uint64_t pick = ((g & 1) == 0 ? 0x00ff00ffull : 0xff00ff00ull) << (32 * (g >> 1));
+    return static_cast<__mmask16>(_pext_u64(bits, pick));
   } else {
-    return static_cast<__mmask16>(static_cast<uint64_t>(m) >> (16 * g));
+    return static_cast<__mmask16>(bits >> (16 * g));
   }
 }
 
@@ -341,81 +364,101 @@ ZS_VEC __m256 high_half(__m512 v) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
 
-// float8_e4m3fn values are multiples of 2^-9 below 2^9 in magnitude, and
-// its shift is a multiple of 2^-9 too (stats_cpu.cpp picks it so): every d
-// is then a whole number of 2^-9 below 2^10, and a float32 lane that adds
-// 16 of them (kRun<1> vectors, two chains) stays below 2^24 units, so the
-// sum of d is exact in float32 and the squares round only as float32
-// products do. Summing 64 values per vector in float32 instead of double
-// halves the work.
-template <typename S>
-constexpr bool kFloat32Sums = std::is_same_v<S, e4m3_t>;
-
-// Sums of d and d^2 of one run of vectors: two chains of each, for latency.
-template <typename S>
-struct RunSums {
-  using acc_t = std::conditional_t<kFloat32Sums<S>, __m512, __m512d>;
-  acc_t s1a, s2a, s1b, s2b;
+// The power of two 2^k by which float32 and bfloat16 runs scale d before
+// squaring it. Let M be the larger of a run's largest finite |x| and |shift|
+// (every |d| is at most 2 M). k puts M * 2^k in [1, 2) for some run before;
+// a run whose own M * 2^k leaves [2^-40, 2^40] squares again with its own
+// k (rescale_run). Inside that window no sum of squares overflows (16 terms
+// of at most 2^84), and squares too small for float32 are below 2^-126 of
+// the run's largest. Data whose magnitude jumps by 2^40 from one run to the
+// next pays a second pass over that run; no distribution zeroscan measures
+// does. The narrower floats' squares always fit: k stays 0.
+struct RunScale {
+  __m512 scale;              // 2^k * kWidenScale
+  __m512 shift;              // shift * 2^k (the shift is a float32 value)
+  __m512d unscale;           // 2^-2k
+  __m512i low_key, high_key; // the smallest keys at least 2^(-40-k), 2^(40-k)
+  bool shift_in_window;      // |shift| * 2^k >= 2^-40
+  bool shift_is_zero;
 };
 
+constexpr int kWindow = 40;
+
+// The smallest key of S (float32 or bfloat16) whose magnitude is at least
+// 2^e; above every finite key when 2^e overflows.
 template <typename S>
-ZS_VEC RunSums<S> empty_run() {
-  if constexpr (kFloat32Sums<S>) {
-    const __m512 z = _mm512_setzero_ps();
-    return RunSums<S>{z, z, z, z};
-  } else {
-    const __m512d z = _mm512_setzero_pd();
-    return RunSums<S>{z, z, z, z};
-  }
+uint64_t key_at_least(int e) {
+  uint32_t bits = bit_cast_to<uint32_t>(std::ldexp(1.0f, e));  // 0 or inf at the ends
+  if constexpr (std::is_same_v<S, bf16_t>) bits = (bits + 0xffffu) >> 16;
+  return std::max<uint64_t>(bits, 1);
 }
 
-template <typename acc_t>
-ZS_VEC void add_to(acc_t d, acc_t& s1, acc_t& s2) {
-  if constexpr (std::is_same_v<acc_t, __m512>) {
-    s1 = _mm512_add_ps(s1, d);
-    s2 = _mm512_fmadd_ps(d, d, s2);
-  } else {
-    s1 = _mm512_add_pd(s1, d);
-    s2 = _mm512_fmadd_pd(d, d, s2);
-  }
+template <typename S>
+ZS_AVX512 RunScale make_scale(int k, double shift) {
+  using V = Lanes<sizeof(S)>;
+  RunScale rs;
+  rs.scale = _mm512_set1_ps(std::ldexp(kWidenScale<S>, k));
+  rs.shift = _mm512_set1_ps(static_cast<float>(std::ldexp(shift, k)));
+  rs.unscale = _mm512_set1_pd(std::ldexp(1.0, -2 * k));
+  rs.low_key = V::set1(kScaledSquares<S> ? key_at_least<S>(-kWindow - k) : 0);
+  rs.high_key = V::set1(kScaledSquares<S> ? key_at_least<S>(kWindow - k) : 0);
+  rs.shift_in_window = std::fabs(std::ldexp(shift, k)) >= std::ldexp(1.0, -kWindow);
+  rs.shift_is_zero = shift == 0.0;
+  return rs;
 }
 
-// The moments of one vector of floats. kMasked: of the lanes of `finite`
-// only, a masked-out lane adding exactly nothing; otherwise of every lane.
-template <typename S, bool kMasked>
+// k with m * 2^k in [1, 2), within what a float32 power of two holds.
+inline int scale_exponent(double m) {
+  return m > 0.0 ? std::clamp(-std::ilogb(m), -126, 127) : 0;
+}
+
+// One run's sums, two chains of each (for latency). Each dtype uses the
+// pair its section comment names; the others stay zero and cost nothing.
+struct RunSums {
+  __m512 v1, v2;   // float32 sums of x: float8_e4m3fn
+  __m512d w1, w2;  // double sums of x (other floats) or of d (float64)
+  __m512 q1, q2;   // float32 sums of (d * 2^k)^2: floats of up to 32 bits
+  __m512d r1, r2;  // double sums of d^2: float64
+};
+
+ZS_VEC RunSums empty_run() {
+  const __m512 z = _mm512_setzero_ps();
+  const __m512d zd = _mm512_setzero_pd();
+  return RunSums{z, z, zd, zd, z, z, zd, zd};
+}
+
+// Adds one vector of floats to `r`. kMasked: the lanes of `finite` only,
+// a masked-out lane adding exactly nothing; otherwise every lane.
+// kValues: the sums of x too (a rescaled run sums its squares again only).
+template <typename S, bool kMasked, bool kValues = true>
 ZS_VEC void add_moments(__m512i raw, typename Lanes<sizeof(S)>::mask_t finite,
-                        double shift, RunSums<S>& r) {
+                        const RunScale& rs, double shift, RunSums& r) {
   if constexpr (std::is_same_v<S, double>) {
     const __m512d x = _mm512_castsi512_pd(raw);
     const __m512d s = _mm512_set1_pd(shift);
-    add_to(kMasked ? _mm512_maskz_sub_pd(static_cast<__mmask8>(finite), x, s) : _mm512_sub_pd(x, s),
-           r.s1a, r.s2a);
-  } else if constexpr (kFloat32Sums<S>) {
-    const __m512 scale = _mm512_set1_ps(static_cast<float>(kWidenScale<S>));
-    const __m512 s = _mm512_set1_ps(static_cast<float>(shift));
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; ++g) {
-      const __m512 x = widen16(S{}, raw, g);
-      const __m512 d = kMasked ? _mm512_maskz_fmsub_ps(lanes_of<S>(finite, g), x, scale, s)
-                               : _mm512_fmsub_ps(x, scale, s);
-      add_to(d, g % 2 == 0 ? r.s1a : r.s1b, g % 2 == 0 ? r.s2a : r.s2b);
-    }
+    const __m512d d = kMasked ? _mm512_maskz_sub_pd(static_cast<__mmask8>(finite), x, s)
+                              : _mm512_sub_pd(x, s);
+    r.w1 = _mm512_add_pd(r.w1, d);
+    r.r1 = _mm512_fmadd_pd(d, d, r.r1);
   } else {
-    const __m512d scale = _mm512_set1_pd(kWidenScale<S>);
-    const __m512d s = _mm512_set1_pd(shift);
     constexpr int kGroups = 64 / static_cast<int>(sizeof(S)) / 16;
 #pragma GCC unroll 4
     for (int g = 0; g < kGroups; ++g) {
       const __m512 x = widen16(S{}, raw, g);
-      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-      const __m512d hi = _mm512_cvtps_pd(high_half(x));
       const __mmask16 m = kMasked ? lanes_of<S>(finite, g) : 0;
-      add_to(kMasked ? _mm512_maskz_fmsub_pd(static_cast<__mmask8>(m), lo, scale, s)
-                     : _mm512_fmsub_pd(lo, scale, s),
-             r.s1a, r.s2a);
-      add_to(kMasked ? _mm512_maskz_fmsub_pd(static_cast<__mmask8>(m >> 8), hi, scale, s)
-                     : _mm512_fmsub_pd(hi, scale, s),
-             r.s1b, r.s2b);
+      const __m512 d = kMasked ? _mm512_maskz_fmsub_ps(m, x, rs.scale, rs.shift)
+                               : _mm512_fmsub_ps(x, rs.scale, rs.shift);
+      auto& q = g % 2 == 0 ? r.q1 : r.q2;
+      q = _mm512_fmadd_ps(d, d, q);
+      if constexpr (!kValues) continue;
+      const __m512 v = kMasked ? _mm512_maskz_mov_ps(m, x) : x;
+      if constexpr (kFloat32Values<S>) {
+        auto& acc = g % 2 == 0 ? r.v1 : r.v2;
+        acc = _mm512_add_ps(acc, v);
+      } else {
+        r.w1 = _mm512_add_pd(r.w1, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+        r.w2 = _mm512_add_pd(r.w2, _mm512_cvtps_pd(high_half(v)));
+      }
     }
   }
 }
@@ -427,9 +470,9 @@ ZS_VEC void add_moments(__m512i raw, typename Lanes<sizeof(S)>::mask_t finite,
 // the run's largest key. A run whose largest key is finite (most runs of
 // most data) is then folded as it is: its lanes were all finite. Only a run
 // that holds NaN or an infinity is read again by recount_run, which counts
-// them and sums the finite lanes alone. That leaves three compares and
-// three counts per vector out of the loop; data with NaN or Inf in every
-// run pays about what counting them in the loop would cost.
+// them and sums the finite lanes alone. That keeps three compares and three
+// counts per vector out of the loop; data with NaN or Inf in every run pays
+// about what counting them in the loop would cost.
 template <int W>
 constexpr int64_t kRun = W == 1 ? 8 : 16;
 
@@ -438,20 +481,37 @@ constexpr int64_t kRun = W == 1 ? 8 : 16;
 // sets `run_max` to its largest finite key. Out of line: most runs never
 // come here.
 template <typename S>
-__attribute__((noinline, cold)) ZS_AVX512 RunSums<S> recount_run(const S* p, int64_t vectors,
-                                                                 const VectorLimits& lim,
-                                                                 double shift, NonFiniteCounts& c,
-                                                                 __m512i& run_max) {
+__attribute__((noinline, cold)) ZS_AVX512 RunSums recount_run(
+    const S* p, int64_t vectors, const VectorLimits& lim, const RunScale& rs, double shift,
+    NonFiniteCounts& c, __m512i& run_max) {
   using V = Lanes<sizeof(S)>;
   constexpr int kLanes = 64 / static_cast<int>(sizeof(S));
-  RunSums<S> r = empty_run<S>();
+  RunSums r = empty_run();
   run_max = _mm512_setzero_si512();
   for (int64_t k = 0; k < vectors; ++k) {
     const __m512i raw = _mm512_loadu_si512(p + k * kLanes);
     const __m512i key = key_of<S>(raw);
     const auto finite = count_non_finite<S>(raw, key, lim, c);
     run_max = V::mask_max(run_max, finite, key);
-    add_moments<S, true>(raw, finite, shift, r);
+    add_moments<S, true>(raw, finite, rs, shift, r);
+  }
+  return r;
+}
+
+// A run outside its scale's window (run_max: its largest finite key): sets
+// `rs` to the run's own scale and returns the run's squares summed again.
+template <typename S>
+__attribute__((noinline, cold)) ZS_AVX512 RunSums rescale_run(
+    const S* p, int64_t vectors, const VectorLimits& lim, __m512i run_max, double shift,
+    RunScale& rs) {
+  using V = Lanes<sizeof(S)>;
+  constexpr int kLanes = 64 / static_cast<int>(sizeof(S));
+  const auto top = static_cast<typename Format<S>::key_t>(reduce_key<sizeof(S)>(run_max, false));
+  rs = make_scale<S>(scale_exponent(std::max(Format<S>::magnitude(top), std::fabs(shift))), shift);
+  RunSums r = empty_run();
+  for (int64_t k = 0; k < vectors; ++k) {
+    const __m512i raw = _mm512_loadu_si512(p + k * kLanes);
+    add_moments<S, true, false>(raw, V::le(key_of<S>(raw), lim.finite_max), rs, shift, r);
   }
   return r;
 }
@@ -463,7 +523,10 @@ struct VectorTally {
   LaneCounts counts;
   NonFiniteCounts non_finite;  // floats: of the runs recount_run saw
   int64_t clean_vectors;       // floats: vectors of the other runs
-  __m512d s1a, s1b, s2a, s2b;  // double sums of d and d^2
+  // Double sums. Floats of up to 32 bits: of x and of d^2; float64 and
+  // integers of 16 bits and more: of d and d^2.
+  __m512d s1a, s1b, s2a, s2b;
+  RunScale scale;  // floats of up to 32 bits
   // 1-byte integers: exact integer moments instead (see kExactBytes).
   __m512i sum;     // uint64 lanes: sums of the values (int8: plus 128)
   __m512i sum_sq;  // int32 lanes: sums of squares, widened every kFold<1>
@@ -487,6 +550,15 @@ ZS_VEC void fold(__m512i& total, __m512i& narrow) {
   narrow = _mm512_setzero_si512();
 }
 
+// The window test of RunScale.
+template <typename S>
+ZS_VEC bool fits(const RunScale& rs, __m512i run_max) {
+  using V = Lanes<sizeof(S)>;
+  return V::le(rs.high_key, run_max) == 0 &&
+         (V::le(rs.low_key, run_max) != 0 || rs.shift_in_window ||
+          (rs.shift_is_zero && V::nonzero(run_max) == 0));
+}
+
 // Adds `vectors` vectors of 64 bytes at p to `tally` (at most kFold<W> of
 // them, so that no narrow lane counter overflows). Not inlined: a loop of
 // its own keeps every accumulator in a register.
@@ -505,43 +577,54 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
   __m512d s1a = tally.s1a, s1b = tally.s1b, s2a = tally.s2a, s2b = tally.s2b;
 
   if constexpr (F::kFloating) {
+    RunScale rs = tally.scale;
     int64_t clean = 0;
     for (int64_t begin = 0; begin < vectors; begin += kRun<W>) {
       const int64_t len = std::min(kRun<W>, vectors - begin);
       const S* run = p + begin * kLanes;
-      RunSums<S> r = empty_run<S>();
+      RunSums r = empty_run();
       __m512i run_max = _mm512_setzero_si512();
       for (int64_t k = 0; k < len; ++k) {
         const __m512i raw = _mm512_loadu_si512(run + k * kLanes);
         const __m512i key = key_of<S>(raw);
         count_common<S>(raw, key, lim, c);
         run_max = V::max(run_max, key);
-        add_moments<S, false>(raw, 0, shift, r);
+        add_moments<S, false>(raw, 0, rs, shift, r);
       }
       // A key above finite_max: the run holds NaN or an infinity.
       if (__builtin_expect(V::le(run_max, lim.finite_max) != static_cast<mask_t>(~mask_t(0)), 0)) {
-        r = recount_run(run, len, lim, shift, tally.non_finite, run_max);
+        r = recount_run(run, len, lim, rs, shift, tally.non_finite, run_max);
       } else {
         clean += len;
       }
+      if constexpr (kScaledSquares<S>) {
+        if (__builtin_expect(!fits<S>(rs, run_max), 0)) {
+          const RunSums again = rescale_run(run, len, lim, run_max, shift, rs);
+          r.q1 = again.q1;
+          r.q2 = again.q2;
+        }
+      }
       c.hi = V::max(c.hi, run_max);
-      if constexpr (kFloat32Sums<S>) {
-        // Exact in float32 (see kFloat32Sums), and exactly widened.
-        const __m512 r1 = _mm512_add_ps(r.s1a, r.s1b), r2 = _mm512_add_ps(r.s2a, r.s2b);
-        s1a = _mm512_add_pd(s1a, _mm512_cvtps_pd(_mm512_castps512_ps256(r1)));
-        s1b = _mm512_add_pd(s1b, _mm512_cvtps_pd(high_half(r1)));
-        s2a = _mm512_add_pd(s2a, _mm512_cvtps_pd(_mm512_castps512_ps256(r2)));
-        s2b = _mm512_add_pd(s2b, _mm512_cvtps_pd(high_half(r2)));
+      if constexpr (kFloat32Values<S>) {
+        const __m512 v = _mm512_add_ps(r.v1, r.v2);
+        s1a = _mm512_add_pd(s1a, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+        s1b = _mm512_add_pd(s1b, _mm512_cvtps_pd(high_half(v)));
       } else {
-        s1a = _mm512_add_pd(s1a, r.s1a);
-        s1b = _mm512_add_pd(s1b, r.s1b);
-        s2a = _mm512_add_pd(s2a, r.s2a);
-        s2b = _mm512_add_pd(s2b, r.s2b);
+        s1a = _mm512_add_pd(s1a, r.w1);
+        s1b = _mm512_add_pd(s1b, r.w2);
+      }
+      if constexpr (kFloat32Squares<S>) {
+        const __m512 q = _mm512_add_ps(r.q1, r.q2);
+        s2a = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(q)), rs.unscale, s2a);
+        s2b = _mm512_fmadd_pd(_mm512_cvtps_pd(high_half(q)), rs.unscale, s2b);
+      } else {
+        s2a = _mm512_add_pd(s2a, r.r1);
+        s2b = _mm512_add_pd(s2b, r.r2);
       }
     }
+    tally.scale = rs;
     tally.clean_vectors += clean;
   } else {
-    NonFiniteCounts nf = tally.non_finite;
     __m512i sum = tally.sum, sum_sq = tally.sum_sq;
     for (int64_t k = 0; k < vectors; ++k) {
       const S* q = p + k * kLanes;
@@ -577,7 +660,6 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
         }
       }
     }
-    tally.non_finite = nf;
     tally.sum = sum;
     tally.sum_sq = sum_sq;
   }
@@ -619,6 +701,9 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
   v.clean_vectors = 0;
   v.s1a = v.s1b = v.s2a = v.s2b = _mm512_setzero_pd();
   v.sum = v.sum_sq = zero;
+  if constexpr (kFloat32Squares<S>) {
+    v.scale = make_scale<S>(kScaledSquares<S> ? scale_exponent(std::fabs(shift)) : 0, shift);
+  }
   VectorTotals total;
   total.nonzero = total.sub = total.tol = total.negative = zero;
   total.non_nan = total.finite = total.neginf = total.sum_sq = zero;
@@ -669,6 +754,10 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
     const int64_t sum_sq = _mm512_reduce_add_epi64(total.sum_sq);
     t.s1 += static_cast<double>(sum - count * k);
     t.s2 += static_cast<double>(sum_sq - 2 * k * sum + count * k * k);
+  } else if constexpr (kFloat32Squares<S>) {
+    const double sum_x = kWidenScale<S> * _mm512_reduce_add_pd(_mm512_add_pd(v.s1a, v.s1b));
+    t.s1 += sum_x - static_cast<double>(finite) * shift;
+    t.s2 += _mm512_reduce_add_pd(_mm512_add_pd(v.s2a, v.s2b));
   } else {
     t.s1 += _mm512_reduce_add_pd(_mm512_add_pd(v.s1a, v.s1b));
     t.s2 += _mm512_reduce_add_pd(_mm512_add_pd(v.s2a, v.s2b));
@@ -689,8 +778,8 @@ inline bool cpu_has_avx512() {
 
 // p: [n] contiguous. Adds its elements' statistics to `t`; `shift` is the
 // value subtracted before the moments are summed (see set_moments): a whole
-// number for integer dtypes and a multiple of 2^-9 for float8_e4m3fn (see
-// kFloat32Sums).
+// number for integer dtypes and a float32 value for floats of up to 32 bits
+// (the float32 runs subtract it exactly).
 template <typename S>
 void scan_span(const S* p, int64_t n, const Limits& lim, double shift,
                Tally<S, int64_t>& t) {

@@ -24,6 +24,16 @@ constexpr int64_t kGather = 2048;         // elements gathered per strided step
 constexpr int64_t kShiftSample = 64;      // elements that pick a chunk's shift
 constexpr int64_t kParallelMin = 1 << 19; // elements; less runs on one thread
 
+// `mean` as a shift for dtype S: integer moments are then sums of whole
+// numbers, exact, and the float32 runs of floats of up to 32 bits subtract a
+// float32 shift exactly (cpu/scan_span.h).
+template <typename S>
+double as_shift(double mean) {
+  if (!std::isfinite(mean)) return 0.0;  // a float64 sum can overflow
+  if (!Format<S>::kFloating) return std::nearbyint(mean);
+  return sizeof(S) <= 4 ? static_cast<double>(static_cast<float>(mean)) : mean;
+}
+
 // The shift is the mean of the first finite values of the chunk: close to the
 // chunk's mean, so the shifted second moment barely cancels.
 template <typename S>
@@ -40,20 +50,13 @@ double pick_shift(const Layout& l, const S* data, int64_t begin, int64_t end) {
       }
     }
   });
-  double shift = count == 0 ? 0.0 : sum / static_cast<double>(count);
-  if (!std::isfinite(shift)) shift = 0.0;  // a float64 sum can overflow
-  // Integer moments are then sums of whole numbers, exact; float8_e4m3fn's
-  // a whole number of 2^-9, exact in float32 (cpu/scan_span.h).
-  if (!Format<S>::kFloating) return std::nearbyint(shift);
-  if (std::is_same_v<S, e4m3_t>) return std::nearbyint(shift * 512.0) / 512.0;
-  return shift;
+  return as_shift<S>(count == 0 ? 0.0 : sum / static_cast<double>(count));
 }
 
-// Positions [begin, end) of one tensor, reduced to a Partial.
+// Positions [begin, end) of one tensor, summed with `shift`.
 template <typename S>
-Partial scan_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
-                   const Limits& lim) {
-  const double shift = pick_shift(l, data, begin, end);
+Tally<S, int64_t> tally_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
+                              const Limits& lim, double shift) {
   Tally<S, int64_t> tally;
   S buffer[kGather];
   int64_t filled = 0;
@@ -77,6 +80,31 @@ Partial scan_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
     }
   });
   if (filled > 0) scan_span(buffer, filled, lim, shift, tally);
+  return tally;
+}
+
+// Whether the shifted sums cancel: the shift lies more than sqrt(3) standard
+// deviations from the chunk's mean (its first values were no sample of the
+// rest: a zero row before an offset, sorted data), so the sum of squares is
+// mostly that offset and the variance its small difference. The float32
+// squares of cpu/scan_span.h hold ~1e-7 of the sum, which such a
+// difference would magnify.
+template <typename S>
+bool cancels(const Tally<S, int64_t>& t) {
+  return t.finite > 1 && t.s1 * t.s1 > 0.75 * t.s2 * static_cast<double>(t.finite);
+}
+
+// Positions [begin, end) of one tensor, reduced to a Partial. A chunk whose
+// sums cancel is scanned once more, shifted by its mean.
+template <typename S>
+Partial scan_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
+                   const Limits& lim) {
+  double shift = pick_shift(l, data, begin, end);
+  Tally<S, int64_t> tally = tally_chunk(l, data, begin, end, lim, shift);
+  if (Format<S>::kFloating && cancels(tally)) {
+    shift = as_shift<S>(shift + tally.s1 / static_cast<double>(tally.finite));
+    tally = tally_chunk(l, data, begin, end, lim, shift);
+  }
   return tally.finish(shift);
 }
 
