@@ -56,3 +56,52 @@ def test_one_special_at_every_lane(dtype: torch.dtype) -> None:
             x = base.clone()
             x[1024 + lane] = value
             assert_matches_reference(zeroscan.stats(x), x)
+
+
+# Scales within each dtype's range, far apart: float32 and bfloat16 square
+# their runs in float32 scaled by a power of two picked from the run before,
+# so a jump beyond 2^40 has to be caught and squared again.
+JUMPS = {
+    torch.float32: [1e-30, 1e20, 1.0, 1e-40, 1e30, 1e-3],
+    torch.bfloat16: [1e-30, 1e20, 1.0, 1e-39, 1e30, 1e-3],
+    torch.float16: [1e-6, 1e4, 1.0, 1e-7, 1e-2],
+    torch.float8_e4m3fn: [0.01, 200.0, 1.0, 0.002],
+}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("dtype", list(JUMPS))
+def test_magnitude_jumps_between_runs(dtype: torch.dtype, layout: str) -> None:
+    """Blocks of 300 values (longer than a run, not aligned to one), each at
+    one of the dtype's extreme scales in turn: every moment still matches."""
+    g = fresh_generator()
+    scales = torch.tensor(JUMPS[dtype], dtype=torch.float64)
+    n = 60_000
+    block = torch.arange(n) // 300 % len(scales)
+    values = (torch.randn(n, generator=g, dtype=torch.float64) * scales[block]).to(dtype)
+    x = torch.stack([values, values], 1).reshape(-1)[::2] if layout == "strided" else values
+    assert_matches_reference(zeroscan.stats(x), x)
+
+
+# An offset and a spread each dtype resolves, the offset far above the spread.
+OFFSETS = {
+    torch.float32: (1000.0, 1e-3),
+    torch.bfloat16: (100.0, 2.0),
+    torch.float16: (100.0, 0.1),
+    torch.float8_e4m3fn: (100.0, 10.0),
+    torch.float64: (1000.0, 1e-6),
+}
+
+
+@pytest.mark.parametrize("prefix", [0.0, math.nan])
+@pytest.mark.parametrize("dtype", list(OFFSETS))
+def test_first_values_unlike_the_rest(dtype: torch.dtype, prefix: float) -> None:
+    """Zeros (a padding row) or NaN (a poisoned row) before offset data: a
+    chunk's shift comes from its first finite values, here far from its mean
+    or none at all, so the shifted sums would cancel; the variance must
+    still be right to 1e-6."""
+    g = fresh_generator()
+    offset, spread = OFFSETS[dtype]
+    x = (offset + spread * torch.randn(200_003, generator=g, dtype=torch.float64)).to(dtype)
+    x[:100] = prefix
+    assert_matches_reference(zeroscan.stats(x), x)
