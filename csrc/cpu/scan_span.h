@@ -487,14 +487,17 @@ __attribute__((noinline, cold)) ZS_AVX512 RunSums recount_run(
   using V = Lanes<sizeof(S)>;
   constexpr int kLanes = 64 / static_cast<int>(sizeof(S));
   RunSums r = empty_run();
-  run_max = _mm512_setzero_si512();
+  NonFiniteCounts counts = c;  // in registers while the loop runs
+  __m512i top = _mm512_setzero_si512();
   for (int64_t k = 0; k < vectors; ++k) {
     const __m512i raw = _mm512_loadu_si512(p + k * kLanes);
     const __m512i key = key_of<S>(raw);
-    const auto finite = count_non_finite<S>(raw, key, lim, c);
-    run_max = V::mask_max(run_max, finite, key);
+    const auto finite = count_non_finite<S>(raw, key, lim, counts);
+    top = V::mask_max(top, finite, key);
     add_moments<S, true>(raw, finite, rs, shift, r);
   }
+  c = counts;
+  run_max = top;
   return r;
 }
 
