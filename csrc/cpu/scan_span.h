@@ -5,10 +5,11 @@
 // at a time and the classification runs on all lanes at once: each key test
 // is one mask compare, each count a masked subtraction into narrow lane
 // counters (widened every kFold<W> vectors), min/max |x| are integer min/max on
-// the keys, and the moments add the finite lanes, widened to double, 8 at a
-// time. So a span of zeros, subnormals or NaN costs what a span of ordinary
-// values costs. The last few elements of a span, and every element on CPUs
-// without AVX-512, go through Tally::add one at a time.
+// the keys, and the moments are summed as the Moments section says. So a span
+// of zeros or subnormals costs what a span of ordinary values costs; NaN and
+// infinities are counted per run of vectors (see Runs), which costs a second
+// pass over the runs that hold any. The last few elements of a span, and
+// every element on CPUs without AVX-512, go through Tally::add one at a time.
 #pragma once
 
 #include <algorithm>
@@ -540,16 +541,28 @@ struct VectorTotals {
   __m512i sum_sq;                                                 // uint64
 };
 
-// int8, uint8 and bool: their moments are summed exactly in integers (a sum
-// of absolute differences for the values, pairwise multiply-adds of the
-// values widened to 16 bits for the squares), which costs a handful of
-// instructions per 64 elements instead of eight double conversions.
+// int8, uint8 and bool: their moments are summed exactly in integers, which
+// costs a handful of instructions per 64 elements instead of eight double
+// conversions. The values: a sum of absolute differences of the bytes (int8
+// biased to unsigned, u = x + 128). The squares, in int32 lanes: with
+// AVX512-VNNI one multiply-add of unsigned by signed bytes, of u * x = x^2 +
+// 128 x for int8 and of x * (x - 128) = x^2 - 128 x for uint8 and bool,
+// corrected by the sum of the values at the end; without it, pairwise
+// multiply-adds of the values widened to 16 bits.
 template <typename S>
 constexpr bool kExactBytes = sizeof(S) == 1 && !Format<S>::kFloating;
 
 template <int W>
 ZS_VEC void fold(__m512i& total, __m512i& narrow) {
   total = _mm512_add_epi64(total, Lanes<W>::widen_counts(narrow));
+  narrow = _mm512_setzero_si512();
+}
+
+// Signed int32 lanes added into int64 lanes.
+ZS_VEC void fold_signed(__m512i& total, __m512i& narrow) {
+  const __m512i low = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(narrow));
+  const __m512i high = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(narrow, 1));
+  total = _mm512_add_epi64(total, _mm512_add_epi64(low, high));
   narrow = _mm512_setzero_si512();
 }
 
@@ -562,10 +575,24 @@ ZS_VEC bool fits(const RunScale& rs, __m512i run_max) {
           (rs.shift_is_zero && V::nonzero(run_max) == 0));
 }
 
+// acc + the sums of 4 products of unsigned bytes of u by signed bytes of s,
+// per int32 lane (AVX512-VNNI's vpdpbusd). Written out, so that the loop
+// needs no VNNI target of its own: only CPUs that report VNNI run it.
+ZS_VEC __m512i dot_bytes(__m512i acc, __m512i u, __m512i s) {
+  __asm__("vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [s] "v"(s));
+  return acc;
+}
+
+inline bool cpu_has_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
 // Adds `vectors` vectors of 64 bytes at p to `tally` (at most kFold<W> of
-// them, so that no narrow lane counter overflows). Not inlined: a loop of
-// its own keeps every accumulator in a register.
-template <typename S>
+// them, so that no narrow lane counter overflows); kVnni: the squares of
+// kExactBytes by dot_bytes. Not inlined: a loop of its own keeps every
+// accumulator in a register.
+template <typename S, bool kVnni = false>
 __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
                                                     const VectorLimits& lim, double shift,
                                                     VectorTally& tally) {
@@ -636,17 +663,23 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
       count_common<S>(raw, key, lim, c);
       c.hi = V::max(c.hi, key);
       if constexpr (kExactBytes<S>) {
-        // Per vector an int32 lane of sum_sq gains at most 2 * 2 * 255^2, so
-        // kFold<1> = 255 vectors stay below 2^31.
+        // Per vector an int32 lane of sum_sq gains at most 2 * 2 * 255^2
+        // (4 * 255 * 128 with VNNI), so kFold<1> = 255 vectors stay below 2^31.
         const __m512i values = std::is_same_v<S, bool_t> ? key : raw;
         const __m512i biased =  // int8 + 128 is an unsigned byte
             F::kSigned ? _mm512_xor_si512(values, _mm512_set1_epi8(static_cast<char>(0x80))) : values;
         sum = _mm512_add_epi64(sum, _mm512_sad_epu8(biased, _mm512_setzero_si512()));
-        const __m256i low = _mm512_castsi512_si256(values);
-        const __m256i high = _mm512_extracti64x4_epi64(values, 1);
-        const __m512i w0 = F::kSigned ? _mm512_cvtepi8_epi16(low) : _mm512_cvtepu8_epi16(low);
-        const __m512i w1 = F::kSigned ? _mm512_cvtepi8_epi16(high) : _mm512_cvtepu8_epi16(high);
-        sum_sq = _mm512_add_epi32(sum_sq, _mm512_add_epi32(_mm512_madd_epi16(w0, w0), _mm512_madd_epi16(w1, w1)));
+        if constexpr (kVnni) {
+          sum_sq = F::kSigned ? dot_bytes(sum_sq, biased, values)
+                              : dot_bytes(sum_sq, values,
+                                          _mm512_xor_si512(values, _mm512_set1_epi8(static_cast<char>(0x80))));
+        } else {
+          const __m256i low = _mm512_castsi512_si256(values);
+          const __m256i high = _mm512_extracti64x4_epi64(values, 1);
+          const __m512i w0 = F::kSigned ? _mm512_cvtepi8_epi16(low) : _mm512_cvtepu8_epi16(low);
+          const __m512i w1 = F::kSigned ? _mm512_cvtepi8_epi16(high) : _mm512_cvtepu8_epi16(high);
+          sum_sq = _mm512_add_epi32(sum_sq, _mm512_add_epi32(_mm512_madd_epi16(w0, w0), _mm512_madd_epi16(w1, w1)));
+        }
       } else {
         // Integers of 16 bits and more, 8 at a time in double.
         const __m512d s = _mm512_set1_pd(shift);
@@ -712,8 +745,18 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
   total.non_nan = total.finite = total.neginf = total.sum_sq = zero;
 
   const int64_t vectors = n / kLanes;
+  const bool vnni = kExactBytes<S> && cpu_has_vnni();
   for (int64_t begin = 0; begin < vectors; begin += kFold<W>) {
-    scan_block(p + begin * kLanes, std::min(kFold<W>, vectors - begin), vl, shift, v);
+    const int64_t block = std::min(kFold<W>, vectors - begin);
+    if constexpr (kExactBytes<S>) {
+      if (vnni) {
+        scan_block<S, true>(p + begin * kLanes, block, vl, shift, v);
+      } else {
+        scan_block(p + begin * kLanes, block, vl, shift, v);
+      }
+    } else {
+      scan_block(p + begin * kLanes, block, vl, shift, v);
+    }
     fold<W>(total.nonzero, c.nonzero);
     fold<W>(total.sub, c.sub);
     fold<W>(total.tol, c.tol);
@@ -721,7 +764,13 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
     fold<W>(total.non_nan, nf.non_nan);
     fold<W>(total.finite, nf.finite);
     fold<W>(total.neginf, nf.neginf);
-    if constexpr (kExactBytes<S>) fold<4>(total.sum_sq, v.sum_sq);
+    if constexpr (kExactBytes<S>) {
+      if (vnni) {
+        fold_signed(total.sum_sq, v.sum_sq);
+      } else {
+        fold<4>(total.sum_sq, v.sum_sq);
+      }
+    }
   }
 
   const int64_t count = vectors * kLanes;
@@ -754,7 +803,8 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
     // holds far fewer than 2^36 elements.
     const int64_t k = static_cast<int64_t>(shift);
     const int64_t sum = _mm512_reduce_add_epi64(v.sum) - (F::kSigned ? 128 * count : 0);
-    const int64_t sum_sq = _mm512_reduce_add_epi64(total.sum_sq);
+    const int64_t correction = vnni ? (F::kSigned ? -128 : 128) * sum : 0;  // see kExactBytes
+    const int64_t sum_sq = _mm512_reduce_add_epi64(total.sum_sq) + correction;
     t.s1 += static_cast<double>(sum - count * k);
     t.s2 += static_cast<double>(sum_sq - 2 * k * sum + count * k * k);
   } else if constexpr (kFloat32Squares<S>) {
