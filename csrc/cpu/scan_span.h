@@ -530,7 +530,7 @@ struct VectorTally {
   // Double sums. Floats of up to 32 bits: of x and of d^2; float64 and
   // integers of 16 bits and more: of d and d^2.
   __m512d s1a, s1b, s2a, s2b;
-  RunScale scale;  // floats of up to 32 bits
+  RunScale scale;  // floats (used by those of up to 32 bits)
   // 1-byte integers: exact integer moments instead (see kExactBytes).
   __m512i sum;     // uint64 lanes: sums of the values (int8: plus 128)
   __m512i sum_sq;  // int32 lanes: sums of squares, widened every kFold<1>
@@ -737,7 +737,7 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
   v.clean_vectors = 0;
   v.s1a = v.s1b = v.s2a = v.s2b = _mm512_setzero_pd();
   v.sum = v.sum_sq = zero;
-  if constexpr (kFloat32Squares<S>) {
+  if constexpr (kFloating) {  // float64 carries it unused: scan_block copies it
     v.scale = make_scale<S>(kScaledSquares<S> ? scale_exponent(std::fabs(shift)) : 0, shift);
   }
   VectorTotals total;

@@ -85,7 +85,7 @@ Tally<S, int64_t> tally_chunk(const Layout& l, const S* data, int64_t begin, int
 
 // Whether the shifted sums cancel: the shift lies more than sqrt(3) standard
 // deviations from the chunk's mean (its first values were no sample of the
-// rest: a zero row before an offset, sorted data), so the sum of squares is
+// rest: a zero or NaN row before an offset), so the sum of squares is
 // mostly that offset and the variance its small difference. The float32
 // squares of cpu/scan_span.h hold ~1e-7 of the sum, which such a
 // difference would magnify.
