@@ -105,3 +105,23 @@ def test_first_values_unlike_the_rest(dtype: torch.dtype, prefix: float) -> None
     x = (offset + spread * torch.randn(200_003, generator=g, dtype=torch.float64)).to(dtype)
     x[:100] = prefix
     assert_matches_reference(zeroscan.stats(x), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_largest_values_cancelling(dtype: torch.dtype) -> None:
+    """Values between half the dtype's largest and the largest, in blocks of
+    1000 of one sign (so that partial sums grow as large as they can), among
+    ordinary and tiny ones whose low bits a rounded partial sum would lose;
+    then the same values negated, in another order. The sum is exactly 0 and
+    the mean is held to 1e-12 of mean |x|, so any rounding in summing the
+    values beyond float64's own shows."""
+    g = fresh_generator()
+    n = 100_001
+    largest = float(torch.finfo(dtype).max)
+    magnitudes = largest * (0.5 + 0.5 * torch.rand(n, generator=g, dtype=torch.float64))
+    signs = 1.0 - 2.0 * (torch.arange(n) // 1000 % 2).to(torch.float64)
+    values = magnitudes * signs
+    values[::7] = torch.randn(len(values[::7]), generator=g, dtype=torch.float64)
+    values[3::7] = float(torch.finfo(dtype).eps) * torch.randn(len(values[3::7]), generator=g, dtype=torch.float64)
+    x = torch.cat([values, -values.roll(17)]).to(dtype)  # rounding is symmetric in sign
+    assert_matches_reference(zeroscan.stats(x), x)

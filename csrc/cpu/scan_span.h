@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -26,6 +28,29 @@
 
 namespace zeroscan {
 namespace cpu {
+
+// ZEROSCAN_CPU_CAPABILITY caps what the scan may use, so that one machine
+// tests the paths of CPUs with less (as ATEN_CPU_CAPABILITY does for torch):
+// "scalar" (no AVX-512), "avx512" (AVX-512 without VNNI or VBMI), "native" or
+// unset (all the CPU has). Other values read as kInvalid, which the operator
+// refuses before scanning.
+enum class Capability { kScalar, kAvx512, kNative, kInvalid };
+
+inline Capability capability_cap() {
+  static const Capability cap = [] {
+    const char* v = std::getenv("ZEROSCAN_CPU_CAPABILITY");
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "native") == 0) return Capability::kNative;
+    if (std::strcmp(v, "avx512") == 0) return Capability::kAvx512;
+    if (std::strcmp(v, "scalar") == 0) return Capability::kScalar;
+    return Capability::kInvalid;
+  }();
+  return cap;
+}
+
+inline bool capability_allows(Capability needed) {
+  const Capability cap = capability_cap();
+  return cap != Capability::kInvalid && static_cast<int>(cap) >= static_cast<int>(needed);
+}
 
 // p: [n] contiguous. Adds its elements to `t` one at a time.
 template <typename S>
@@ -237,21 +262,26 @@ ZS_VEC __m512i key_of(__m512i raw) {
 }
 
 // Counts the zero, subnormal, near-zero and negative lanes of one vector
-// (key = key_of(raw)), and min nonzero |x|.
+// (key = key_of(raw)), and min nonzero |x|; returns the negative lanes
+// (floats: nonzero, not NaN, sign set).
 template <typename S>
-ZS_VEC void count_common(__m512i raw, __m512i key, const VectorLimits& lim, LaneCounts& c) {
+ZS_VEC typename Lanes<sizeof(S)>::mask_t count_common(__m512i raw, __m512i key,
+                                                      const VectorLimits& lim, LaneCounts& c) {
   using F = Format<S>;
   using V = Lanes<sizeof(S)>;
   const auto nonzero = V::nonzero(key);
   c.nonzero = V::count(c.nonzero, nonzero);
   c.lo_nonzero = V::mask_min(c.lo_nonzero, nonzero, key);
+  typename V::mask_t negative = 0;
   if constexpr (F::kFloating) {
     c.sub = V::count(c.sub, V::le(key, lim.sub_max));
-    c.negative = V::count(c.negative, V::le_signed(nonzero, raw, lim.neginf));
+    negative = V::le_signed(nonzero, raw, lim.neginf);
   } else if constexpr (F::kSigned) {
-    c.negative = V::count(c.negative, V::sign(raw));
+    negative = V::sign(raw);
   }
+  if constexpr (F::kFloating || F::kSigned) c.negative = V::count(c.negative, negative);
   c.tol = V::count(c.tol, V::le(key, lim.tol_max));
+  return negative;
 }
 
 // Counts the NaN and infinite lanes of one vector and returns its finite
@@ -283,8 +313,9 @@ ZS_VEC typename Lanes<sizeof(S)>::mask_t count_non_finite(__m512i raw, __m512i k
 //   other floats         x in double (exact but for the double sums' own
 //                        rounding: float32 sums of x lose the mean of
 //                        zero-centred data as soon as small values mix with
-//                        large ones), and d^2 in float32 runs; float8_e4m3fn
-//                        sums x in float32 runs too, exactly (below).
+//                        large ones), and d^2 in float32 runs; float16 and
+//                        the float8 types sum x in float32 runs too, exactly
+//                        (below).
 //   integers             d and d^2 in double, or exactly (kExactBytes).
 // A run is kRun<W> vectors, whose float32 sums are folded into double at
 // its end, so a float32 lane adds at most 16 terms: the squares are
@@ -304,10 +335,21 @@ ZS_VEC __m512d widen8(const int64_t* p) { return _mm512_cvtepi64_pd(_mm512_loadu
 
 template <typename S>
 constexpr bool kFloat32Squares = Format<S>::kFloating && sizeof(S) <= 4;
-// float8_e4m3fn values are whole multiples of 2^-9 below 2^9: 16 of them
-// sum to less than 2^22 such units, which float32 holds exactly.
+// float8_e4m3fn values are whole multiples of 2^-9 below 2^9: the 32 that a
+// run sums into one lane sum to less than 2^23 such units, which float32
+// holds exactly (CPUs with VBMI and VNNI sum them in integers instead).
 template <typename S>
 constexpr bool kFloat32Values = std::is_same_v<S, e4m3_t>;
+// float16 values (and float8_e5m2's, a subset) are whole multiples of 2^-24
+// below 2^16. Each is split exactly into hi, x rounded to a multiple of 2^-4
+// by adding and subtracting kSplitPoint (1.5 * 2^19, whose float32 ulp is
+// 2^-4), and lo = x - hi, |lo| <= 2^-5. Sums of at most 16 his (below 2^20,
+// in steps of 2^-4) and of at most 32 los (below 1, in steps of 2^-24) fit
+// float32's 24 bits, so both are exact: four float32 additions instead of
+// two conversions to double, which cost more.
+template <typename S>
+constexpr bool kSplitValues = std::is_same_v<S, f16_t> || std::is_same_v<S, e5m2_t>;
+constexpr float kSplitPoint = 0x1.8p19f;
 template <typename S>
 constexpr bool kScaledSquares = std::is_same_v<S, float> || std::is_same_v<S, bf16_t>;
 
@@ -413,19 +455,32 @@ inline int scale_exponent(double m) {
   return m > 0.0 ? std::clamp(-std::ilogb(m), -126, 127) : 0;
 }
 
-// One run's sums, two chains of each (for latency). Each dtype uses the
-// pair its section comment names; the others stay zero and cost nothing.
+// One run's sums. Each dtype uses the fields its section comment names;
+// the others stay zero and cost nothing. A vector's groups go to different
+// chains (the g-th to v1/q1 or v2/q2, its values' halves to w1, w2 or w3,
+// w4), and the vector loop keeps two RunSums, for even and odd vectors, so
+// that no chain of additions waits on its own last addition every vector.
 struct RunSums {
-  __m512 v1, v2;   // float32 sums of x: float8_e4m3fn
-  __m512d w1, w2;  // double sums of x (other floats) or of d (float64)
-  __m512 q1, q2;   // float32 sums of (d * 2^k)^2: floats of up to 32 bits
-  __m512d r1, r2;  // double sums of d^2: float64
+  __m512 v1, v2;           // float32 sums of x (float8_e4m3fn) or of hi (kSplitValues)
+  __m512 u1, u2;           // float32 sums of lo: kSplitValues
+  __m512d w1, w2, w3, w4;  // double sums of x (other floats) or of d (float64)
+  __m512 q1, q2;           // float32 sums of (d * 2^k)^2: floats of up to 32 bits
+  __m512d r1;              // double sums of d^2: float64
 };
 
 ZS_VEC RunSums empty_run() {
   const __m512 z = _mm512_setzero_ps();
   const __m512d zd = _mm512_setzero_pd();
-  return RunSums{z, z, zd, zd, z, z, zd, zd};
+  return RunSums{z, z, z, z, zd, zd, zd, zd, z, z, zd};
+}
+
+ZS_VEC RunSums add_runs(const RunSums& a, const RunSums& b) {
+  return RunSums{_mm512_add_ps(a.v1, b.v1), _mm512_add_ps(a.v2, b.v2),
+                 _mm512_add_ps(a.u1, b.u1), _mm512_add_ps(a.u2, b.u2),
+                 _mm512_add_pd(a.w1, b.w1), _mm512_add_pd(a.w2, b.w2),
+                 _mm512_add_pd(a.w3, b.w3), _mm512_add_pd(a.w4, b.w4),
+                 _mm512_add_ps(a.q1, b.q1), _mm512_add_ps(a.q2, b.q2),
+                 _mm512_add_pd(a.r1, b.r1)};
 }
 
 // Adds one vector of floats to `r`. kMasked: the lanes of `finite` only,
@@ -456,9 +511,18 @@ ZS_VEC void add_moments(__m512i raw, typename Lanes<sizeof(S)>::mask_t finite,
       if constexpr (kFloat32Values<S>) {
         auto& acc = g % 2 == 0 ? r.v1 : r.v2;
         acc = _mm512_add_ps(acc, v);
+      } else if constexpr (kSplitValues<S>) {
+        const __m512 point = _mm512_set1_ps(kSplitPoint);
+        const __m512 hi = _mm512_sub_ps(_mm512_add_ps(v, point), point);
+        auto& his = g % 2 == 0 ? r.v1 : r.v2;
+        auto& los = g % 2 == 0 ? r.u1 : r.u2;
+        his = _mm512_add_ps(his, hi);
+        los = _mm512_add_ps(los, _mm512_sub_ps(v, hi));
       } else {
-        r.w1 = _mm512_add_pd(r.w1, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-        r.w2 = _mm512_add_pd(r.w2, _mm512_cvtps_pd(high_half(v)));
+        auto& low = g % 2 == 0 ? r.w1 : r.w3;
+        auto& high = g % 2 == 0 ? r.w2 : r.w4;
+        low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+        high = _mm512_add_pd(high, _mm512_cvtps_pd(high_half(v)));
       }
     }
   }
@@ -470,62 +534,70 @@ ZS_VEC void add_moments(__m512i raw, typename Lanes<sizeof(S)>::mask_t finite,
 // but NaN and infinities, sums every lane into the run's own sums, and keeps
 // the run's largest key. A run whose largest key is finite (most runs of
 // most data) is then folded as it is: its lanes were all finite. Only a run
-// that holds NaN or an infinity is read again by recount_run, which counts
-// them and sums the finite lanes alone. That keeps three compares and three
-// counts per vector out of the loop; data with NaN or Inf in every run pays
-// about what counting them in the loop would cost.
+// that holds NaN or an infinity is read again: once to count them, once more
+// to sum its finite lanes alone (not for float8_e4m3fn's integer planes,
+// which never add NaN). That keeps three compares and three counts per
+// vector out of the loop; data with NaN or Inf in every run pays about what
+// counting them in the loop would cost.
 template <int W>
 constexpr int64_t kRun = W == 1 ? 8 : 16;
 
 // A run of `vectors` vectors at p that holds NaN or an infinity: counts its
-// NaN and infinite lanes into `c`, returns the sums of its finite lanes and
-// sets `run_max` to its largest finite key. Out of line: most runs never
-// come here.
+// NaN and infinite lanes into `c` and returns its largest finite keys. Out of
+// line: most runs never come here.
 template <typename S>
-__attribute__((noinline, cold)) ZS_AVX512 RunSums recount_run(
-    const S* p, int64_t vectors, const VectorLimits& lim, const RunScale& rs, double shift,
-    NonFiniteCounts& c, __m512i& run_max) {
+__attribute__((noinline, cold)) ZS_AVX512 __m512i count_run_non_finite(
+    const S* p, int64_t vectors, const VectorLimits& lim, NonFiniteCounts& c) {
   using V = Lanes<sizeof(S)>;
   constexpr int kLanes = 64 / static_cast<int>(sizeof(S));
-  RunSums r = empty_run();
   NonFiniteCounts counts = c;  // in registers while the loop runs
   __m512i top = _mm512_setzero_si512();
   for (int64_t k = 0; k < vectors; ++k) {
     const __m512i raw = _mm512_loadu_si512(p + k * kLanes);
     const __m512i key = key_of<S>(raw);
-    const auto finite = count_non_finite<S>(raw, key, lim, counts);
-    top = V::mask_max(top, finite, key);
-    add_moments<S, true>(raw, finite, rs, shift, r);
+    top = V::mask_max(top, count_non_finite<S>(raw, key, lim, counts), key);
   }
   c = counts;
-  run_max = top;
+  return top;
+}
+
+// The sums of the finite lanes of a run of `vectors` vectors at p (kValues:
+// of x too, not only of the squares).
+template <typename S, bool kValues>
+__attribute__((noinline, cold)) ZS_AVX512 RunSums sum_finite_run(
+    const S* p, int64_t vectors, const VectorLimits& lim, const RunScale& rs, double shift) {
+  using V = Lanes<sizeof(S)>;
+  constexpr int kLanes = 64 / static_cast<int>(sizeof(S));
+  RunSums r = empty_run();
+  for (int64_t k = 0; k < vectors; ++k) {
+    const __m512i raw = _mm512_loadu_si512(p + k * kLanes);
+    add_moments<S, true, kValues>(raw, V::le(key_of<S>(raw), lim.finite_max), rs, shift, r);
+  }
   return r;
 }
 
 // A run outside its scale's window (run_max: its largest finite key): sets
 // `rs` to the run's own scale and returns the run's squares summed again.
 template <typename S>
-__attribute__((noinline, cold)) ZS_AVX512 RunSums rescale_run(
-    const S* p, int64_t vectors, const VectorLimits& lim, __m512i run_max, double shift,
-    RunScale& rs) {
-  using V = Lanes<sizeof(S)>;
-  constexpr int kLanes = 64 / static_cast<int>(sizeof(S));
+ZS_AVX512 RunSums rescale_run(const S* p, int64_t vectors, const VectorLimits& lim,
+                              __m512i run_max, double shift, RunScale& rs) {
   const auto top = static_cast<typename Format<S>::key_t>(reduce_key<sizeof(S)>(run_max, false));
   rs = make_scale<S>(scale_exponent(std::max(Format<S>::magnitude(top), std::fabs(shift))), shift);
-  RunSums r = empty_run();
-  for (int64_t k = 0; k < vectors; ++k) {
-    const __m512i raw = _mm512_loadu_si512(p + k * kLanes);
-    add_moments<S, true, false>(raw, V::le(key_of<S>(raw), lim.finite_max), rs, shift, r);
-  }
-  return r;
+  return sum_finite_run<S, false>(p, vectors, lim, rs, shift);
 }
 
 // ---- The vector loop -------------------------------------------------------
 
+// a += the low 8 lanes of v, b += the high 8, in double.
+ZS_VEC void add_to_double(__m512d& a, __m512d& b, __m512 v) {
+  a = _mm512_add_pd(a, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  b = _mm512_add_pd(b, _mm512_cvtps_pd(high_half(v)));
+}
+
 // The vector registers of one span's scan.
 struct VectorTally {
   LaneCounts counts;
-  NonFiniteCounts non_finite;  // floats: of the runs recount_run saw
+  NonFiniteCounts non_finite;  // floats: of the runs read again
   int64_t clean_vectors;       // floats: vectors of the other runs
   // Double sums. Floats of up to 32 bits: of x and of d^2; float64 and
   // integers of 16 bits and more: of d and d^2.
@@ -584,8 +656,103 @@ ZS_VEC __m512i dot_bytes(__m512i acc, __m512i u, __m512i s) {
 }
 
 inline bool cpu_has_vnni() {
-  static const bool has = __builtin_cpu_supports("avx512vnni");
+  static const bool has =
+      __builtin_cpu_supports("avx512vnni") && capability_allows(Capability::kNative);
   return has;
+}
+
+// ---- float8_e4m3fn moments in integers -------------------------------------
+//
+// |x| * 2^9 is a whole number y = a * 2^E for every float8_e4m3fn value x,
+// with a < 16 and E <= 14 (x = (8 + m) * 2^(e - 8) for an exponent field
+// e >= 1, m * 2^-9 for e = 0). Written as y = b * 16^h, h = E / 4 and
+// b = a * 2^(E mod 4) <= 120, both sums are four byte dot products (AVX512-
+// VNNI): sum(sign * y) = sum_h 16^h sum(sign * b_h) and sum(y^2) = sum_h
+// 256^h sum(b_h^2), where plane h holds b for the codes of that h and 0
+// elsewhere (NaN's code too), looked up by x's 7 magnitude bits (AVX512-
+// VBMI's two-table byte permute). The sums are then exact and need no shift;
+// CPUs without VBMI or VNNI sum in float32 runs instead (Moments).
+struct E4m3Planes {
+  alignas(64) uint8_t b[4][128];
+};
+
+constexpr E4m3Planes make_e4m3_planes() {
+  E4m3Planes t{};
+  for (int code = 0; code < 0x7f; ++code) {  // 0x7f, NaN, stays 0 everywhere
+    const int e = code >> 3, m = code & 7;
+    const int a = e == 0 ? m : 8 + m;
+    const int E = e == 0 ? 0 : e - 1;
+    t.b[E / 4][code] = static_cast<uint8_t>(a << (E % 4));
+  }
+  return t;
+}
+
+inline constexpr E4m3Planes kE4m3Planes = make_e4m3_planes();
+
+inline bool cpu_has_e4m3_planes() {
+  static const bool has = __builtin_cpu_supports("avx512vbmi") &&
+                          __builtin_cpu_supports("avx512vnni") &&
+                          capability_allows(Capability::kNative);
+  return has;
+}
+
+// The int32 lanes of the planes' sums (widened every kFold<1> vectors: a
+// lane gains at most 4 * 120 and 4 * 120^2 per vector).
+struct PlaneSums {
+  __m512i values[4];   // sum(sign * b_h)
+  __m512i squares[4];  // sum(b_h^2)
+};
+
+// Adds `vectors` vectors of float8_e4m3fn at p (at most kFold<1>) to the
+// counts of `tally` and to `planes`; the vector loop of scan_block, with the
+// moments of this section.
+__attribute__((noinline)) __attribute__((target(
+    "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma,bmi2,avx512vbmi,avx512vnni"))) inline void
+scan_block_e4m3(const e4m3_t* p, int64_t vectors, const VectorLimits& lim, VectorTally& tally,
+                PlaneSums& planes) {
+  using S = e4m3_t;
+  using V = Lanes<1>;
+  LaneCounts c = tally.counts;
+  __m512i low[4], high[4], values[4], squares[4];
+  for (int h = 0; h < 4; ++h) {
+    low[h] = _mm512_load_si512(kE4m3Planes.b[h]);
+    high[h] = _mm512_load_si512(kE4m3Planes.b[h] + 64);
+    values[h] = planes.values[h];
+    squares[h] = planes.squares[h];
+  }
+  const __m512i plus = _mm512_set1_epi8(1), minus = _mm512_set1_epi8(-1);
+  int64_t clean = 0;
+  for (int64_t begin = 0; begin < vectors; begin += kRun<1>) {
+    const int64_t len = std::min(kRun<1>, vectors - begin);
+    const S* run = p + begin * 64;
+    __m512i run_max = _mm512_setzero_si512();
+    for (int64_t k = 0; k < len; ++k) {
+      const __m512i raw = _mm512_loadu_si512(run + k * 64);
+      const __m512i key = key_of<S>(raw);
+      const __mmask64 negative = count_common<S>(raw, key, lim, c);
+      run_max = V::max(run_max, key);
+      const __m512i sign = _mm512_mask_blend_epi8(negative, plus, minus);
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; ++h) {
+        // vpermi2b reads the low 7 bits of each index byte: |x|'s code.
+        const __m512i b = _mm512_permutex2var_epi8(low[h], raw, high[h]);
+        values[h] = _mm512_dpbusd_epi32(values[h], b, sign);
+        squares[h] = _mm512_dpbusd_epi32(squares[h], b, b);
+      }
+    }
+    if (__builtin_expect(V::le(run_max, lim.finite_max) != ~__mmask64(0), 0)) {
+      run_max = count_run_non_finite(run, len, lim, tally.non_finite);
+    } else {
+      clean += len;
+    }
+    c.hi = V::max(c.hi, run_max);
+  }
+  for (int h = 0; h < 4; ++h) {
+    planes.values[h] = values[h];
+    planes.squares[h] = squares[h];
+  }
+  tally.counts = c;
+  tally.clean_vectors += clean;
 }
 
 // Adds `vectors` vectors of 64 bytes at p to `tally` (at most kFold<W> of
@@ -612,18 +779,26 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
     for (int64_t begin = 0; begin < vectors; begin += kRun<W>) {
       const int64_t len = std::min(kRun<W>, vectors - begin);
       const S* run = p + begin * kLanes;
-      RunSums r = empty_run();
+      RunSums even = empty_run(), odd = empty_run();
       __m512i run_max = _mm512_setzero_si512();
-      for (int64_t k = 0; k < len; ++k) {
+      auto scan_vector = [&](int64_t k, RunSums& sums) __attribute__((always_inline)) ZS_AVX512 {
         const __m512i raw = _mm512_loadu_si512(run + k * kLanes);
         const __m512i key = key_of<S>(raw);
         count_common<S>(raw, key, lim, c);
         run_max = V::max(run_max, key);
-        add_moments<S, false>(raw, 0, rs, shift, r);
+        add_moments<S, false>(raw, 0, rs, shift, sums);
+      };
+      int64_t k = 0;
+      for (; k + 2 <= len; k += 2) {
+        scan_vector(k, even);
+        scan_vector(k + 1, odd);
       }
+      if (k < len) scan_vector(k, even);
+      RunSums r = add_runs(even, odd);
       // A key above finite_max: the run holds NaN or an infinity.
       if (__builtin_expect(V::le(run_max, lim.finite_max) != static_cast<mask_t>(~mask_t(0)), 0)) {
-        r = recount_run(run, len, lim, rs, shift, tally.non_finite, run_max);
+        run_max = count_run_non_finite(run, len, lim, tally.non_finite);
+        r = sum_finite_run<S, true>(run, len, lim, rs, shift);
       } else {
         clean += len;
       }
@@ -636,12 +811,17 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
       }
       c.hi = V::max(c.hi, run_max);
       if constexpr (kFloat32Values<S>) {
-        const __m512 v = _mm512_add_ps(r.v1, r.v2);
-        s1a = _mm512_add_pd(s1a, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-        s1b = _mm512_add_pd(s1b, _mm512_cvtps_pd(high_half(v)));
+        add_to_double(s1a, s1b, _mm512_add_ps(r.v1, r.v2));
+      } else if constexpr (kSplitValues<S>) {
+        // A run gave each lane of v1 and v2 at most 16 his, of u1 and u2
+        // at most 16 los (16 vectors of float16, 8 of float8 with two groups
+        // a chain): v1 + v2 could round, u1 + u2 not (kSplitValues).
+        add_to_double(s1a, s1b, r.v1);
+        add_to_double(s1a, s1b, r.v2);
+        add_to_double(s1a, s1b, _mm512_add_ps(r.u1, r.u2));
       } else {
-        s1a = _mm512_add_pd(s1a, r.w1);
-        s1b = _mm512_add_pd(s1b, r.w2);
+        s1a = _mm512_add_pd(s1a, _mm512_add_pd(r.w1, r.w3));
+        s1b = _mm512_add_pd(s1b, _mm512_add_pd(r.w2, r.w4));
       }
       if constexpr (kFloat32Squares<S>) {
         const __m512 q = _mm512_add_ps(r.q1, r.q2);
@@ -649,14 +829,16 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
         s2b = _mm512_fmadd_pd(_mm512_cvtps_pd(high_half(q)), rs.unscale, s2b);
       } else {
         s2a = _mm512_add_pd(s2a, r.r1);
-        s2b = _mm512_add_pd(s2b, r.r2);
       }
     }
     tally.scale = rs;
     tally.clean_vectors += clean;
   } else {
-    __m512i sum = tally.sum, sum_sq = tally.sum_sq;
-    for (int64_t k = 0; k < vectors; ++k) {
+    // Two sets of chains, for even and odd vectors (see RunSums).
+    __m512i sum = tally.sum, sum_sq[2] = {tally.sum_sq, _mm512_setzero_si512()};
+    __m512d s1[2][2] = {{s1a, s1b}, {_mm512_setzero_pd(), _mm512_setzero_pd()}};
+    __m512d s2[2][2] = {{s2a, s2b}, {_mm512_setzero_pd(), _mm512_setzero_pd()}};
+    auto scan_vector = [&](int64_t k, int parity) __attribute__((always_inline)) ZS_AVX512 {
       const S* q = p + k * kLanes;
       const __m512i raw = _mm512_loadu_si512(q);
       const __m512i key = key_of<S>(raw);
@@ -669,16 +851,17 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
         const __m512i biased =  // int8 + 128 is an unsigned byte
             F::kSigned ? _mm512_xor_si512(values, _mm512_set1_epi8(static_cast<char>(0x80))) : values;
         sum = _mm512_add_epi64(sum, _mm512_sad_epu8(biased, _mm512_setzero_si512()));
+        __m512i& sq = sum_sq[parity];
         if constexpr (kVnni) {
-          sum_sq = F::kSigned ? dot_bytes(sum_sq, biased, values)
-                              : dot_bytes(sum_sq, values,
-                                          _mm512_xor_si512(values, _mm512_set1_epi8(static_cast<char>(0x80))));
+          sq = F::kSigned ? dot_bytes(sq, biased, values)
+                          : dot_bytes(sq, values,
+                                      _mm512_xor_si512(values, _mm512_set1_epi8(static_cast<char>(0x80))));
         } else {
           const __m256i low = _mm512_castsi512_si256(values);
           const __m256i high = _mm512_extracti64x4_epi64(values, 1);
           const __m512i w0 = F::kSigned ? _mm512_cvtepi8_epi16(low) : _mm512_cvtepu8_epi16(low);
           const __m512i w1 = F::kSigned ? _mm512_cvtepi8_epi16(high) : _mm512_cvtepu8_epi16(high);
-          sum_sq = _mm512_add_epi32(sum_sq, _mm512_add_epi32(_mm512_madd_epi16(w0, w0), _mm512_madd_epi16(w1, w1)));
+          sq = _mm512_add_epi32(sq, _mm512_add_epi32(_mm512_madd_epi16(w0, w0), _mm512_madd_epi16(w1, w1)));
         }
       } else {
         // Integers of 16 bits and more, 8 at a time in double.
@@ -686,18 +869,24 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
 #pragma GCC unroll 4
         for (int g = 0; g < kLanes / 8; ++g) {
           const __m512d d = _mm512_sub_pd(widen8(q + 8 * g), s);
-          if (g % 2 == 0) {
-            s1a = _mm512_add_pd(s1a, d);
-            s2a = _mm512_fmadd_pd(d, d, s2a);
-          } else {
-            s1b = _mm512_add_pd(s1b, d);
-            s2b = _mm512_fmadd_pd(d, d, s2b);
-          }
+          s1[parity][g % 2] = _mm512_add_pd(s1[parity][g % 2], d);
+          s2[parity][g % 2] = _mm512_fmadd_pd(d, d, s2[parity][g % 2]);
         }
       }
+    };
+    int64_t k = 0;
+    for (; k + 2 <= vectors; k += 2) {
+      scan_vector(k, 0);
+      scan_vector(k + 1, 1);
     }
+    if (k < vectors) scan_vector(k, 0);
+    // Both int32 chains together gained no more than one would have.
     tally.sum = sum;
-    tally.sum_sq = sum_sq;
+    tally.sum_sq = _mm512_add_epi32(sum_sq[0], sum_sq[1]);
+    s1a = _mm512_add_pd(s1[0][0], s1[1][0]);
+    s1b = _mm512_add_pd(s1[0][1], s1[1][1]);
+    s2a = _mm512_add_pd(s2[0][0], s2[1][0]);
+    s2b = _mm512_add_pd(s2[0][1], s2[1][1]);
   }
   tally.counts = c;
   tally.s1a = s1a;
@@ -746,11 +935,28 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
 
   const int64_t vectors = n / kLanes;
   const bool vnni = kExactBytes<S> && cpu_has_vnni();
+  constexpr bool kE4m3 = std::is_same_v<S, e4m3_t>;
+  const bool by_planes = kE4m3 && cpu_has_e4m3_planes();
+  PlaneSums planes, plane_totals;
+  for (int h = 0; h < 4; ++h) {
+    planes.values[h] = planes.squares[h] = zero;
+    plane_totals.values[h] = plane_totals.squares[h] = zero;
+  }
   for (int64_t begin = 0; begin < vectors; begin += kFold<W>) {
     const int64_t block = std::min(kFold<W>, vectors - begin);
     if constexpr (kExactBytes<S>) {
       if (vnni) {
         scan_block<S, true>(p + begin * kLanes, block, vl, shift, v);
+      } else {
+        scan_block(p + begin * kLanes, block, vl, shift, v);
+      }
+    } else if constexpr (kE4m3) {
+      if (by_planes) {
+        scan_block_e4m3(p + begin * kLanes, block, vl, v, planes);
+        for (int h = 0; h < 4; ++h) {
+          fold_signed(plane_totals.values[h], planes.values[h]);
+          fold_signed(plane_totals.squares[h], planes.squares[h]);
+        }
       } else {
         scan_block(p + begin * kLanes, block, vl, shift, v);
       }
@@ -807,6 +1013,24 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
     const int64_t sum_sq = _mm512_reduce_add_epi64(total.sum_sq) + correction;
     t.s1 += static_cast<double>(sum - count * k);
     t.s2 += static_cast<double>(sum_sq - 2 * k * sum + count * k * k);
+  } else if (by_planes) {
+    // In units of 2^-9 and 2^-18, exact: |y| < 2^18 and a span holds far
+    // fewer than 2^40 elements. The shift is a whole number of 2^-9 units
+    // but for `delta` (as_shift makes it one).
+    int64_t sum_y = 0;
+    __int128 sum_y2 = 0;
+    for (int h = 3; h >= 0; --h) {
+      sum_y = 16 * sum_y + _mm512_reduce_add_epi64(plane_totals.values[h]);
+      sum_y2 = 256 * sum_y2 + _mm512_reduce_add_epi64(plane_totals.squares[h]);
+    }
+    const int64_t k = std::llrint(shift * 512.0);
+    const double delta = shift - std::ldexp(static_cast<double>(k), -9);
+    const double s1 = std::ldexp(static_cast<double>(sum_y - finite * k), -9);
+    const __int128 s2_units = sum_y2 - 2 * static_cast<__int128>(k) * sum_y +
+                              static_cast<__int128>(finite) * k * k;
+    const double s2 = std::ldexp(static_cast<double>(s2_units), -18);
+    t.s1 += s1 - static_cast<double>(finite) * delta;
+    t.s2 += s2 - 2.0 * delta * s1 + static_cast<double>(finite) * delta * delta;
   } else if constexpr (kFloat32Squares<S>) {
     const double sum_x = kWidenScale<S> * _mm512_reduce_add_pd(_mm512_add_pd(v.s1a, v.s1b));
     t.s1 += sum_x - static_cast<double>(finite) * shift;
@@ -823,7 +1047,7 @@ inline bool cpu_has_avx512() {
       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("bmi2");
+      __builtin_cpu_supports("bmi2") && capability_allows(Capability::kAvx512);
   return has;
 }
 

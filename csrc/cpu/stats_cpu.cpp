@@ -25,12 +25,14 @@ constexpr int64_t kShiftSample = 64;      // elements that pick a chunk's shift
 constexpr int64_t kParallelMin = 1 << 19; // elements; less runs on one thread
 
 // `mean` as a shift for dtype S: integer moments are then sums of whole
-// numbers, exact, and the float32 runs of floats of up to 32 bits subtract a
-// float32 shift exactly (cpu/scan_span.h).
+// numbers, exact, as are float8_e4m3fn's in units of 2^-9, and the float32
+// runs of floats of up to 32 bits subtract a float32 shift exactly
+// (cpu/scan_span.h).
 template <typename S>
 double as_shift(double mean) {
   if (!std::isfinite(mean)) return 0.0;  // a float64 sum can overflow
   if (!Format<S>::kFloating) return std::nearbyint(mean);
+  if (std::is_same_v<S, e4m3_t>) return std::ldexp(std::nearbyint(std::ldexp(mean, 9)), -9);
   return sizeof(S) <= 4 ? static_cast<double>(static_cast<float>(mean)) : mean;
 }
 
@@ -146,6 +148,9 @@ Partial scan_task(const at::Tensor& x, const Layout& l, const Limits& lim,
 void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
               bool as_list, int64_t* rows) {
   check_tol(op, tol);
+  TORCH_CHECK(capability_cap() != Capability::kInvalid, op,
+              ": ZEROSCAN_CPU_CAPABILITY must be scalar, avx512 or native; got '",
+              std::getenv("ZEROSCAN_CPU_CAPABILITY"), "'");
   const int64_t n = static_cast<int64_t>(xs.size());
   // Layouts are ~1 KB each, so they are planned again where used rather than
   // kept for every tensor of a long list (planning costs nanoseconds).

@@ -1,0 +1,42 @@
+"""The CPU scan's narrower paths, reached on any machine.
+
+A CPU without AVX-512 scans one element at a time, and one with AVX-512 but
+without VNNI or VBMI sums float8_e4m3fn and 1-byte integer moments another
+way than one with them. ZEROSCAN_CPU_CAPABILITY caps what the scan may use,
+so the distribution suite runs again here under each cap, in a fresh process
+(the cap is read once per process).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+
+def run_with_cap(cap: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ZEROSCAN_CPU_CAPABILITY": cap}
+    return subprocess.run([sys.executable, *args], env=env, cwd=TESTS.parent, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("cap", ["scalar", "avx512"])
+def test_distributions_under_capability(cap: str) -> None:
+    """Every CPU test of test_distributions.py (each distribution, dtype,
+    size and layout, and the edge cases after them), scanned within the
+    cap, against the float64 reference."""
+    result = run_with_cap(
+        cap, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_distributions.py"), "-k", "not cuda"
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout
+
+
+def test_unknown_capability_is_refused() -> None:
+    result = run_with_cap("avx9000", "-c", "import torch, zeroscan; zeroscan.stats(torch.ones(3))")
+    assert result.returncode != 0
+    assert "ZEROSCAN_CPU_CAPABILITY must be scalar, avx512 or native; got 'avx9000'" in result.stderr
