@@ -16,7 +16,7 @@ EXACT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # randn itself ha
 
 
 def test_names_and_order() -> None:
-    assert DISTRIBUTIONS[0] == "randn" and len(set(DISTRIBUTIONS)) == len(DISTRIBUTIONS) == 8
+    assert DISTRIBUTIONS[0] == "randn" and len(set(DISTRIBUTIONS)) == len(DISTRIBUTIONS) == 9
     for dtype in FLOAT_DTYPES:
         assert distributions_for(dtype) == DISTRIBUTIONS
     assert distributions_for(torch.int8) == ("randn", "zeros_50", "zeros_99", "all_zeros", "large_mean")
@@ -32,7 +32,7 @@ def test_each_distribution_has_its_property(dtype: torch.dtype) -> None:
         r = zeroscan.reference_stats(x)
         zero_fraction = r["zeros"] / N
         nonfinite = r["nan"] + r["posinf"] + r["neginf"]
-        if name not in ("nonfinite_0.01",):
+        if name not in ("nonfinite_0.01", "nonfinite_1"):
             assert nonfinite == 0, name
         if name == "randn":
             assert zero_fraction < 0.01, name
@@ -52,7 +52,7 @@ def test_each_distribution_has_its_property(dtype: torch.dtype) -> None:
             assert r["subnormal"] >= k
             if dtype in EXACT_DTYPES:
                 assert r["subnormal"] == k
-        elif name == "nonfinite_0.01":
+        elif name in ("nonfinite_0.01", "nonfinite_1"):
             k = round(FRACTION[name] * N)
             assert r["nan"] > 0
             if dtype == torch.float8_e4m3fn:

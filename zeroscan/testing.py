@@ -15,6 +15,8 @@ here is one of those, named after what it stands for:
     subnormal_0.1    0.1 % subnormal values among randn
     nonfinite_0.01   0.01 % NaN, +Inf and -Inf among randn (NaN only for
                      float8_e4m3fn, which has no Inf)
+    nonfinite_1      1 % of them: a NaN-poisoned tensor, a special value in
+                     every few hundred
     large_mean       a large mean with a small spread: 1000 + 1e-3 * randn where
                      the dtype resolves it, else a spread of one unit in the
                      last place at the mean (bfloat16 1000 +- 4, float16
@@ -44,6 +46,7 @@ DISTRIBUTIONS: tuple[str, ...] = (
     "all_subnormal",
     "subnormal_0.1",
     "nonfinite_0.01",
+    "nonfinite_1",
     "large_mean",
 )
 
@@ -63,9 +66,10 @@ FRACTION: dict[str, float] = {
     "zeros_99": 0.99,
     "subnormal_0.1": 0.001,
     "nonfinite_0.01": 0.0001,
+    "nonfinite_1": 0.01,
 }
 
-_FLOAT_ONLY = ("all_subnormal", "subnormal_0.1", "nonfinite_0.01")
+_FLOAT_ONLY = ("all_subnormal", "subnormal_0.1", "nonfinite_0.01", "nonfinite_1")
 _NO_INF = (torch.float8_e4m3fn,)  # its top exponent holds finite values and NaN only
 _RANDN_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # torch.randn makes these directly
 _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer view
@@ -109,7 +113,7 @@ def make_distribution(name: str, n: int, dtype: torch.dtype, generator: torch.Ge
     elif name == "subnormal_0.1":
         where = spread_positions(n, FRACTION[name], 1, generator)
         bits[where] = subnormal_bits(where.numel(), dtype, generator)
-    elif name == "nonfinite_0.01":
+    elif name in ("nonfinite_0.01", "nonfinite_1"):
         specials = special_bits(dtype)
         where = spread_positions(n, FRACTION[name], specials.numel(), generator)
         bits[where] = specials.repeat(math.ceil(where.numel() / specials.numel()))[: where.numel()]

@@ -588,6 +588,17 @@ ZS_AVX512 RunSums rescale_run(const S* p, int64_t vectors, const VectorLimits& l
 
 // ---- The vector loop -------------------------------------------------------
 
+// Each vector asks for the one kPrefetchBytes ahead. The hardware prefetchers
+// alone left the scan of tensors beyond the caches 15-25 % slower than its
+// own speed on cached data (measured on Zen 5 at 64M elements, 4-16 KB ahead
+// alike); a prefetch never faults, so reading ahead of a span's end is
+// harmless.
+constexpr int64_t kPrefetchBytes = 8192;
+
+ZS_VEC void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+}
+
 // a += the low 8 lanes of v, b += the high 8, in double.
 ZS_VEC void add_to_double(__m512d& a, __m512d& b, __m512 v) {
   a = _mm512_add_pd(a, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
@@ -706,10 +717,12 @@ struct PlaneSums {
 // Adds `vectors` vectors of float8_e4m3fn at p (at most kFold<1>) to the
 // counts of `tally` and to `planes`; the vector loop of scan_block, with the
 // moments of this section.
-__attribute__((noinline)) __attribute__((target(
-    "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma,bmi2,avx512vbmi,avx512vnni"))) inline void
-scan_block_e4m3(const e4m3_t* p, int64_t vectors, const VectorLimits& lim, VectorTally& tally,
-                PlaneSums& planes) {
+#define ZS_AVX512_PLANES \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c,fma,bmi2,avx512vbmi,avx512vnni")))
+
+__attribute__((noinline)) ZS_AVX512_PLANES inline void scan_block_e4m3(
+    const e4m3_t* p, int64_t vectors, const VectorLimits& lim, VectorTally& tally,
+    PlaneSums& planes) {
   using S = e4m3_t;
   using V = Lanes<1>;
   LaneCounts c = tally.counts;
@@ -721,29 +734,51 @@ scan_block_e4m3(const e4m3_t* p, int64_t vectors, const VectorLimits& lim, Vecto
     squares[h] = planes.squares[h];
   }
   const __m512i plus = _mm512_set1_epi8(1), minus = _mm512_set1_epi8(-1);
+  auto add_moments = [&](__m512i raw, __mmask64 negative) __attribute__((always_inline))
+                                                          ZS_AVX512_PLANES {
+    const __m512i sign = _mm512_mask_blend_epi8(negative, plus, minus);
+#pragma GCC unroll 4
+    for (int h = 0; h < 4; ++h) {
+      // vpermi2b reads the low 7 bits of each index byte: |x|'s code.
+      const __m512i b = _mm512_permutex2var_epi8(low[h], raw, high[h]);
+      values[h] = _mm512_dpbusd_epi32(values[h], b, sign);
+      squares[h] = _mm512_dpbusd_epi32(squares[h], b, b);
+    }
+  };
   int64_t clean = 0;
+  bool counting = false;  // the run before held NaN (see the float loop of scan_block)
   for (int64_t begin = 0; begin < vectors; begin += kRun<1>) {
     const int64_t len = std::min(kRun<1>, vectors - begin);
     const S* run = p + begin * 64;
-    __m512i run_max = _mm512_setzero_si512();
-    for (int64_t k = 0; k < len; ++k) {
-      const __m512i raw = _mm512_loadu_si512(run + k * 64);
-      const __m512i key = key_of<S>(raw);
-      const __mmask64 negative = count_common<S>(raw, key, lim, c);
-      run_max = V::max(run_max, key);
-      const __m512i sign = _mm512_mask_blend_epi8(negative, plus, minus);
-#pragma GCC unroll 4
-      for (int h = 0; h < 4; ++h) {
-        // vpermi2b reads the low 7 bits of each index byte: |x|'s code.
-        const __m512i b = _mm512_permutex2var_epi8(low[h], raw, high[h]);
-        values[h] = _mm512_dpbusd_epi32(values[h], b, sign);
-        squares[h] = _mm512_dpbusd_epi32(squares[h], b, b);
+    __m512i run_max = _mm512_setzero_si512();  // of non-NaN keys
+    if (__builtin_expect(!counting, 1)) {
+      for (int64_t k = 0; k < len; ++k) {
+        prefetch_ahead(run + k * 64);
+        const __m512i raw = _mm512_loadu_si512(run + k * 64);
+        const __m512i key = key_of<S>(raw);
+        add_moments(raw, count_common<S>(raw, key, lim, c));
+        run_max = V::max(run_max, key);
       }
-    }
-    if (__builtin_expect(V::le(run_max, lim.finite_max) != ~__mmask64(0), 0)) {
-      run_max = count_run_non_finite(run, len, lim, tally.non_finite);
+      if (__builtin_expect(V::le(run_max, lim.finite_max) == ~__mmask64(0), 1)) {
+        clean += len;
+      } else {
+        run_max = count_run_non_finite(run, len, lim, tally.non_finite);
+        counting = true;
+      }
     } else {
-      clean += len;
+      NonFiniteCounts nf = tally.non_finite;
+      __mmask64 nan = 0;
+      for (int64_t k = 0; k < len; ++k) {
+        prefetch_ahead(run + k * 64);
+        const __m512i raw = _mm512_loadu_si512(run + k * 64);
+        const __m512i key = key_of<S>(raw);
+        add_moments(raw, count_common<S>(raw, key, lim, c));
+        const __mmask64 finite = count_non_finite<S>(raw, key, lim, nf);
+        run_max = V::mask_max(run_max, finite, key);
+        nan |= ~finite;
+      }
+      tally.non_finite = nf;
+      counting = nan != 0;
     }
     c.hi = V::max(c.hi, run_max);
   }
@@ -776,31 +811,66 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
   if constexpr (F::kFloating) {
     RunScale rs = tally.scale;
     int64_t clean = 0;
+    bool masked = false;  // the run before held NaN or an infinity
     for (int64_t begin = 0; begin < vectors; begin += kRun<W>) {
       const int64_t len = std::min(kRun<W>, vectors - begin);
       const S* run = p + begin * kLanes;
       RunSums even = empty_run(), odd = empty_run();
-      __m512i run_max = _mm512_setzero_si512();
-      auto scan_vector = [&](int64_t k, RunSums& sums) __attribute__((always_inline)) ZS_AVX512 {
-        const __m512i raw = _mm512_loadu_si512(run + k * kLanes);
-        const __m512i key = key_of<S>(raw);
-        count_common<S>(raw, key, lim, c);
-        run_max = V::max(run_max, key);
-        add_moments<S, false>(raw, 0, rs, shift, sums);
+      __m512i run_max = _mm512_setzero_si512();  // of finite keys
+      // A key above finite_max: NaN or an infinity.
+      auto all_finite = [&](__m512i top) __attribute__((always_inline)) ZS_AVX512 {
+        return V::le(top, lim.finite_max) == static_cast<mask_t>(~mask_t(0));
       };
-      int64_t k = 0;
-      for (; k + 2 <= len; k += 2) {
-        scan_vector(k, even);
-        scan_vector(k + 1, odd);
-      }
-      if (k < len) scan_vector(k, even);
-      RunSums r = add_runs(even, odd);
-      // A key above finite_max: the run holds NaN or an infinity.
-      if (__builtin_expect(V::le(run_max, lim.finite_max) != static_cast<mask_t>(~mask_t(0)), 0)) {
-        run_max = count_run_non_finite(run, len, lim, tally.non_finite);
-        r = sum_finite_run<S, true>(run, len, lim, rs, shift);
+      RunSums r;
+      if (__builtin_expect(!masked, 1)) {
+        auto scan_vector = [&](int64_t k, RunSums& sums) __attribute__((always_inline)) ZS_AVX512 {
+          prefetch_ahead(run + k * kLanes);
+          const __m512i raw = _mm512_loadu_si512(run + k * kLanes);
+          const __m512i key = key_of<S>(raw);
+          count_common<S>(raw, key, lim, c);
+          run_max = V::max(run_max, key);
+          add_moments<S, false>(raw, 0, rs, shift, sums);
+        };
+        int64_t k = 0;
+        for (; k + 2 <= len; k += 2) {
+          scan_vector(k, even);
+          scan_vector(k + 1, odd);
+        }
+        if (k < len) scan_vector(k, even);
+        r = add_runs(even, odd);
+        if (__builtin_expect(all_finite(run_max), 1)) {
+          clean += len;
+        } else {
+          run_max = count_run_non_finite(run, len, lim, tally.non_finite);
+          r = sum_finite_run<S, true>(run, len, lim, rs, shift);
+          masked = true;
+        }
       } else {
-        clean += len;
+        // Runs after one with NaN or Inf count them in the loop and sum
+        // only finite lanes, until a run holds none: data where every run
+        // holds some (a NaN-poisoned tensor) is then read once, not three
+        // times, and pays about 1.3x a clean run instead.
+        NonFiniteCounts nf = tally.non_finite;
+        __m512i top = _mm512_setzero_si512();  // of all keys
+        auto scan_vector = [&](int64_t k, RunSums& sums) __attribute__((always_inline)) ZS_AVX512 {
+          prefetch_ahead(run + k * kLanes);
+          const __m512i raw = _mm512_loadu_si512(run + k * kLanes);
+          const __m512i key = key_of<S>(raw);
+          count_common<S>(raw, key, lim, c);
+          const auto finite = count_non_finite<S>(raw, key, lim, nf);
+          run_max = V::mask_max(run_max, finite, key);
+          top = V::max(top, key);
+          add_moments<S, true>(raw, finite, rs, shift, sums);
+        };
+        int64_t k = 0;
+        for (; k + 2 <= len; k += 2) {
+          scan_vector(k, even);
+          scan_vector(k + 1, odd);
+        }
+        if (k < len) scan_vector(k, even);
+        r = add_runs(even, odd);
+        tally.non_finite = nf;
+        masked = !all_finite(top);
       }
       if constexpr (kScaledSquares<S>) {
         if (__builtin_expect(!fits<S>(rs, run_max), 0)) {
@@ -840,6 +910,7 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
     __m512d s2[2][2] = {{s2a, s2b}, {_mm512_setzero_pd(), _mm512_setzero_pd()}};
     auto scan_vector = [&](int64_t k, int parity) __attribute__((always_inline)) ZS_AVX512 {
       const S* q = p + k * kLanes;
+      prefetch_ahead(q);
       const __m512i raw = _mm512_loadu_si512(q);
       const __m512i key = key_of<S>(raw);
       count_common<S>(raw, key, lim, c);
