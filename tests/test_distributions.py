@@ -10,7 +10,10 @@ goes through the gather buffer instead of reading in place.
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -125,3 +128,50 @@ def test_largest_values_cancelling(dtype: torch.dtype) -> None:
     values[3::7] = float(torch.finfo(dtype).eps) * torch.randn(len(values[3::7]), generator=g, dtype=torch.float64)
     x = torch.cat([values, -values.roll(17)]).to(dtype)  # rounding is symmetric in sign
     assert_matches_reference(zeroscan.stats(x), x)
+
+
+@pytest.mark.parametrize("name", ["all_subnormal", "subnormal_0.1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_subnormals_under_flush_denormal(dtype: torch.dtype, name: str) -> None:
+    """torch.set_flush_denormal(True) makes the CPU read subnormal inputs as
+    zero; the scan of an underflowed gradient must still find its true
+    min |x|, mean and std. The result row is decoded, and the reference
+    taken, with the mode off: Python's own float arithmetic would flush too
+    (a float64 `sum` is mean * n in Python, and such data's mean is
+    subnormal)."""
+    g = fresh_generator()
+    x = make_distribution(name, 200_003, dtype, g)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        got = zeroscan.stats(x)  # scanned now, decoded at the first read
+    finally:
+        torch.set_flush_denormal(False)
+    assert_matches_reference(got, x)
+
+
+FLUSH_FIRST = """
+import json, sys, torch, zeroscan
+from zeroscan.testing import make_distribution
+torch.set_flush_denormal(True)  # before the thread pool exists: its threads inherit the mode
+x = make_distribution("all_subnormal", 1 << 22, torch.float32, torch.Generator().manual_seed(int(sys.argv[1])))
+s = zeroscan.stats(x)
+torch.set_flush_denormal(False)
+print(json.dumps(s.to_dict()))
+"""
+
+
+def test_subnormals_when_every_thread_flushes() -> None:
+    """Threads made after torch.set_flush_denormal(True) start in that mode;
+    a 4M-element scan, split over them, must still see every subnormal."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=fresh_generator()))
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU has no flush-denormal mode")
+    result = subprocess.run([sys.executable, "-c", FLUSH_FIRST, str(seed)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    got = json.loads(result.stdout)
+    x = make_distribution("all_subnormal", 1 << 22, torch.float32, torch.Generator().manual_seed(seed))
+    want = zeroscan.reference_stats(x)
+    assert got["min_abs"] == want["min_abs"] and got["subnormal"] == want["subnormal"]
+    for field in ("mean", "std"):
+        assert math.isclose(got[field], want[field], rel_tol=1e-6, abs_tol=1e-12 * float(x.double().abs().mean())), field

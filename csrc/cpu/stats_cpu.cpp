@@ -11,6 +11,10 @@
 #include <algorithm>
 #include <cmath>
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 #include "../op_common.h"
 #include "scan_span.h"
 
@@ -126,6 +130,24 @@ int64_t chunk_size(int64_t numel) {
   return std::max(kMinChunk, by_count);
 }
 
+// Subnormal values must keep their value while a thread scans: with
+// torch.set_flush_denormal(True) the SSE unit reads subnormal inputs as zero
+// (DAZ) and flushes subnormal results (FTZ), which would zero min |x| and
+// the moments of underflowed data -- the very data zeroscan looks for. The
+// guard clears both for its scope on the thread that runs it and restores
+// the caller's mode after. (Elsewhere than x86-64 it does nothing.)
+class ExactSubnormals {
+ public:
+#if defined(__x86_64__)
+  ExactSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(kDaz | kFtz)); }
+  ~ExactSubnormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kDaz = 0x0040, kFtz = 0x8000;
+  unsigned saved_;
+#endif
+};
+
 // One unit of parallel work: a chunk of one tensor.
 struct Task {
   int64_t tensor;
@@ -147,6 +169,7 @@ Partial scan_task(const at::Tensor& x, const Layout& l, const Limits& lim,
 // `as_list`: name inputs "xs[i]" in errors rather than "x".
 void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
               bool as_list, int64_t* rows) {
+  const ExactSubnormals exact;  // the combining below too; `run` on every thread
   check_tol(op, tol);
   TORCH_CHECK(capability_cap() != Capability::kInvalid, op,
               ": ZEROSCAN_CPU_CAPABILITY must be scalar, avx512 or native; got '",
@@ -177,6 +200,7 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   std::vector<Partial> partials(n_tasks);
   auto run = [&](int64_t lo, int64_t hi) {
+    const ExactSubnormals exact;
     for (int64_t k = lo; k < hi; ++k) {
       const Task& task = tasks[k];
       const Layout layout = layout_of(xs[task.tensor]);
