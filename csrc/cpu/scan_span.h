@@ -612,6 +612,18 @@ ZS_VEC void add_to_double(__m512d& a, __m512d& b, __m512 v) {
   b = _mm512_add_pd(b, _mm512_cvtps_pd(high_half(v)));
 }
 
+// Calls scan_vector(k, parity) for k in [0, n), parity 0 for even k and 1
+// for odd: the two sets of accumulator chains of RunSums.
+template <typename ScanVector>
+ZS_VEC void in_pairs(int64_t n, ScanVector&& scan_vector) {
+  int64_t k = 0;
+  for (; k + 2 <= n; k += 2) {
+    scan_vector(k, 0);
+    scan_vector(k + 1, 1);
+  }
+  if (k < n) scan_vector(k, 0);
+}
+
 // The vector registers of one span's scan.
 struct VectorTally {
   LaneCounts counts;
@@ -801,20 +813,14 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
       };
       RunSums r;
       if (__builtin_expect(!masked, 1)) {
-        auto scan_vector = [&](int64_t k, RunSums& sums) __attribute__((always_inline)) ZS_AVX512 {
+        in_pairs(len, [&](int64_t k, int parity) __attribute__((always_inline)) ZS_AVX512 {
           prefetch_ahead(run + k * kLanes);
           const __m512i raw = _mm512_loadu_si512(run + k * kLanes);
           const __m512i key = key_of<S>(raw);
           count_common<S>(raw, key, lim, c);
           run_max = V::max(run_max, key);
-          add_moments<S, false>(raw, 0, rs, shift, sums);
-        };
-        int64_t k = 0;
-        for (; k + 2 <= len; k += 2) {
-          scan_vector(k, even);
-          scan_vector(k + 1, odd);
-        }
-        if (k < len) scan_vector(k, even);
+          add_moments<S, false>(raw, 0, rs, shift, parity == 0 ? even : odd);
+        });
         r = add_runs(even, odd);
         if (__builtin_expect(all_finite(run_max), 1)) {
           clean += len;
@@ -827,10 +833,10 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
         // Runs after one with NaN or Inf count them in the loop and sum
         // only finite lanes, until a run holds none: data where every run
         // holds some (a NaN-poisoned tensor) is then read once, not three
-        // times, and pays about 1.3x a clean run instead.
+        // times, and pays 1.5-1.7x a clean run instead of 2.1-2.7x.
         NonFiniteCounts nf = tally.non_finite;
         __m512i top = _mm512_setzero_si512();  // of all keys
-        auto scan_vector = [&](int64_t k, RunSums& sums) __attribute__((always_inline)) ZS_AVX512 {
+        in_pairs(len, [&](int64_t k, int parity) __attribute__((always_inline)) ZS_AVX512 {
           prefetch_ahead(run + k * kLanes);
           const __m512i raw = _mm512_loadu_si512(run + k * kLanes);
           const __m512i key = key_of<S>(raw);
@@ -838,14 +844,8 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
           const auto finite = count_non_finite<S>(raw, key, lim, nf);
           run_max = V::mask_max(run_max, finite, key);
           top = V::max(top, key);
-          add_moments<S, true>(raw, finite, rs, shift, sums);
-        };
-        int64_t k = 0;
-        for (; k + 2 <= len; k += 2) {
-          scan_vector(k, even);
-          scan_vector(k + 1, odd);
-        }
-        if (k < len) scan_vector(k, even);
+          add_moments<S, true>(raw, finite, rs, shift, parity == 0 ? even : odd);
+        });
         r = add_runs(even, odd);
         tally.non_finite = nf;
         masked = !all_finite(top);
@@ -886,7 +886,7 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
     __m512i sum = tally.sum, sum_sq[2] = {tally.sum_sq, _mm512_setzero_si512()};
     __m512d s1[2][2] = {{s1a, s1b}, {_mm512_setzero_pd(), _mm512_setzero_pd()}};
     __m512d s2[2][2] = {{s2a, s2b}, {_mm512_setzero_pd(), _mm512_setzero_pd()}};
-    auto scan_vector = [&](int64_t k, int parity) __attribute__((always_inline)) ZS_AVX512 {
+    in_pairs(vectors, [&](int64_t k, int parity) __attribute__((always_inline)) ZS_AVX512 {
       const S* q = p + k * kLanes;
       prefetch_ahead(q);
       const __m512i raw = _mm512_loadu_si512(q);
@@ -922,13 +922,7 @@ __attribute__((noinline)) ZS_AVX512 void scan_block(const S* p, int64_t vectors,
           s2[parity][g % 2] = _mm512_fmadd_pd(d, d, s2[parity][g % 2]);
         }
       }
-    };
-    int64_t k = 0;
-    for (; k + 2 <= vectors; k += 2) {
-      scan_vector(k, 0);
-      scan_vector(k + 1, 1);
-    }
-    if (k < vectors) scan_vector(k, 0);
+    });
     // Both int32 chains together gained no more than one would have.
     tally.sum = sum;
     tally.sum_sq = _mm512_add_epi32(sum_sq[0], sum_sq[1]);
