@@ -1096,6 +1096,18 @@ inline bool cpu_has_avx512() {
 
 #endif  // ZS_HAVE_AVX512_KERNELS
 
+// Whether scan_span sums the moments of S exactly in integers whatever the
+// shift (float8_e4m3fn on CPUs with VBMI and VNNI), so that a chunk's shift
+// far from its mean costs no accuracy.
+template <typename S>
+bool exact_float_moments() {
+#if defined(ZS_HAVE_AVX512_KERNELS)
+  return std::is_same_v<S, e4m3_t> && cpu_has_avx512() && cpu_has_e4m3_planes();
+#else
+  return false;
+#endif
+}
+
 // p: [n] contiguous. Adds its elements' statistics to `t`; `shift` is the
 // value subtracted before the moments are summed (see set_moments): a whole
 // number for integer dtypes and a float32 value for floats of up to 32 bits

@@ -101,13 +101,14 @@ bool cancels(const Tally<S, int64_t>& t) {
 }
 
 // Positions [begin, end) of one tensor, reduced to a Partial. A chunk whose
-// sums cancel is scanned once more, shifted by its mean.
+// sums cancel is scanned once more, shifted by its mean, unless they were
+// exact.
 template <typename S>
 Partial scan_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
                    const Limits& lim) {
   double shift = pick_shift(l, data, begin, end);
   Tally<S, int64_t> tally = tally_chunk(l, data, begin, end, lim, shift);
-  if (Format<S>::kFloating && cancels(tally)) {
+  if (Format<S>::kFloating && !exact_float_moments<S>() && cancels(tally)) {
     shift = as_shift<S>(shift + tally.s1 / static_cast<double>(tally.finite));
     tally = tally_chunk(l, data, begin, end, lim, shift);
   }
