@@ -144,7 +144,8 @@ def machine() -> str:
                     break
     except OSError:
         pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    threads = torch.get_num_threads()
+    return f"{cpu}, {threads} thread{'' if threads == 1 else 's'}, torch {torch.__version__}"
 
 
 def fmt_time(seconds: float) -> str:
@@ -157,7 +158,8 @@ _START = time.perf_counter()
 
 
 def progress(text: str) -> None:
-    sys.stderr.write(f"[bench_cpu {time.perf_counter() - _START:5.0f} s] {text}\n")
+    script = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"  # bench_cpu_bound imports this
+    sys.stderr.write(f"[{script} {time.perf_counter() - _START:5.0f} s] {text}\n")
     sys.stderr.flush()
 
 
