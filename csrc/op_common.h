@@ -111,6 +111,15 @@ inline Layout layout_of(const at::Tensor& x) {
                      static_cast<int>(x.dim()));
 }
 
+// rows: int64 [W, N, kNumFields] with W >= 1, the input of combine_rows.
+inline void check_rows(const char* op, const at::Tensor& rows) {
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 3 &&
+                  rows.size(2) == kNumFields && rows.size(0) > 0,
+              op, ": rows must be an int64 [W, N, ", int(kNumFields),
+              "] tensor of result rows with W >= 1, got ", rows.scalar_type(),
+              " of shape ", rows.sizes());
+}
+
 // The result buffer: int64 [n, kNumFields] on `device`.
 inline at::Tensor new_result(int64_t n, c10::Device device) {
   return at::empty({n, kNumFields},

@@ -122,6 +122,30 @@ ZS_HD void combine(Partial& a, const Partial& b) {
   a.m2 += b.m2 + delta * delta * static_cast<double>(na) * wb;
 }
 
+// Combines partials 0..n-1 in the one fixed pairwise tree that every backend
+// and the distributed merge use: (0+1), (2+3), ... then those pairs, and so
+// on, a partial without a partner passing up unchanged; for n = 7,
+// ((0+1)+(2+3))+((4+5)+6). So the result depends on the partials alone, never
+// on who combines them. It is left in part 0. `parts` gives get(i) -> Partial
+// and set(i, Partial): an array of Partials (PartialArray) or of result rows
+// (RowArray).
+template <typename Parts>
+ZS_HD void combine_in_tree(Parts& parts, int64_t n) {
+  for (int64_t width = 1; width < n; width *= 2) {
+    for (int64_t i = 0; i + width < n; i += 2 * width) {
+      Partial a = parts.get(i);
+      combine(a, parts.get(i + width));
+      parts.set(i, a);
+    }
+  }
+}
+
+struct PartialArray {
+  Partial* parts;
+  ZS_HD Partial get(int64_t i) const { return parts[i]; }
+  ZS_HD void set(int64_t i, const Partial& p) { parts[i] = p; }
+};
+
 // The statistics of a tensor whose every element appears `k` times, as an
 // expanded (stride-0) view does. Reading the memory once and scaling is both
 // faster and exactly what reading it k times would give.
@@ -185,5 +209,14 @@ ZS_HD Partial load(const int64_t* row) {
   p.m2 = load_double(row + kM2);
   return p;
 }
+
+// Result rows of kNumFields words, `stride` words apart (the same tensor's
+// row from each rank of an int64 [W, N, kNumFields] gather: stride N * 16).
+struct RowArray {
+  int64_t* rows;
+  int64_t stride;
+  ZS_HD Partial get(int64_t i) const { return load(rows + i * stride); }
+  ZS_HD void set(int64_t i, const Partial& p) { store(p, rows + i * stride); }
+};
 
 }  // namespace zeroscan

@@ -1,20 +1,25 @@
 """zeroscan.distributed: exact statistics across ranks with torch.distributed.
 
+Every call here that takes a process group (or a DTensor, whose mesh is
+one) is a COLLECTIVE: every rank of the group must make it, in the same
+order, or the ranks that did wait until the group's timeout. zeroscan.stats
+and zeroscan.stats_many never are: they refuse a DTensor and name the calls
+here.
+
 Every rank scans what it holds; the result rows (int64 [N, 16], see
-csrc/stats_record.h) travel in ONE all_gather on the given process group, and
-every rank then merges the gathered rows locally with torch ops:
+zeroscan/record.py) travel in ONE all_gather on the given process group, and
+every rank then merges the gathered rows locally with the native
+`torch.ops.zeroscan.combine_rows`, the `combine` of csrc/stats_record.h:
 
   counts          summed (int64, exact)
   min/max |x|     reduced with min/max (exact)
-  mean, m2        the parallel-variance (Chan et al.) update in float64, the
-                  same formula as `combine` in csrc/stats_record.h; stds are
-                  never averaged.
+  mean, m2        the parallel-variance (Chan et al.) update in float64;
+                  stds are never averaged.
 
 The merge combines ranks pairwise in a fixed tree (0+1, 2+3, ... then the
-pairs), using elementwise ops only, so every rank computes bitwise-identical
-results from the same gathered rows. The gathered buffer is world_size x N x
-128 bytes per step, on the device the group's backend uses (NCCL: CUDA, gloo:
-CPU).
+pairs), so every rank computes bitwise-identical results from the same
+gathered rows. The gathered buffer is world_size x N x 128 bytes per step, on
+the device the group's backend uses (NCCL: CUDA, gloo: CPU).
 
 What a rank's tensor means decides how its row is used (each result says so
 in its `mode`):
@@ -47,8 +52,6 @@ A per-step monitor uses the pieces directly, with one collective per step:
 
 from __future__ import annotations
 
-import math
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -56,19 +59,21 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from zeroscan.ops import NUM_FIELDS, check_tensor, check_tol
-from zeroscan.stats import FIELDS, Readout, Stats, StatsBatch, decode, device_groups, scan_buffers
+from zeroscan.ops import check_tensor, check_tol, is_dtensor
+from zeroscan.record import NUM_FIELDS, empty_rows
+from zeroscan.replicas import ReplicaMismatch, ReplicaReport, replica_report, rows_agree
+
+__all__ = [
+    "GatheredRows", "GlobalStats", "LocalPart", "PendingMerge", "ReplicaMismatch", "ReplicaReport",
+    "combine_rows", "comm_device", "compare_replicas", "drop_uncounted", "empty_rows", "gather_rows",
+    "local_part", "merge_stats", "replica_report", "rows_agree", "stats", "stats_many",
+]
+from zeroscan.stats import Readout, Stats, StatsBatch, device_groups, scan_buffers
 
 MODE_LOCAL = "local"
 MODE_CONCATENATED = "concatenated"
 MODE_SHARDED = "sharded"
 MODE_REPLICATED = "replicated"
-
-NUM_COUNTS = 8  # columns 0..7 of a row are int64 counts
-NUM_FLOATS = 5  # columns 8..12: min_abs, min_abs_nonzero, max_abs, mean, m2
-# Columns of the raw fields, for the comparisons below.
-_NUMEL, _NAN, _POSINF, _NEGINF = 0, 4, 5, 6
-_MEAN, _M2 = 3, 4  # within the float columns
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -135,52 +140,13 @@ class PendingMerge(Generic[T]):
 # ---------------------------------------------------------------- the merge
 
 
-def empty_rows(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """int64 [n, 16] rows of the empty partial (the identity of the merge)."""
-    rows = torch.zeros((n, NUM_FIELDS), dtype=torch.int64, device=device)
-    floats = rows[:, NUM_COUNTS : NUM_COUNTS + NUM_FLOATS].view(torch.float64)
-    floats[:, 0:2] = math.inf
-    floats[:, 2] = -math.inf
-    return rows
-
-
-def _finite(counts: torch.Tensor) -> torch.Tensor:
-    return (counts[..., _NUMEL] - counts[..., _NAN] - counts[..., _POSINF] - counts[..., _NEGINF]).to(torch.float64)
-
-
-def _combine(
-    ca: torch.Tensor, fa: torch.Tensor, cb: torch.Tensor, fb: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merges partials b into a, elementwise over any leading shape.
-    c*: int64 [..., 8] counts; f*: float64 [..., 5] floats."""
-    na, nb = _finite(ca), _finite(cb)
-    ma, mb = fa[..., _MEAN], fb[..., _MEAN]
-    m2a, m2b = fa[..., _M2], fb[..., _M2]
-    n = na + nb
-    delta = mb - ma
-    wb = nb / torch.where(n > 0, n, torch.ones_like(n))
-    mean = torch.where(nb == 0, ma, torch.where(na == 0, mb, ma + delta * wb))
-    m2 = torch.where(nb == 0, m2a, torch.where(na == 0, m2b, m2a + (m2b + delta * delta * na * wb)))
-    floats = torch.stack(
-        [
-            torch.minimum(fa[..., 0], fb[..., 0]),
-            torch.minimum(fa[..., 1], fb[..., 1]),
-            torch.maximum(fa[..., 2], fb[..., 2]),
-            mean,
-            m2,
-        ],
-        dim=-1,
-    )
-    return ca + cb, floats
-
-
 def combine_rows(gathered: torch.Tensor) -> torch.Tensor:
     """Merges int64 [W, N, 16] rows (W ranks' results for the same N tensors)
     into int64 [N, 16]: the statistics of each tensor over all W parts.
 
-    Pure torch and elementwise (no collectives, no reads to the host), so it
-    traces under torch.compile. The order is a fixed pairwise tree over the
-    rank index, hence identical bits on every rank.
+    The native combine of csrc/stats_record.h in a fixed pairwise tree over
+    the rank index, hence identical bits on every rank; it runs where the rows
+    are, reads nothing back to the host and traces under torch.compile.
     """
     if gathered.dtype != torch.int64 or gathered.dim() != 3 or gathered.shape[-1] != NUM_FIELDS:
         raise ValueError(
@@ -189,16 +155,7 @@ def combine_rows(gathered: torch.Tensor) -> torch.Tensor:
         )
     if gathered.shape[0] == 0:
         raise ValueError("combine_rows: gathered holds no rank (W == 0)")
-    counts = gathered[..., :NUM_COUNTS]
-    floats = gathered[..., NUM_COUNTS : NUM_COUNTS + NUM_FLOATS].view(torch.float64)
-    while counts.shape[0] > 1:
-        if counts.shape[0] % 2:
-            pad = empty_rows(counts.shape[1], counts.device).unsqueeze(0)
-            counts = torch.cat([counts, pad[..., :NUM_COUNTS]])
-            floats = torch.cat([floats, pad[..., NUM_COUNTS : NUM_COUNTS + NUM_FLOATS].view(torch.float64)])
-        counts, floats = _combine(counts[0::2], floats[0::2], counts[1::2], floats[1::2])
-    pad = counts.new_zeros(counts.shape[:-1] + (NUM_FIELDS - NUM_COUNTS - NUM_FLOATS,))
-    return torch.cat([counts, floats.contiguous().view(torch.int64), pad], dim=-1)[0]
+    return torch.ops.zeroscan.combine_rows.default(gathered)
 
 
 # ------------------------------------------------------------ the collective
@@ -257,7 +214,7 @@ class GatheredRows:
     ) -> ReplicaReport:
         """Which ranks' rows differ, per tensor (see compare_replicas);
         `indices` limits the comparison to those tensors (the replicated ones)."""
-        return replica_report(self, names, rtol=rtol, indices=indices)
+        return replica_report(self.rows, self.ranks, names, rtol=rtol, indices=indices)
 
 
 def gather_rows(
@@ -339,13 +296,6 @@ def merge_stats(
 # ------------------------------------------------------- DTensor / sharded
 
 
-def _dtensor_class() -> type | None:
-    """DTensor, if torch.distributed.tensor is loaded: a DTensor cannot exist
-    before it is, and importing it only to find none costs seconds."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
 @dataclass(frozen=True)
 class LocalPart:
     """What this rank scans for one tensor, and how its row enters the merge.
@@ -368,8 +318,7 @@ def local_part(x: torch.Tensor, *, grouped: bool = False) -> LocalPart:
     """This rank's part of `x`: a DTensor's local shard (Partial placements
     are reduced first), or `x` itself, "concatenated" when `grouped` (merged
     across a group) else "local"."""
-    dtensor = _dtensor_class()
-    if dtensor is None or not isinstance(x, dtensor):
+    if not is_dtensor(x):
         return LocalPart(x, MODE_CONCATENATED if grouped else MODE_LOCAL, True)
     from torch.distributed.tensor import Replicate
 
@@ -430,7 +379,7 @@ def stats_many(
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use stats(x)")
     tol = check_tol(op, tol)
-    xs = [check_tensor(op, "tensors", t, i) for i, t in enumerate(tensors)]
+    xs = [check_tensor(op, "tensors", t, i, collective=True) for i, t in enumerate(tensors)]
     if not xs:
         empty = StatsBatch([])
         return PendingMerge(None, lambda: empty) if async_op else empty
@@ -488,148 +437,10 @@ def stats(
     """zeroscan.stats for a tensor spread over ranks. For a DTensor the result
     equals zeroscan.stats(x.full_tensor()) without gathering the tensor; its
     `mode` says how it was merged (see the module doc)."""
-    result = stats_many([check_tensor("zeroscan.distributed.stats", "x", x)], tol=tol, group=group, async_op=async_op)
+    result = stats_many([check_tensor("zeroscan.distributed.stats", "x", x, collective=True)], tol=tol, group=group, async_op=async_op)
     if isinstance(result, PendingMerge):
         return result.then(lambda batch: batch[0])  # type: ignore[return-value]
     return result[0]  # type: ignore[return-value]
-
-
-# ------------------------------------------------------ data-parallel replicas
-
-
-@dataclass(frozen=True)
-class ReplicaMismatch:
-    """One tensor whose statistics are not the same on every rank.
-
-    ranks: the (global) ranks that differ from the reference ranks, the
-    largest group of agreeing ranks; on a tie the group with fewer non-finite
-    values, and if that ties too the lowest rank's group (`ambiguous` is then
-    True: with two ranks that diverged, nothing says which one is right).
-    fields: for each field that differs, its value on every rank, rank order.
-    """
-
-    index: int
-    name: str | None
-    ranks: tuple[int, ...]
-    reference_ranks: tuple[int, ...]
-    ambiguous: bool
-    fields: dict[str, tuple[float | int, ...]]
-
-    def __str__(self) -> str:
-        what = self.name if self.name is not None else f"tensor {self.index}"
-        diffs = "; ".join(f"{k}: {', '.join(_show(v) for v in vs)}" for k, vs in self.fields.items())
-        tie = " (tie: no majority)" if self.ambiguous else ""
-        return f"{what}: rank(s) {list(self.ranks)} differ from {list(self.reference_ranks)}{tie} [{diffs}]"
-
-
-@dataclass(frozen=True)
-class ReplicaReport:
-    """The outcome of comparing replicas: `ok` when every tensor agrees."""
-
-    world_size: int
-    ranks: tuple[int, ...]  # the global rank of each position
-    mismatches: tuple[ReplicaMismatch, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
-
-    @property
-    def offending_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({r for m in self.mismatches for r in m.ranks}))
-
-    def __str__(self) -> str:
-        if self.ok:
-            return f"ReplicaReport: all {self.world_size} ranks agree"
-        lines = [f"ReplicaReport: {len(self.mismatches)} tensor(s) differ; ranks {list(self.offending_ranks)}"]
-        lines += [f"  {m}" for m in self.mismatches]
-        return "\n".join(lines)
-
-
-def _show(v: float | int) -> str:
-    return str(v) if isinstance(v, int) else f"{v:.6g}"
-
-
-def rows_agree(a: torch.Tensor, b: torch.Tensor, rtol: float) -> torch.Tensor:
-    """Elementwise over leading dims of int64 [..., 16] rows: True where counts
-    and min/max |x| are equal and mean and m2 agree within rtol of the
-    values' scale (root mean square and sum of squares)."""
-    exact = (a[..., : NUM_COUNTS + 3] == b[..., : NUM_COUNTS + 3]).all(-1)
-    fa = a[..., NUM_COUNTS : NUM_COUNTS + NUM_FLOATS].view(torch.float64)
-    fb = b[..., NUM_COUNTS : NUM_COUNTS + NUM_FLOATS].view(torch.float64)
-    n = _finite(a[..., :NUM_COUNTS]).clamp_min(1.0)
-    ma, mb, m2a, m2b = fa[..., _MEAN], fb[..., _MEAN], fa[..., _M2], fb[..., _M2]
-    mean_sq = torch.maximum(ma * ma, mb * mb)
-    m2 = torch.maximum(m2a, m2b)
-    mean_ok = (ma - mb).abs() <= rtol * torch.sqrt(m2 / n + mean_sq)
-    m2_ok = (m2a - m2b).abs() <= rtol * (m2 + n * mean_sq)
-    moments = slice(NUM_COUNTS + _MEAN, NUM_COUNTS + NUM_FLOATS)
-    same_bits = (a[..., moments] == b[..., moments]).all(-1)
-    return exact & ((mean_ok & m2_ok) | same_bits)
-
-
-def _nonfinite(row: torch.Tensor) -> int:
-    return int(row[_NAN] + row[_POSINF] + row[_NEGINF])
-
-
-def replica_report(
-    gathered: GatheredRows,
-    names: Sequence[str] | None = None,
-    *,
-    rtol: float = 1e-9,
-    indices: Sequence[int] | None = None,
-) -> ReplicaReport:
-    """Compares every rank's rows with every other's; see compare_replicas.
-    `indices`: compare only these tensors (default: all). Reads back only an
-    agreement mask, plus the rows of tensors that differ."""
-    rows = gathered.rows
-    world, n = rows.shape[0], rows.shape[1]
-    if names is not None and len(names) != n:
-        raise ValueError(f"replica_report: names has {len(names)} entries for {n} tensors")
-    chosen = list(range(n)) if indices is None else [int(i) for i in indices]
-    if any(not 0 <= i < n for i in chosen):
-        raise ValueError(f"replica_report: indices must lie in [0, {n}), got {chosen}")
-    if indices is not None:
-        rows = rows[:, chosen]
-    agree = rows_agree(rows, rows[:1], rtol).all(0)  # every rank agrees with rank 0
-    bad = (~agree).nonzero().flatten().tolist()
-    mismatches = []
-    for j in bad:
-        i = chosen[j]
-        host = rows[:, j].cpu()  # [W, 16]
-        classes: list[list[int]] = []
-        for r in range(world):
-            for members in classes:
-                if bool(rows_agree(host[r], host[members[0]], rtol)):
-                    members.append(r)
-                    break
-            else:
-                classes.append([r])
-        rank_key = [(-len(c), _nonfinite(host[c[0]])) for c in classes]
-        best_key = min(rank_key)
-        best = classes[rank_key.index(best_key)]  # classes are in order of their lowest rank
-        ambiguous = rank_key.count(best_key) > 1
-        decoded = decode(host)
-        fields = {}
-        for field in FIELDS:
-            values = tuple(d[field] for d in decoded)
-            if any(not _same(v, values[best[0]]) for v in values):
-                fields[field] = values
-        mismatches.append(
-            ReplicaMismatch(
-                index=i,
-                name=names[i] if names is not None else None,
-                ranks=tuple(gathered.ranks[r] for r in range(world) if r not in best),
-                reference_ranks=tuple(gathered.ranks[r] for r in best),
-                ambiguous=ambiguous,
-                fields=fields,
-            )
-        )
-    return ReplicaReport(world, gathered.ranks, tuple(mismatches))
-
-
-def _same(a: float | int, b: float | int) -> bool:
-    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def compare_replicas(
@@ -660,9 +471,9 @@ def compare_replicas(
         raise TypeError(f"{op}: pass a list of tensors (or their Stats), got a single tensor; wrap it in a list")
     else:
         tol = check_tol(op, tol)
-        xs = [check_tensor(op, "tensors_or_stats", t, i) for i, t in enumerate(tensors_or_stats)]
+        xs = [check_tensor(op, "tensors_or_stats", t, i, collective=True) for i, t in enumerate(tensors_or_stats)]
         device = comm_device(pg, xs[0].device if xs else torch.device("cpu"))
         rows = _scan_rows(xs, tol, device) if xs else torch.empty((0, NUM_FIELDS), dtype=torch.int64, device=device)
     pending = gather_rows(rows, pg, async_op=True)
-    report = pending.then(lambda gathered: replica_report(gathered, names, rtol=rtol))  # type: ignore[union-attr]
+    report = pending.then(lambda gathered: gathered.replica_report(names, rtol=rtol))  # type: ignore[union-attr]
     return report if async_op else report.wait()

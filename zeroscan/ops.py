@@ -1,27 +1,37 @@
-"""The native operators: loading them, their fake kernels, and input checks.
+"""The native operators: loading them, their fake kernels, and what they accept.
 
-`torch.ops.zeroscan.stats` and `torch.ops.zeroscan.stats_many` are declared
-once in csrc/zeroscan.cpp and implemented per backend in csrc/cpu and
-csrc/cuda. The fake kernels here give their output shapes to torch.compile and
-to meta/fake tensors without running them.
+`torch.ops.zeroscan.stats`, `stats_many` and `combine_rows` are declared once
+in csrc/zeroscan.cpp and implemented per backend in csrc/cpu and csrc/cuda.
+The fake kernels here give their output shapes to torch.compile and to
+meta/fake tensors without running them.
+
+This is also zeroscan's one input policy: what a scan reads (`check_tensor`
+for the public calls, which refuse anything else with an error naming the
+argument; `scannable_form` for the Monitor, which scans the stored values of
+a sparse gradient rather than refuse it) and the one DTensor detector.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
+from torch import nn
 
-from zeroscan import _C  # noqa: F401  (loading the library registers the ops)
+import zeroscan._C  # noqa: F401  (loading the library registers the ops)
+from zeroscan.record import NUM_FIELDS
 
-# Columns of a result row; mirrors the Field enum in csrc/stats_record.h.
-NUM_FIELDS = 16
-COUNT_FIELDS = ("numel", "zeros", "subnormal", "near_zero", "nan", "posinf", "neginf", "negative")
-FLOAT_FIELDS = ("min_abs", "min_abs_nonzero", "max_abs", "mean", "m2")
-FLOAT_COLUMNS = slice(8, 8 + len(FLOAT_FIELDS))
+MAX_DIMS = 64  # kMaxDims of csrc/layout.h
 
 NONE_HINT = (
     "a gradient that was never computed is None: the parameter is frozen "
     "(requires_grad=False), did not take part in the forward pass, or backward "
     "has not run yet; zeroscan.diagnose explains which"
+)
+DTENSOR_HINT = (
+    "its statistics need a collective over its device mesh: call zeroscan.distributed.stats(x) "
+    "(or zeroscan.distributed.stats_many) on every rank of the mesh, or scan x.to_local() for "
+    "this rank's shard alone"
 )
 
 
@@ -41,22 +51,82 @@ def _stats_many_fake(xs: list[torch.Tensor], tol: float | None = None) -> torch.
     return xs[0].new_empty((len(xs), NUM_FIELDS), dtype=torch.int64)
 
 
-def check_tensor(op: str, what: str, x: object, index: int | None = None) -> torch.Tensor:
-    """Returns x if zeroscan can scan it, else raises an error naming `what`
-    (`what[index]` for an element of a list)."""
-    if isinstance(x, torch.Tensor) and x.layout == torch.strided and not x.is_meta:
-        return x
-    name = what if index is None else f"{what}[{index}]"
-    if isinstance(x, torch.Tensor):
-        if x.is_meta:
-            raise ValueError(f"{op}: {name} is on the meta device and holds no data to scan")
-        raise ValueError(
-            f"{op}: {name} is a {x.layout} tensor; zeroscan scans dense tensors "
+@torch.library.register_fake("zeroscan::combine_rows")
+def _combine_rows_fake(rows: torch.Tensor) -> torch.Tensor:
+    torch._check(rows.dim() == 3 and rows.shape[-1] == NUM_FIELDS and rows.shape[0] > 0)
+    return rows.new_empty((rows.shape[1], NUM_FIELDS))
+
+
+def is_dtensor(x: object) -> bool:
+    """Whether x is a torch.distributed DTensor (checked without importing
+    torch.distributed.tensor: no DTensor exists before it is imported, and
+    importing it only to find none costs seconds)."""
+    if type(x) is torch.Tensor:
+        return False
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(x, dtensor)
+
+
+def unreadable(x: torch.Tensor, *, collective: bool = False) -> str | None:
+    """Why the native scan cannot read the memory of tensor x as it is (a
+    phrase that follows the tensor's name), or None when it can. A DTensor is
+    readable only to a collective call (zeroscan.distributed), which scans
+    its local shard."""
+    if x.is_meta:
+        return "is on the meta device and holds no data to scan"
+    if isinstance(x, nn.parameter.UninitializedTensorMixin):
+        return "is an uninitialized (lazy) parameter and holds no data yet"
+    if is_dtensor(x) and not collective:
+        return f"is a DTensor; {DTENSOR_HINT}"
+    if x.layout != torch.strided:
+        return (
+            f"is a {x.layout} tensor; zeroscan scans dense tensors "
             "(pass x.to_dense(), or x.values() for the stored entries only)"
         )
+    return None
+
+
+def check_tensor(
+    op: str, what: str, x: object, index: int | None = None, *, collective: bool = False
+) -> torch.Tensor:
+    """Returns x if zeroscan can scan it, else raises an error naming `what`
+    (`what[index]` for an element of a list); `collective`: a DTensor is
+    accepted (see unreadable). Dtype and rank are checked by the native op
+    itself, with messages of the same form."""
+    if type(x) is torch.Tensor and x.layout == torch.strided and not x.is_meta:
+        return x  # the common case, decided without the checks below
+    name = what if index is None else f"{what}[{index}]"
     if x is None:
         raise TypeError(f"{op}: {name} is None, not a tensor; {NONE_HINT}")
-    raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    why = unreadable(x, collective=collective)
+    if why is not None:
+        raise ValueError(f"{op}: {name} {why}")
+    return x
+
+
+def scannable_form(x: torch.Tensor) -> tuple[torch.Tensor | None, str]:
+    """What the Monitor scans of x: x itself, or the form that the error of
+    check_tensor asks for where it keeps every stored value (a sparse
+    tensor's values, a complex tensor's real view, a flat view of a tensor of
+    more than MAX_DIMS dimensions); else None and why not."""
+    if x.layout == torch.sparse_coo and not x.is_meta:
+        x = x._values()  # no coalescing: a gradient's stored entries as they are
+    elif x.layout != torch.strided and not x.is_meta:
+        try:
+            x = x.values()
+        except RuntimeError:
+            pass
+    why = unreadable(x)
+    if why is not None:
+        return None, why
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.dim() > MAX_DIMS:
+        x = x.reshape(-1)
+    return x, ""
 
 
 def check_tol(op: str, tol: object) -> float | None:

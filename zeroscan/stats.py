@@ -23,35 +23,14 @@ Semantics (also in the README):
 from __future__ import annotations
 
 import math
-import struct
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import overload
 
 import numpy
 import torch
 
-from zeroscan.ops import COUNT_FIELDS, FLOAT_COLUMNS, FLOAT_FIELDS, check_tensor, check_tol
-
-FIELDS = (
-    "numel",
-    "zeros",
-    "subnormal",
-    "near_zero",
-    "nan",
-    "posinf",
-    "neginf",
-    "negative",
-    "finite",
-    "min_abs",
-    "min_abs_nonzero",
-    "max_abs",
-    "mean",
-    "std",
-    "norm",
-    "sum",
-)
-
+from zeroscan.ops import check_tensor, check_tol
+from zeroscan.record import COUNT_FIELDS, Row, row_from_words
 
 class Readout:
     """One native call's result buffer and its host copy, made on first read.
@@ -70,7 +49,7 @@ class Readout:
         self._words: list[int] | None = None  # the one row of a [16] buffer
         self._host: numpy.ndarray | None = None  # a copy of an [N, 16] buffer
         self._columns: dict[int, list[int]] = {}
-        self._rows: dict[int, dict[str, float | int]] = {}
+        self._rows: dict[int, Row] = {}
 
     def _row_words(self, index: int) -> list[int]:
         if self.buffer.dim() == 1:
@@ -95,59 +74,15 @@ class Readout:
             self._columns[column] = values
         return values[index]
 
-    def row(self, index: int) -> dict[str, float | int]:
+    def row(self, index: int) -> Row:
         """Every field of row `index`, decoded once."""
         row = self._rows.get(index)
         if row is None:
-            words = self._row_words(index)
-            floats = [_as_float64(w) for w in words[FLOAT_COLUMNS]]
-            row = self._rows[index] = finish_row(words[: len(COUNT_FIELDS)], floats)
+            row = self._rows[index] = row_from_words(self._row_words(index))
         return row
 
 
 _COUNT_COLUMN = {name: column for column, name in enumerate(COUNT_FIELDS)}
-_pack_int64 = struct.Struct("<q").pack
-_unpack_float64 = struct.Struct("<d").unpack
-
-
-def _as_float64(word: int) -> float:
-    """The float64 stored bit for bit in an int64 result word."""
-    return _unpack_float64(_pack_int64(word))[0]
-
-
-def decode(buffer: torch.Tensor) -> list[dict[str, float | int]]:
-    """int64 [N, 16] (or [16]) result rows -> one dict of fields per row."""
-    host = buffer.detach().to("cpu").reshape(-1, 16).numpy()
-    counts = host[:, : len(COUNT_FIELDS)].tolist()
-    floats = host[:, FLOAT_COLUMNS].view(numpy.float64).tolist()
-    return [finish_row(c, f) for c, f in zip(counts, floats)]
-
-
-def finish_row(counts: list[int], floats: list[float]) -> dict[str, float | int]:
-    row: dict[str, float | int] = dict(zip(COUNT_FIELDS, counts))
-    raw = dict(zip(FLOAT_FIELDS, floats))
-    finite = row["numel"] - row["nan"] - row["posinf"] - row["neginf"]
-    non_nan = row["numel"] - row["nan"]
-    mean, m2 = raw["mean"], raw["m2"]
-    row["finite"] = finite
-    row["min_abs"] = raw["min_abs"] if non_nan else math.nan
-    row["min_abs_nonzero"] = raw["min_abs_nonzero"]
-    row["max_abs"] = raw["max_abs"] if non_nan else math.nan
-    row["mean"] = mean if finite else math.nan
-    row["std"] = math.sqrt(m2 / (finite - 1)) if finite >= 2 else math.nan
-    row["norm"] = _norm(finite, mean, m2, raw["max_abs"])
-    row["sum"] = mean * finite if finite else 0.0
-    return row
-
-
-def _norm(finite: int, mean: float, m2: float, max_abs: float) -> float:
-    """sqrt(sum x^2) = sqrt(m2 + n mean^2), scaled by max |x| so that n mean^2
-    does not overflow for float64 data near the top of its range."""
-    if finite == 0:
-        return 0.0
-    scale = max_abs if 0.0 < max_abs < math.inf else 1.0
-    m = mean / scale
-    return scale * math.sqrt(m2 / scale / scale + finite * m * m)
 
 
 class Stats:
@@ -351,31 +286,16 @@ class StatsBatch(Sequence[Stats]):
         return f"StatsBatch({len(self)} tensors)"
 
 
-def is_dtensor(x: object) -> bool:
-    """Whether x is a torch.distributed DTensor (checked without importing
-    torch.distributed.tensor: no DTensor exists before it is imported)."""
-    if type(x) is torch.Tensor:
-        return False
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
-    return dtensor is not None and isinstance(x, dtensor)
-
-
 def stats(x: torch.Tensor, *, tol: float | None = None) -> Stats:
     """Scans `x` once and returns its Stats (see the module doc for each field).
 
     `tol` sets the near-zero threshold; by default torch.finfo(x.dtype).eps.
-    A DTensor (FSDP2, tensor parallel) is scanned shard by shard and merged
-    across its mesh with zeroscan.distributed.stats, a collective call that
-    every rank of the mesh must make; the result equals the stats of the full
-    tensor.
+    Never a collective: a DTensor (FSDP2, tensor parallel) is refused with an
+    error that names zeroscan.distributed.stats, the collective call that
+    every rank of its mesh makes to get the statistics of the full tensor.
     """
     x = check_tensor("zeroscan.stats", "x", x)
     tol = check_tol("zeroscan.stats", tol)
-    if is_dtensor(x):
-        from zeroscan import distributed
-
-        return distributed.stats(x, tol=tol)  # type: ignore[return-value]
     buffer = torch.ops.zeroscan.stats.default(x, tol)
     return Stats(Readout(buffer), 0, x.dtype, x.shape, x.device, tol)
 
@@ -385,6 +305,7 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
 
     Tensors may mix dtypes, shapes and devices. Their results share one buffer
     per device, so reading any one field copies each device's buffer once.
+    Never a collective: DTensors are refused, as by stats().
     """
     op = "zeroscan.stats_many"
     if isinstance(tensors, torch.Tensor):
@@ -396,7 +317,7 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
     # The common case first: plain tensors on one device, one native call that
     # checks every tensor itself. Anything else it refuses -- None, mixed
     # devices, sparse or DTensor inputs -- takes the careful path below, which
-    # names the offending argument or splits the work.
+    # names the offending argument or splits the work by device.
     try:
         buffer = torch.ops.zeroscan.stats_many.default(xs, tol)
     except (RuntimeError, TypeError, NotImplementedError):
@@ -406,10 +327,6 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
         device = buffer.device
         metas = [(x.dtype, x.shape) for x in xs]
         return StatsBatch.lazy(len(xs), lambda row: Stats(readout, row, *metas[row], device, tol))
-    if any(is_dtensor(x) for x in xs):
-        from zeroscan import distributed
-
-        return distributed.stats_many(xs, tol=tol)  # type: ignore[return-value]
     xs = [check_tensor(op, "tensors", x, i) for i, x in enumerate(xs)]
     items: list[Stats | None] = [None] * len(xs)
     for indices in device_groups(xs):

@@ -118,11 +118,8 @@ Partial scan_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
 // Combines partials[0..n) in a fixed pairwise order.
 Partial combine_tree(std::vector<Partial>& parts) {
   if (parts.empty()) return empty_partial();
-  for (size_t width = 1; width < parts.size(); width *= 2) {
-    for (size_t i = 0; i + width < parts.size(); i += 2 * width) {
-      combine(parts[i], parts[i + width]);
-    }
-  }
+  PartialArray array{parts.data()};
+  combine_in_tree(array, static_cast<int64_t>(parts.size()));
   return parts[0];
 }
 
@@ -248,11 +245,28 @@ at::Tensor stats_many_cpu(at::TensorList xs, c10::optional<double> tol) {
   return out;
 }
 
+// rows: int64 [W, N, kNumFields], W ranks' rows of the same N tensors
+//   -> int64 [N, kNumFields], each tensor's rows combined in the fixed tree.
+at::Tensor combine_rows_cpu(const at::Tensor& rows) {
+  check_rows("zeroscan.combine_rows", rows);
+  // Combined in place in a copy: zeroscan never writes into its inputs.
+  at::Tensor work = rows.clone(at::MemoryFormat::Contiguous);
+  const int64_t ranks = rows.size(0), n = rows.size(1);
+  int64_t* base = work.mutable_data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    RowArray column{base + j * kNumFields, n * kNumFields};
+    combine_in_tree(column, ranks);
+    column.set(0, column.get(0));  // a record again: spare columns zero, as with W > 1
+  }
+  return work[0].clone();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zeroscan, CPU, m) {
   m.impl("stats", &stats_cpu);
   m.impl("stats_many", &stats_many_cpu);
+  m.impl("combine_rows", &combine_rows_cpu);
 }
 
 }  // namespace cpu

@@ -161,11 +161,24 @@ at::Tensor stats_many_cuda(at::TensorList xs, c10::optional<double> tol) {
   return scan_all("zeroscan.stats_many", xs, tol, true);
 }
 
+// rows: int64 [W, N, kNumFields] on one CUDA device -> int64 [N, kNumFields]
+at::Tensor combine_rows_cuda(const at::Tensor& rows) {
+  check_rows("zeroscan.combine_rows", rows);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  // Combined in place in a copy: zeroscan never writes into its inputs.
+  at::Tensor work = rows.clone(at::MemoryFormat::Contiguous);
+  launch_combine_rows(work.mutable_data_ptr<int64_t>(), rows.size(0), rows.size(1),
+                      at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return work[0].clone();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zeroscan, CUDA, m) {
   m.impl("stats", &stats_cuda);
   m.impl("stats_many", &stats_many_cuda);
+  m.impl("combine_rows", &combine_rows_cuda);
 }
 
 }  // namespace cuda

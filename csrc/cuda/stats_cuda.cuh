@@ -102,6 +102,11 @@ void launch_contig(const ContigBatch& batch, int grid, cudaStream_t stream);
 template <typename T>
 void launch_strided(const StridedBatch& batch, int grid, cudaStream_t stream);
 
+// rows: int64 [w, n, kNumFields] on the device, combined in place (each
+// tensor's w rows in the tree of stats_record.h); its row 0 becomes the
+// result. One thread per tensor. Defined in stats_cuda_combine.cu.
+void launch_combine_rows(int64_t* rows, int64_t w, int64_t n, cudaStream_t stream);
+
 // One per dtype of the table in dtypes.h.
 #define ZEROSCAN_DECLARE_LAUNCHERS(name, S, value_t, tiny, eps)          \
   extern template void launch_contig<S>(const ContigBatch&, int,         \
