@@ -16,7 +16,9 @@ def run(seed: int = 0, steps: int = 30) -> zeroscan.Report:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        # lr 0.1 keeps the last, tiny clipped steps above the weights' resolution
+        # (a smaller one can leave a weight bit-identical: a true "not_updated")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         max_norm = 1.0
         with zeroscan.Monitor(model, opt) as monitor:
             for _ in range(steps):

@@ -28,7 +28,7 @@ class MaskedLinear(nn.Linear):
 def run(seed: int = 0, steps: int = 4) -> zeroscan.Report:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = nn.Sequential(MaskedLinear(16, 32, keep=0.2), nn.Tanh(), nn.Linear(32, 1))
+        model = nn.Sequential(MaskedLinear(16, 32, keep=0.05), nn.Tanh(), nn.Linear(32, 1))
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         with zeroscan.Monitor(model, opt) as monitor:
             for _ in range(steps):

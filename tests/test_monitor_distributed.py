@@ -11,16 +11,12 @@ scan of the full tensors.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
-import multiprocessing
-import os
-import time
-import traceback
 import types
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +27,10 @@ from torch import nn
 
 import zeroscan
 import zeroscan.distributed as zdist
-import zeroscan.monitor as monitor_module
+import zeroscan.monitor.records as monitor_records
+from zeroscan.monitor import Slot
 from helpers import COUNT_FIELDS, EXACT_FLOAT_FIELDS, close, fresh_generator
+from world import Check, World, spawn_world
 from zeroscan import Finding, Monitor, Report, Severity, Thresholds
 
 WORLD = 2
@@ -90,7 +88,7 @@ def check_ddp_nan_on_one_rank(rank: int, seed: int) -> Report:
     nan_param = names[seed % len(names)]
     steps = 5
     gathers: list[int] = []
-    real_gather, real_decode = dist.all_gather_single, monitor_module.decode
+    real_gather, real_decode = dist.all_gather_single, monitor_records.decode
 
     def counting_gather(*args: Any, **kwargs: Any) -> Any:
         gathers.append(1)
@@ -100,12 +98,12 @@ def check_ddp_nan_on_one_rank(rank: int, seed: int) -> Report:
         raise AssertionError("the Monitor read results back during training")
 
     dist.all_gather_single = counting_gather  # type: ignore[assignment]
-    monitor_module.decode = no_decode  # type: ignore[assignment]
+    monitor_records.decode = no_decode  # type: ignore[assignment]
     try:
         monitor = _example("monitor_ddp").train(seed, steps=steps, nan_rank=1, nan_param=nan_param)
     finally:
         dist.all_gather_single = real_gather  # type: ignore[assignment]
-        monitor_module.decode = real_decode  # type: ignore[assignment]
+        monitor_records.decode = real_decode  # type: ignore[assignment]
     records = list(monitor._records)
     assert len(gathers) == steps, f"{len(gathers)} all_gathers in {steps} steps"
     assert len(records) == steps and all(r.rows is None and r.gather is not None for r in records)
@@ -218,8 +216,8 @@ def check_fsdp2(rank: int, seed: int) -> Report:
     first = monitor._records[0].rows
     assert first is not None
     for i, (name, (grad, weight)) in enumerate(zip(names, full)):
-        assert_row_is_stats_of(first[2 * i][0], grad, f"{name} grad")
-        assert_row_is_stats_of(first[2 * i + 1][0], weight, f"{name} weight")
+        assert_row_is_stats_of(first[Slot.grad(i)][0], grad, f"{name} grad")
+        assert_row_is_stats_of(first[Slot.weight(i)][0], weight, f"{name} weight")
     assert summary(report) == [("0.weight", "grad", "nonfinite", (1,))], str(report)
     assert "rank 1's shard" in serious(report)[0].message
     numels = {(t["name"], t["kind"]): t["numel"] for t in report.tensors}
@@ -265,85 +263,39 @@ CHECKS: dict[str, Callable[[int, int], Report]] = {
 }
 
 
-def _worker(rank: int, store: str, out_dir: str, seed: int) -> None:
-    torch.set_num_threads(1)
-    results: dict[str, dict[str, str]] = {}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
-        for name, check in CHECKS.items():
-            try:
-                report = check(rank, seed)
-                results[name] = {"status": "ok", "report": report.to_json_lines()}
-            except Exception:
-                results[name] = {"status": traceback.format_exc(), "report": ""}
-            dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        results["setup"] = {"status": traceback.format_exc(), "report": ""}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+def _report_lines(check: Callable[[int, int], Report], rank: int, world_size: int, seed: int) -> str:
+    """A check's report as JSON lines: the world requires every rank's to be the same."""
+    return check(rank, seed).to_json_lines()
+
+
+WORLD_CHECKS: dict[str, Check] = {name: functools.partial(_report_lines, check) for name, check in CHECKS.items()}
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with gloo is not available")
-    seed = int.from_bytes(os.urandom(4), "little") % 2**31
-    print(f"seed={seed}")
-    tmp = tmp_path_factory.mktemp("monitor_world")
-    ctx = multiprocessing.get_context("spawn")
-    store = str(tmp / "store")
-    procs = [ctx.Process(target=_worker, args=(r, store, str(tmp), seed), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + WORLD_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    results = {}
-    for r in range(WORLD):
-        path = tmp / f"rank{r}.json"
-        results[r] = json.loads(path.read_text()) if path.exists() else {}
-    return {"seed": seed, "hung": hung, "results": results, "exitcodes": [p.exitcode for p in procs]}
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    return spawn_world(
+        WORLD, WORLD_CHECKS, tmp_path_factory, timeout_s=WORLD_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S
+    )
 
 
-def assert_check_passed(world: dict[str, Any], name: str) -> None:
-    """The check passed on every rank, and every rank produced the same report."""
-    assert not world["hung"], f"ranks {world['hung']} still ran after {WORLD_TIMEOUT_S} s (seed {world['seed']})"
-    for rank, results in world["results"].items():
-        assert "setup" not in results, f"rank {rank} failed to start:\n{results['setup']['status']}"
-        assert name in results, f"rank {rank} wrote no result for {name} (exit codes {world['exitcodes']})"
-        assert results[name]["status"] == "ok", f"rank {rank} (seed {world['seed']}):\n{results[name]['status']}"
-    reports = [results[name]["report"] for results in world["results"].values()]
-    assert all(r == reports[0] for r in reports), "the ranks' reports differ"
+def test_ddp_nan_gradient_on_one_rank_names_that_rank(world: World) -> None:
+    world.assert_passed("ddp_nan_on_one_rank")
 
 
-def test_ddp_nan_gradient_on_one_rank_names_that_rank(world: dict[str, Any]) -> None:
-    assert_check_passed(world, "ddp_nan_on_one_rank")
+def test_healthy_ddp_global_stats_are_the_local_ones(world: World) -> None:
+    world.assert_passed("ddp_healthy")
 
 
-def test_healthy_ddp_global_stats_are_the_local_ones(world: dict[str, Any]) -> None:
-    assert_check_passed(world, "ddp_healthy")
+def test_diverged_weight_and_missing_gradient_name_the_rank(world: World) -> None:
+    world.assert_passed("replicas_diverge")
 
 
-def test_diverged_weight_and_missing_gradient_name_the_rank(world: dict[str, Any]) -> None:
-    assert_check_passed(world, "replicas_diverge")
+def test_fsdp2_merged_stats_equal_the_full_tensors(world: World) -> None:
+    world.assert_passed("fsdp2")
 
 
-def test_fsdp2_merged_stats_equal_the_full_tensors(world: dict[str, Any]) -> None:
-    assert_check_passed(world, "fsdp2")
-
-
-def test_misuse_across_ranks_raises_clear_errors(world: dict[str, Any]) -> None:
-    assert_check_passed(world, "misuse")
+def test_misuse_across_ranks_raises_clear_errors(world: World) -> None:
+    world.assert_passed("misuse")
 
 
 # ------------------------------------------------------------ in-process

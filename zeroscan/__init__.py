@@ -9,11 +9,13 @@ they are read.
 from zeroscan.checkpoint import CheckpointError, open_checkpoint, scan_checkpoint
 from zeroscan.diagnosis import Diagnosis, Severity, Verdict, diagnose, diagnose_many, diagnose_stats
 from zeroscan.monitor import Finding, Monitor, Report, Thresholds
-from zeroscan.ops import NUM_FIELDS
+from zeroscan.verdicts import Cause
 from zeroscan.reference import reference_stats
-from zeroscan.stats import FIELDS, Stats, StatsBatch, scan_buffers, stats, stats_many
+from zeroscan.record import FIELDS, NUM_FIELDS
+from zeroscan.stats import Stats, StatsBatch, scan_buffers, stats, stats_many
 
 __all__ = [
+    "Cause",
     "CheckpointError",
     "open_checkpoint",
     "scan_checkpoint",

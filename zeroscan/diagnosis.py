@@ -31,22 +31,17 @@ import torch
 
 from zeroscan.stats import Stats, stats_many
 from zeroscan.stats import stats as scan
+from zeroscan.verdicts import MOSTLY_ZERO, PARTIAL_UNDERFLOW, Cause, Severity, check_fraction
 
-MOSTLY_ZERO = 0.9
-PARTIAL_UNDERFLOW = 0.01
-
-
-class Severity(enum.IntEnum):
-    """How much a finding matters; ordered, so findings sort by it."""
-
-    OK = 0
-    INFO = 1
-    WARNING = 2
-    ERROR = 3
+__all__ = [
+    "MOSTLY_ZERO", "PARTIAL_UNDERFLOW", "Diagnosis", "Severity", "Verdict",
+    "check_fraction", "diagnose", "diagnose_many", "diagnose_stats",
+]
 
 
 class Verdict(enum.Enum):
-    """What one scanned tensor is; `verdict.severity` is fixed per verdict."""
+    """What one scanned tensor is; `verdict.severity` is fixed per verdict,
+    and `verdict.cause` is the same code in the Monitor's findings."""
 
     EMPTY = "empty"
     NONFINITE = "nonfinite"
@@ -60,6 +55,10 @@ class Verdict(enum.Enum):
     @property
     def severity(self) -> Severity:
         return _SEVERITY[self]
+
+    @property
+    def cause(self) -> Cause:
+        return Cause(self.value)
 
 
 _SEVERITY = {
@@ -96,16 +95,6 @@ class Diagnosis:
 
     def __str__(self) -> str:
         return f"{self.verdict.name} ({self.severity.name.lower()}): {self.reason}\n  {self.stats!r}"
-
-
-def check_fraction(op: str, name: str, value: object) -> float:
-    """A threshold in (0, 1], or an error naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{op}: {name} must be a number in (0, 1], got {type(value).__name__}")
-    value = float(value)
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{op}: {name} must be in (0, 1], got {value}")
-    return value
 
 
 def diagnose(

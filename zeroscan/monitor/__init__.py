@@ -1,0 +1,52 @@
+"""zeroscan.Monitor: every gradient and weight of a model, every step, cheaply.
+
+How a training loop uses it:
+
+    with zeroscan.Monitor(model, optimizer) as monitor:
+        for x, y in data:
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()          # the Monitor scans here, just before the update
+    print(monitor.report())
+
+With an optimizer (and auto=True, the default) the Monitor scans from a step
+pre-hook of the optimizer, so the loop needs no change. Without one (or with
+auto=False), call `monitor.step()` once per optimizer step, after backward()
+and any clipping, before zero_grad(); `monitor.step(loss)` also lets the
+cause analysis start from the loss instead of the model's outputs.
+
+What one monitored step costs: one zeroscan stats_many call per device over
+every gradient and every weight. Its int64 result buffer stays on the device
+in a bounded ring (`history` steps); nothing is read, so there is no host
+sync, until `report()` copies the ring once per device and judges it.
+
+Why a gradient is None is the cause analysis of causes.py (a walk of the
+autograd graph from the outputs, and a probe of one forward pass, only when
+an unexplained None gradient shows up). What the records mean is rules.py,
+a pure function testable without a model.
+
+Across ranks (`process_group=`; ranks.py): each monitored step also issues
+ONE asynchronous all_gather of its packed rows on the group, so the Monitor
+is then a collective: sharded tensors (FSDP2, tensor parallel) are merged
+into the statistics of the full tensor, and replicas (DDP) are compared,
+with findings that name the ranks that differ.
+report() issues no collective of its own: it only waits for the all_gathers
+that the recorded steps issued, and each completes once every rank of the
+group has run that step. Every rank that calls it gets the same global
+findings; calling it on some ranks only (rank 0, to log) is safe, and such a
+rank blocks until the others have passed the steps it reads. What stays
+this rank's own: the cause analysis of a None gradient, activation findings
+(this rank's batch) and notes on tensors that could not be scanned.
+Every rank must build its Monitor on the same model (after wrapping it in DDP
+or fully_shard), with the same `every`, and step it the same number of times:
+the gathers pair up by order, and report() raises if the header rows disagree.
+The ring keeps each step's gathered buffer, world_size x (2P + 1) x 128 bytes
+on the device the group's backend uses, until report() has read it.
+"""
+
+from zeroscan.monitor.monitor import Monitor
+from zeroscan.monitor.records import Slot
+from zeroscan.monitor.report import GLOBAL_NAME, Finding, Report, Thresholds
+from zeroscan.verdicts import Cause, Severity
+
+__all__ = ["GLOBAL_NAME", "Cause", "Finding", "Monitor", "Report", "Severity", "Slot", "Thresholds"]

@@ -1,0 +1,210 @@
+"""What the Monitor reports: Finding, Thresholds and Report.
+
+A Finding is one thing wrong (or worth knowing) about one tensor, named by a
+zeroscan.Cause; Thresholds say what counts as a problem; a Report holds the
+findings of one report() call, ranked by severity, with the latest scan of
+every tensor and the per-step history.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from zeroscan.verdicts import MOSTLY_ZERO, PARTIAL_UNDERFLOW, Cause, Severity, check_fraction
+
+GLOBAL_NAME = "(all parameters)"  # the name of findings about the whole model
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing wrong (or worth knowing) about one tensor.
+
+    kind: "grad", "weight", "activation" or "param" (the parameter as a whole).
+    cause: a zeroscan.Cause (a str: `finding.cause == "detached"` holds).
+    ranks: with a process group, the (global) ranks the finding is about
+    where that is known (the replicas that differ, the shards that hold a
+    non-finite value); None otherwise.
+    """
+
+    name: str
+    kind: str
+    severity: Severity
+    cause: Cause
+    message: str
+    ranks: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cause", Cause(self.cause))  # a code given as a str becomes its Cause
+
+    def to_dict(self) -> dict[str, Any]:
+        """name, kind, severity, cause, message; plus "ranks" (a list) only
+        when the finding names ranks."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "kind": self.kind,
+            "severity": self.severity.name.lower(),
+            "cause": self.cause.value,
+            "message": self.message,
+        }
+        if self.ranks is not None:
+            out["ranks"] = list(self.ranks)
+        return out
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What the Monitor calls a problem; every value has a documented default.
+
+    mostly_zero: exact-zero fraction of a gradient from which it is reported
+        as "mostly_zero" (INFO); the same meaning and default (0.9) as
+        diagnose's mostly_zero.
+    partial_underflow: fraction of a gradient's nonzero values that are
+        subnormal from which it is reported as "underflow"; the same meaning
+        and default (0.01) as diagnose's partial_underflow.
+    vanishing / exploding: bounds on ||grad|| / ||weight|| (weights of norm 0
+        are skipped). 1e-7 is about float32 eps: an SGD step with lr <= 1
+        cannot move the weight. 1e3: one step with lr 1e-3 would move it by
+        more than its own norm.
+    dead_units: fraction of an activation's units that are exactly zero for
+        the whole batch (WARNING; all of them is an ERROR).
+    saturated: fraction of softmax rows whose largest probability is within
+        the dtype's eps of 1 (their gradient is gone).
+    drift_window, drift_factor: a gradient norm that fell by drift_factor or
+        more over the last drift_window monitored steps, with at least 90 %
+        of those steps falling, is "norm_drift"; a gradient zero fraction that
+        rose by 0.25 or more to at least 0.5 over the window is
+        "zero_fraction_rising".
+    frozen_window: a weight unchanged for this many monitored steps although
+        its gradient was nonzero is "frozen_in_time" (fewer: "not_updated").
+    replica_rtol: across ranks, replicas agree when their counts and min/max
+        |x| are equal and their mean and sum of squared deviations differ by
+        at most this, relative to their scale (another reduction order); DDP
+        gradients after the all-reduce are bitwise equal.
+    """
+
+    mostly_zero: float = MOSTLY_ZERO
+    partial_underflow: float = PARTIAL_UNDERFLOW
+    vanishing: float = 1e-7
+    exploding: float = 1e3
+    dead_units: float = 0.5
+    saturated: float = 0.5
+    drift_window: int = 20
+    drift_factor: float = 100.0
+    frozen_window: int = 8
+    replica_rtol: float = 1e-9
+
+    def __post_init__(self) -> None:
+        op = "zeroscan.Thresholds"
+        for name in ("mostly_zero", "partial_underflow", "dead_units", "saturated"):
+            check_fraction(op, name, getattr(self, name))
+        for name in ("vanishing", "exploding", "drift_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{op}: {name} must be a positive number, got {value!r}")
+        rtol = self.replica_rtol
+        if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol < 1:
+            raise ValueError(f"{op}: replica_rtol must be a number in [0, 1), got {rtol!r}")
+        for name in ("drift_window", "frozen_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                raise ValueError(f"{op}: {name} must be an int >= 2, got {value!r}")
+
+
+class Report:
+    """What the Monitor saw: findings ranked by severity, the latest scan of
+    every tensor, and the per-step history (see to_dict for the schema)."""
+
+    def __init__(
+        self,
+        step: int,
+        findings: list[Finding],
+        tensors: list[dict[str, Any]],
+        history: dict[str, Any],
+    ) -> None:
+        self.step = step
+        self.findings = findings
+        self.tensors = tensors
+        self.history = history
+
+    @property
+    def worst(self) -> Severity:
+        return max((f.severity for f in self.findings), default=Severity.OK)
+
+    def __iter__(self) -> Iterator[Finding]:
+        return iter(self.findings)
+
+    def __len__(self) -> int:
+        return len(self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        """{"step", "findings": [Finding.to_dict(), with "ranks" where a finding
+        names ranks], "tensors": [per tensor:
+        name, kind, numel, zero_fraction, subnormal_fraction,
+        near_zero_fraction, nan, inf, norm, mean, std, min_abs, max_abs],
+        "history": {"steps", "names", "grad_norm", "zero_fraction",
+        "underflow_fraction"}}; floats are Python floats, nan where unknown."""
+        return {
+            "step": self.step,
+            "findings": [f.to_dict() for f in self.findings],
+            "tensors": [dict(t) for t in self.tensors],
+            "history": {
+                "steps": list(self.history["steps"]),
+                "names": list(self.history["names"]),
+                "grad_norm": [list(r) for r in self.history["grad_norm"]],
+                "zero_fraction": [list(r) for r in self.history["zero_fraction"]],
+                "underflow_fraction": [list(r) for r in self.history["underflow_fraction"]],
+            },
+        }
+
+    def to_json_lines(self) -> str:
+        """One JSON object per line: each finding ("type": "finding") then each
+        tensor ("type": "tensor"), all with "step". NaN and inf become null."""
+        lines = []
+        for f in self.findings:
+            lines.append({"type": "finding", "step": self.step, **f.to_dict()})
+        for t in self.tensors:
+            lines.append({"type": "tensor", "step": self.step, **{k: json_value(v) for k, v in t.items()}})
+        return "".join(json.dumps(line, allow_nan=False) + "\n" for line in lines)
+
+    def plot(self, path: str) -> Any:
+        """Draws the report with zeroscan.plot.plot_report (needs matplotlib)."""
+        from zeroscan.plot import plot_report
+
+        return plot_report(self.to_dict(), path)
+
+    def __str__(self) -> str:
+        counts = {s: sum(1 for f in self.findings if f.severity == s) for s in Severity}
+        head = f"zeroscan report · step {self.step} · {len(self.tensors)} tensors scanned"
+        if not self.findings:
+            return head + " · no findings"
+        summary = ", ".join(
+            f"{counts[s]} {s.name.lower()}{'s' if counts[s] > 1 and s != Severity.INFO else ''}"
+            for s in reversed(Severity)
+            if counts[s]
+        )
+        rows = [("SEVERITY", "NAME", "KIND", "CAUSE", "MESSAGE")]
+        rows += [(f.severity.name, f.name, f.kind, f.cause, f.message) for f in self.findings]
+        widths = [max(len(r[c]) for r in rows) for c in range(4)]
+        lines = [f"{head} · {summary}"]
+        for r in rows:
+            lines.append("  ".join(r[c].ljust(widths[c]) for c in range(4)) + "  " + r[4])
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Report(step={self.step}, findings={len(self.findings)}, worst={self.worst.name})"
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def json_value(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v

@@ -1,0 +1,343 @@
+"""The Monitor's rules: from what was recorded to findings.
+
+`judge` is a pure function of the parameters, the decoded step records, the
+thresholds and what the optimizer holds; it reads no tensor data and runs no
+scan, so every rule can be tested on synthetic records without a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from zeroscan.monitor.records import Activation, Param, Slot, StepRecord, dtype_name, nonfinite_words, unchanged_for
+from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
+from zeroscan.record import Row
+from zeroscan.verdicts import Cause, Severity
+
+# What the optimizer holds: each parameter's (index) learning rate; None for
+# a Monitor without an optimizer.
+OptimizerView = dict[int, object] | None
+
+
+def judge(
+    params: list[Param],
+    records: list[StepRecord],
+    thresholds: Thresholds,
+    optimizer: OptimizerView,
+    model_findings: list[Finding],
+) -> list[Finding]:
+    """Every finding over decoded `records` (oldest first), ranked by severity
+    then by parameter order. `model_findings` (about the model itself, such as
+    unregistered state) rank after the parameters' own."""
+    found: list[tuple[int, Finding]] = [(len(params), f) for f in model_findings]
+    found += _optimizer_findings(params, records, optimizer)
+    if records:
+        found += _latest_findings(params, records, thresholds, optimizer)
+        found += _history_findings(params, records, thresholds)
+    found.sort(key=lambda of: (-int(of[1].severity), of[0]))
+    return [f for _, f in found]
+
+
+def _optimizer_findings(
+    params: list[Param], records: list[StepRecord], optimizer: OptimizerView
+) -> list[tuple[int, Finding]]:
+    if optimizer is None:
+        return []
+    out = []
+    for p in params:
+        if p.tensor.requires_grad and p.index not in optimizer:
+            unchanged = unchanged_for(records, p.index)
+            since = f"; its value has not changed for {unchanged} monitored steps" if unchanged > 1 else ""
+            out.append((p.index, Finding(p.name, "param", Severity.WARNING, Cause.NOT_IN_OPTIMIZER, (
+                f"{p.name} requires grad but is in none of the optimizer's param groups, so "
+                f"optimizer.step() never updates it{since}; pass it to the optimizer "
+                "(or set requires_grad_(False) if it is meant to stay fixed)"
+            ))))
+    return out
+
+
+def _latest_findings(
+    params: list[Param], records: list[StepRecord], th: Thresholds, optimizer: OptimizerView
+) -> list[tuple[int, Finding]]:
+    rec = records[-1]
+    out: list[tuple[int, Finding]] = []
+    dead = [a.name for a in rec.acts or [] if a.tag == "relu" and a.unit["numel"] and a.unit["zeros"] == a.unit["numel"]]
+    underflowing = any(int(g["subnormal"]) > 0 for p in params if (g := rec.row(Slot.grad(p.index))) is not None)
+    for p in params:
+        i, name = p.index, p.name
+        grad, w = rec.row(Slot.grad(i)), rec.row(Slot.weight(i))
+        for slot in (Slot.grad(i), Slot.weight(i)):
+            if slot in rec.rank_findings:
+                out.append((i, rec.rank_findings[slot]))
+        if w is not None and w["nan"] + w["posinf"] + w["neginf"]:
+            out.append((i, in_shards(Finding(name, "weight", Severity.ERROR, Cause.NONFINITE, (
+                f"{name} holds {nonfinite_words(w)}: the weights are already poisoned; "
+                "look for the first step where the gradient went non-finite"
+            )), rec.shard_ranks.get(Slot.weight(i)))))
+        if i >= len(rec.requires_grad):
+            continue
+        if not rec.requires_grad[i]:
+            out.append((i, Finding(name, "param", Severity.INFO, Cause.FROZEN, (
+                f"{name} has requires_grad=False (frozen), so it gets no gradient; "
+                "if it should train, call requires_grad_(True) and give it to the optimizer"
+            ))))
+            continue
+        if grad is None:
+            cause, message = rec.none_causes.get(i, (Cause.NOT_REACHED, f"{name} has no gradient"))
+            severity = Severity.ERROR if cause == Cause.DETACHED else Severity.WARNING
+            out.append((i, Finding(name, "grad", severity, Cause(cause), message)))
+            continue
+        finding = _grad_finding(p, grad, w, dead, records, underflowing, th)
+        if finding is not None:
+            if finding.cause == Cause.NONFINITE:
+                finding = in_shards(finding, rec.shard_ranks.get(Slot.grad(i)))
+            out.append((i, finding))
+        elif optimizer is None or i in optimizer:
+            finding = _update_finding(p, records, th, optimizer)
+            if finding is not None:
+                out.append((i, finding))
+    base = len(params)
+    for k, act in enumerate(rec.acts or []):
+        finding = _activation_finding(act, th)
+        if finding is not None:
+            out.append((base + k, finding))
+    for k, (name, why) in enumerate(rec.notes):
+        out.append((base + k, Finding(name, "param", Severity.INFO, Cause.NOT_SCANNED, why)))
+    return out
+
+
+def _grad_finding(
+    p: Param,
+    g: Row,
+    w: Row | None,
+    dead: list[str],
+    records: list[StepRecord],
+    underflowing: bool,
+    th: Thresholds,
+) -> Finding | None:
+    name = p.name
+    n = int(g["numel"])
+    if n == 0:
+        return None
+    if g["nan"] + g["posinf"] + g["neginf"]:
+        return Finding(name, "grad", Severity.ERROR, Cause.NONFINITE, (
+            f"the gradient of {name} holds {nonfinite_words(g)}: an overflow, a division by zero, "
+            "log/sqrt of a non-positive value, or a torch.where whose unselected branch is NaN; "
+            "the optimizer step will poison the weights (use GradScaler / anomaly mode to find it)"
+        ))
+    zeros = int(g["zeros"])
+    if zeros == n:
+        if underflowing and p.tensor.dtype in (torch.float16, torch.bfloat16):
+            return Finding(name, "grad", Severity.WARNING, Cause.UNDERFLOW, (
+                f"every entry of the gradient of {name} is exactly zero while other {dtype_name(p.tensor.dtype)} "
+                "gradients of this step are subnormal: it most likely underflowed to zero. Scale the "
+                "loss (torch.amp.GradScaler), use bfloat16, or keep float32 master gradients"
+            ))
+        if dead:
+            why = (
+                f"the activation{'s' if len(dead) > 1 else ''} {', '.join(dead)} "
+                f"{'are' if len(dead) > 1 else 'is'} dead (every unit zero for the whole batch) "
+                "and pass no gradient"
+            )
+        else:
+            why = (
+                "a dead ReLU, a mask or torch.where that selects none of these elements, "
+                "a multiplication by zero, or a loss that is constant in this parameter"
+            )
+        return Finding(name, "grad", Severity.WARNING, Cause.EXACT_ZERO, (
+            f"every entry of the gradient of {name} is exactly zero: {why}; it will not train"
+        ))
+    nonzero = n - zeros
+    sub = int(g["subnormal"])
+    dtype = dtype_name(p.tensor.dtype)
+    if sub and sub == nonzero:
+        return Finding(name, "grad", Severity.ERROR, Cause.UNDERFLOW, (
+            f"every nonzero entry of the gradient of {name} ({nonzero} of {n}) is subnormal in "
+            f"{dtype} (|g| up to {g['max_abs']:.3g}); the rest underflowed to zero. Scale the "
+            "loss (torch.amp.GradScaler), use bfloat16, or keep float32 master gradients"
+        ))
+    if sub and sub / nonzero >= th.partial_underflow:
+        return Finding(name, "grad", Severity.WARNING, Cause.UNDERFLOW, (
+            f"{100 * sub / nonzero:.3g}% of the nonzero gradient entries of {name} are subnormal in "
+            f"{dtype} (and {100 * zeros / n:.3g}% are exactly zero): the gradient is underflowing; "
+            "scale the loss (torch.amp.GradScaler) or use bfloat16"
+        ))
+    if zeros / n >= th.mostly_zero and not p.embedding:
+        counts = [int(row["zeros"]) for r in records if (row := r.row(Slot.grad(p.index))) is not None]
+        fixed = len(counts) >= 2 and len(set(counts)) == 1
+        why = (
+            f"the same {zeros} entries at each of the last {len(counts)} monitored steps: a fixed mask, "
+            "slice or torch.where blocks the gradient to the unselected elements, which never train"
+            if fixed
+            else "those elements got no gradient this step (a mask or torch.where that does not select "
+            "them, dead ReLU units, sparse inputs)"
+        )
+        return Finding(name, "grad", Severity.INFO, Cause.MOSTLY_ZERO, (
+            f"{100 * zeros / n:.3g}% of the gradient entries of {name} are exactly zero; {why}"
+        ))
+    if w is None:
+        return None
+    w_norm, g_norm = float(w["norm"]), float(g["norm"])
+    if not (w_norm > 0 and math.isfinite(w_norm)):
+        return None
+    ratio = g_norm / w_norm
+    if ratio < th.vanishing:
+        return Finding(name, "grad", Severity.WARNING, Cause.VANISHING, (
+            f"the gradient of {name} is vanishing: ||g||/||w|| = {ratio:.2e} (||g|| = {g_norm:.3g}, "
+            f"||w|| = {w_norm:.3g}), below {th.vanishing:.0e}; plain SGD cannot move this weight"
+        ))
+    if ratio > th.exploding:
+        return Finding(name, "grad", Severity.ERROR, Cause.EXPLODING, (
+            f"the gradient of {name} is exploding: ||g||/||w|| = {ratio:.3g} (||g|| = {g_norm:.3g}, "
+            f"||w|| = {w_norm:.3g}); clip gradients, lower the learning rate, or check the loss scale"
+        ))
+    return None
+
+
+def _update_finding(
+    p: Param, records: list[StepRecord], th: Thresholds, optimizer: OptimizerView
+) -> Finding | None:
+    if len(records) < 2:
+        return None
+    prev, last = records[-2], records[-1]
+    weight = Slot.weight(p.index)
+    g = prev.row(Slot.grad(p.index))
+    w0, w1 = (prev.rows or {}).get(weight), (last.rows or {}).get(weight)
+    if g is None or w0 is None or w1 is None or w0[1] != w1[1]:
+        return None
+    if not (float(g["norm"]) > 0 and g["nan"] + g["posinf"] + g["neginf"] == 0):
+        return None
+    if int(w1[0]["numel"]) == 0:
+        return None
+    unchanged = unchanged_for(records, p.index)
+    reasons = _no_update_reasons(p, w1[0], g, optimizer)
+    if unchanged >= th.frozen_window:
+        return Finding(p.name, "weight", Severity.WARNING, Cause.FROZEN_IN_TIME, (
+            f"{p.name} has not changed for {unchanged} monitored steps although its gradient is "
+            f"nonzero (||g|| = {float(g['norm']):.3g}): {reasons}"
+        ))
+    return Finding(p.name, "weight", Severity.WARNING, Cause.NOT_UPDATED, (
+        f"{p.name} did not change across the last optimizer step although its gradient was nonzero "
+        f"(||g|| = {float(g['norm']):.3g}): {reasons}"
+    ))
+
+
+def _no_update_reasons(p: Param, w: Row, g: Row, optimizer: OptimizerView) -> str:
+    dtype = p.tensor.dtype
+    ulp = float(w["max_abs"]) * (torch.finfo(dtype).eps if dtype.is_floating_point else 1.0)
+    below = (
+        f"an update below the weight's resolution (one ulp of {dtype_name(dtype)} at |w| = "
+        f"{float(w['max_abs']):.3g} is about {ulp:.2g}, |g| is at most {float(g['max_abs']):.3g})"
+    )
+    if optimizer is not None and p.index in optimizer:
+        lr = optimizer[p.index]
+        if isinstance(lr, (int, float)) and lr == 0:
+            return "its optimizer param group has lr=0"
+        return f"lr={lr}: {below}, or optimizer.step() is skipped (GradScaler found inf)"
+    return f"lr 0, a parameter missing from the optimizer, or {below}"
+
+
+def _activation_finding(act: Activation, th: Thresholds) -> Finding | None:
+    name, out, unit = act.name, act.output, act.unit
+    if out["nan"] + out["posinf"] + out["neginf"]:
+        return Finding(name, "activation", Severity.ERROR, Cause.NONFINITE, (
+            f"the output of {name} holds {nonfinite_words(out)}"
+        ))
+    n = int(unit["numel"])
+    if n == 0:
+        return None
+    if act.tag == "relu":
+        dead = int(unit["zeros"])
+        if dead == n:
+            return Finding(name, "activation", Severity.ERROR, Cause.DEAD_UNITS, (
+                f"all {n} units of {name} are exactly zero for the whole batch (a dead layer): it "
+                "passes neither signal nor gradient; check the init/bias of the layer before it, "
+                "lower the learning rate, or use LeakyReLU/GELU"
+            ))
+        if dead / n >= th.dead_units:
+            return Finding(name, "activation", Severity.WARNING, Cause.DEAD_UNITS, (
+                f"{dead} of {n} units of {name} ({100 * dead / n:.3g}%) are exactly zero for the whole "
+                "batch (dead ReLU units get no gradient and cannot recover)"
+            ))
+        return None
+    saturated = int(unit["zeros"]) + int(unit["near_zero"])
+    if saturated / n >= th.saturated:
+        return Finding(name, "activation", Severity.WARNING, Cause.SATURATED_SOFTMAX, (
+            f"{saturated} of {n} softmax rows of {name} ({100 * saturated / n:.3g}%) put all their mass "
+            "on one entry (1 - max p within eps): the softmax gradient through them is ~0; "
+            "scale the logits down (temperature, 1/sqrt(d) in attention) or check for huge logits"
+        ))
+    return None
+
+
+def _history_findings(params: list[Param], records: list[StepRecord], th: Thresholds) -> list[tuple[int, Finding]]:
+    window = records[-th.drift_window:]
+    if len(window) < th.drift_window:
+        return []
+    out: list[tuple[int, Finding]] = []
+    norms: list[list[float]] = []
+    totals: list[float] = []
+    for r in window:
+        per = []
+        total = 0.0
+        for p in params:
+            g = r.row(Slot.grad(p.index))
+            v = float(g["norm"]) if g is not None else math.nan
+            per.append(v)
+            if g is not None:
+                total += v * v
+        norms.append(per)
+        totals.append(math.sqrt(total))
+    steps = f"{window[0].step}..{window[-1].step}"
+    if _drifts(totals, th.drift_factor):
+        out.append((-1, Finding(GLOBAL_NAME, "grad", Severity.WARNING, Cause.NORM_DRIFT, (
+            f"the total gradient norm fell from {totals[0]:.3g} to {totals[-1]:.3g} over monitored "
+            f"steps {steps}, falling almost every step: training is stalling (aggressive clipping, "
+            "a decaying scale or learning signal); if the loss is not improving, loosen the clipping"
+        ))))
+    else:
+        for p in params:
+            series = [row[p.index] for row in norms]
+            if _drifts(series, th.drift_factor):
+                out.append((p.index, Finding(p.name, "grad", Severity.WARNING, Cause.NORM_DRIFT, (
+                    f"the gradient norm of {p.name} fell from {series[0]:.3g} to {series[-1]:.3g} over "
+                    f"monitored steps {steps}, falling almost every step"
+                ))))
+    for p in params:
+        if p.embedding:
+            continue
+        series = []
+        for r in window:
+            g = r.row(Slot.grad(p.index))
+            if g is not None and g["numel"]:
+                series.append(int(g["zeros"]) / int(g["numel"]))
+        if len(series) == len(window) and _rises(series):
+            out.append((p.index, Finding(p.name, "grad", Severity.WARNING, Cause.ZERO_FRACTION_RISING, (
+                f"the exact-zero fraction of the gradient of {p.name} rose from {100 * series[0]:.3g}% "
+                f"to {100 * series[-1]:.3g}% over monitored steps {steps}: units are dying "
+                "(ReLU) or a mask is closing"
+            ))))
+    return out
+
+
+def _drifts(series: list[float], factor: float) -> bool:
+    if len(series) < 2 or not all(math.isfinite(v) and v > 0 for v in series):
+        return False
+    falls = sum(1 for a, b in zip(series, series[1:]) if b < a)
+    return falls >= 0.9 * (len(series) - 1) and series[0] / series[-1] >= factor
+
+
+def _rises(series: list[float]) -> bool:
+    ups = sum(1 for a, b in zip(series, series[1:]) if b >= a)
+    return series[-1] >= 0.5 and series[-1] - series[0] >= 0.25 and ups >= 0.8 * (len(series) - 1)
+
+
+def in_shards(finding: Finding, ranks: tuple[int, ...] | None) -> Finding:
+    """A non-finite finding of a sharded tensor, with the ranks whose shards hold the values."""
+    if ranks is None:
+        return finding
+    where = f"rank {ranks[0]}'s shard" if len(ranks) == 1 else f"the shards of ranks {list(ranks)}"
+    return dataclasses.replace(finding, ranks=ranks, message=f"{finding.message}; the values are in {where}")

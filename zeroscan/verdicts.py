@@ -1,0 +1,75 @@
+"""The words zeroscan judges in, shared by diagnose and the Monitor.
+
+`Severity` orders what is found; `Cause` names it (a machine-readable code,
+a str, so `finding.cause == "underflow"` holds); the thresholds that both
+diagnose and the Monitor use have one meaning and one default here.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Severity(enum.IntEnum):
+    """How much a finding matters; ordered, so findings sort by it."""
+
+    OK = 0
+    INFO = 1
+    WARNING = 2
+    ERROR = 3
+
+
+class Cause(str, enum.Enum):
+    """What is wrong (or worth knowing) about a tensor or a parameter."""
+
+    # What the values of one scan say (diagnose's verdicts and the Monitor's).
+    EMPTY = "empty"
+    NONFINITE = "nonfinite"
+    EXACT_ZERO = "exact_zero"
+    UNDERFLOW = "underflow"
+    MOSTLY_ZERO = "mostly_zero"
+    PARTIAL_UNDERFLOW = "partial_underflow"
+    CONSTANT = "constant"
+    HEALTHY = "healthy"
+    # Why a parameter gets no gradient (the Monitor's cause analysis).
+    DETACHED = "detached"
+    FROZEN = "frozen"
+    UNUSED = "unused"
+    NO_BACKWARD = "no_backward"
+    NOT_REACHED = "not_reached"
+    NOT_IN_OPTIMIZER = "not_in_optimizer"
+    PLAIN_ATTRIBUTE = "plain_attribute"
+    # What a gradient's size or the weights' history say.
+    VANISHING = "vanishing"
+    EXPLODING = "exploding"
+    NOT_UPDATED = "not_updated"
+    FROZEN_IN_TIME = "frozen_in_time"
+    NORM_DRIFT = "norm_drift"
+    ZERO_FRACTION_RISING = "zero_fraction_rising"
+    # Activations.
+    DEAD_UNITS = "dead_units"
+    SATURATED_SOFTMAX = "saturated_softmax"
+    # Across ranks, and what could not be looked at.
+    REPLICA_MISMATCH = "replica_mismatch"
+    MISSING_ON_RANKS = "missing_on_ranks"
+    NOT_SCANNED = "not_scanned"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Exact zeros at least this fraction of the values: the tensor is mostly zero.
+MOSTLY_ZERO = 0.9
+# Subnormal values at least this fraction of the nonzero ones: precision is
+# being lost (partial underflow).
+PARTIAL_UNDERFLOW = 0.01
+
+
+def check_fraction(op: str, name: str, value: object) -> float:
+    """A threshold in (0, 1], or an error naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: {name} must be a number in (0, 1], got {type(value).__name__}")
+    value = float(value)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{op}: {name} must be in (0, 1], got {value}")
+    return value
