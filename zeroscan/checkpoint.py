@@ -7,52 +7,34 @@ Two formats are read:
   the zip format; nested dicts, lists and tuples of tensors are flattened to
   dotted names (``model.layer.0.weight``, ``optimizer.state.3.exp_avg``);
   leaves that are not tensors (an epoch number, a config string) are left out.
-* .safetensors files, parsed here without the safetensors package: an 8-byte
-  little-endian header length, a JSON header naming each tensor's dtype,
-  shape and byte range, then the raw bytes. Each tensor is memory-mapped on
-  its own when asked for, so a file larger than memory is never read whole.
+* .safetensors files, read by zeroscan.safetensors_io without the
+  safetensors package: each tensor is memory-mapped on its own when asked
+  for, so a file larger than memory is never read whole.
 
 Every problem with the file itself raises CheckpointError with a one-line
-message naming the file.
+message naming the file. scan_checkpoint diagnoses every tensor of a
+checkpoint; zeroscan.checkpoint_diff compares two.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pickle
 import re
-import struct
-import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-# safetensors dtype names -> torch dtypes (those this torch has).
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "C64": torch.complex64,
-    "C128": torch.complex128,
-}
+from zeroscan.safetensors_io import (
+    SafetensorsError,
+    looks_like_safetensors,
+    map_safetensors_slot,
+    read_safetensors_header,
+)
 
 # What the native scan reads directly; complex tensors are scanned as their
 # real and imaginary parts (torch.view_as_real).
@@ -73,8 +55,6 @@ SCANNABLE_DTYPES = frozenset(
     }
 )
 COMPLEX_DTYPES = frozenset({torch.complex64, torch.complex128})
-
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors reference refuses larger headers too
 
 
 class CheckpointError(Exception):
@@ -251,136 +231,28 @@ def one_line(e: BaseException) -> str:
 # --- safetensors files -------------------------------------------------------
 
 
-def looks_like_safetensors(head: bytes, size: int) -> bool:
-    """An 8-byte header length that fits the file, then a JSON object."""
-    if len(head) < 9:
-        return False
-    (n,) = struct.unpack("<Q", head[:8])
-    return 2 <= n <= size - 8 and head[8:9] == b"{"
-
-
-@dataclass(frozen=True)
-class SafetensorsSlot:
-    dtype: torch.dtype | None
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    nbytes: int
-
-
-def read_safetensors_header(p: Path) -> tuple[dict[str, SafetensorsSlot], dict[str, str], list[TensorEntry]]:
-    """Parses and checks the header; returns the slots, the __metadata__ and
-    the entries in file (byte-offset) order."""
-    size = p.stat().st_size
-    with open(p, "rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) < 8:
-            raise CheckpointError(
-                f"{p}: corrupt safetensors header: the file is {size} bytes, shorter than the 8-byte length"
-            )
-        (n,) = struct.unpack("<Q", raw_len)
-        if n > size - 8 or n > MAX_HEADER_BYTES:
-            raise CheckpointError(
-                f"{p}: corrupt safetensors header: header length {n} does not fit a {size}-byte file"
-            )
-        raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{p}: corrupt safetensors header: not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{p}: corrupt safetensors header: a JSON {type(header).__name__}, not an object")
-    data_start = 8 + n
-    data_size = size - data_start
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CheckpointError(f"{p}: corrupt safetensors header: __metadata__ is not an object")
-    slots: dict[str, SafetensorsSlot] = {}
-    entries: list[tuple[int, TensorEntry]] = []
-    for name, info in header.items():
-        where = f"{p}: corrupt safetensors header: tensor {name!r}"
-        if not isinstance(info, dict):
-            raise CheckpointError(f"{where} is described by a {type(info).__name__}, not an object")
-        dtype_str, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if not isinstance(dtype_str, str):
-            raise CheckpointError(f"{where} has no dtype")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise CheckpointError(f"{where} has shape {shape!r}, not a list of non-negative integers")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1] <= data_size
-        ):
-            raise CheckpointError(f"{where} has data_offsets {offsets!r} outside the {data_size} data bytes")
-        begin, end = offsets
-        dtype = SAFETENSORS_DTYPES.get(dtype_str)
-        if dtype is not None:
-            want = math.prod(shape) * dtype.itemsize
-            if end - begin != want:
-                raise CheckpointError(
-                    f"{where} spans {end - begin} bytes, but {dtype_str}{shape} needs {want}"
-                )
-        slots[name] = SafetensorsSlot(dtype, tuple(shape), data_start + begin, end - begin)
-        label = dtype_name(dtype) if dtype is not None else dtype_str
-        entries.append((begin, TensorEntry(name, label, tuple(shape), end - begin)))
-    entries.sort(key=lambda item: item[0])
-    return slots, {str(k): str(v) for k, v in metadata.items()}, [e for _, e in entries]
-
-
 def open_safetensors(p: Path) -> Checkpoint:
-    slots, metadata, entries = read_safetensors_header(p)
+    """A .safetensors file as a Checkpoint. The format's own errors become
+    CheckpointError, the one error every caller of open_checkpoint handles."""
+    try:
+        slots, metadata = read_safetensors_header(p)
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
+    entries = []
+    for name, slot in slots.items():
+        label = dtype_name(slot.dtype) if slot.dtype is not None else slot.file_dtype
+        entries.append(TensorEntry(name, label, slot.shape, slot.nbytes))
 
     def get(name: str) -> torch.Tensor:
-        return map_safetensors_slot(p, name, slots[name])
+        try:
+            return map_safetensors_slot(p, name, slots[name])
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from None
 
     return Checkpoint(p, "safetensors", entries, get, metadata=metadata)
 
 
-def map_safetensors_slot(p: Path, name: str, slot: SafetensorsSlot) -> torch.Tensor:
-    """Maps one tensor's bytes copy-on-write: reads fault pages in from the
-    file on demand, and a write (zeroscan makes none) never reaches the file."""
-    if slot.dtype is None:
-        raise CheckpointError(f"{p}: tensor {name!r} has a dtype this torch cannot represent")
-    if slot.nbytes == 0:
-        return torch.empty(slot.shape, dtype=slot.dtype)
-    mapped = np.memmap(p, dtype=np.uint8, mode="c", offset=slot.start, shape=(slot.nbytes,))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(mapped, dtype=torch.uint8)
-    if slot.start % slot.dtype.itemsize:
-        flat = flat.clone()  # a misaligned tensor: one aligned copy of this tensor alone
-    return flat.view(slot.dtype).reshape(slot.shape)
-
-
-def write_safetensors(
-    path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
-) -> None:
-    """Writes `tensors` as a .safetensors file (for tests and small exports):
-    the header is padded with spaces to a multiple of 8 bytes, as the format
-    recommends, so every tensor starts aligned."""
-    names = {d: n for n, d in SAFETENSORS_DTYPES.items()}
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    blobs: list[bytes] = []
-    offset = 0
-    for name, t in tensors.items():
-        if t.dtype not in names:
-            raise ValueError(f"write_safetensors: tensors[{name!r}] has dtype {t.dtype}, which safetensors cannot hold")
-        blob = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for blob in blobs:
-            f.write(blob)
-
-
-# --- scanning and comparing -------------------------------------------------
+# --- scanning ---------------------------------------------------------------
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
 
@@ -504,98 +376,3 @@ def scan_row(entry: TensorEntry, s: dict[str, object], verdict: str, severity: s
         "severity": severity,
         "reason": reason,
     }
-
-
-INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
-
-
-def diff_checkpoints(
-    a: str | os.PathLike[str],
-    b: str | os.PathLike[str],
-    *,
-    progress: ProgressFn | None = None,
-    chunk_elements: int = 1 << 22,
-) -> list[dict[str, object]]:
-    """Compares two checkpoints tensor by tensor, bit for bit.
-
-    One row per name in either file (a's order, then names only in b), with
-    status "changed", "identical", "added" (only in b), "removed" (only in a),
-    "reshaped" or "retyped"; for changed tensors the number and fraction of
-    elements whose bits differ and the largest |a - b| over values where
-    neither is NaN. A floating-point tensor left bit-identical while others
-    changed is a warning: the optimizer never updated it.
-    """
-    with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
-        rows: list[dict[str, object]] = []
-        total = sum(e.nbytes for e in ca.entries if e.name in cb)
-        done = 0
-        for ea in ca.entries:
-            row: dict[str, object] = {"name": ea.name, "dtype": ea.dtype, "shape": list(ea.shape), "numel": ea.numel}
-            if ea.name not in cb:
-                row.update(status="removed", severity="info", reason=f"only in {a}")
-                rows.append(row)
-                continue
-            eb = cb.entry(ea.name)
-            if eb.dtype != ea.dtype:
-                row.update(status="retyped", severity="info", reason=f"dtype {ea.dtype} -> {eb.dtype}")
-            elif eb.shape != ea.shape:
-                row.update(status="reshaped", severity="info", reason=f"shape {list(ea.shape)} -> {list(eb.shape)}")
-            elif not isinstance(getattr(torch, ea.dtype, None), torch.dtype):
-                row.update(status="unread", severity="info", reason=f"dtype {ea.dtype} cannot be read")
-            else:
-                changed, max_diff = compare_tensors(ca.tensor(ea.name), cb.tensor(ea.name), chunk_elements)
-                row.update(
-                    status="changed" if changed else "identical",
-                    changed=changed,
-                    changed_fraction=changed / ea.numel if ea.numel else 0.0,
-                    max_abs_diff=max_diff,
-                    severity="ok",
-                    reason="",
-                )
-            rows.append(row)
-            done += ea.nbytes
-            if progress is not None:
-                progress(done, total)
-        for eb in cb.entries:
-            if eb.name not in ca:
-                rows.append({"name": eb.name, "dtype": eb.dtype, "shape": list(eb.shape), "numel": eb.numel,
-                             "status": "added", "severity": "info", "reason": f"only in {b}"})
-    n_changed = sum(1 for r in rows if r["status"] == "changed")
-    if n_changed:
-        for r in rows:
-            dtype = getattr(torch, str(r["dtype"]), None)
-            floating = isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)
-            if r["status"] == "identical" and floating and r["numel"]:
-                r["severity"] = "warning"
-                others = f"{n_changed} other tensor{'s' if n_changed != 1 else ''}"
-                r["reason"] = f"bit-identical while {others} changed: never updated"
-    return rows
-
-
-def compare_tensors(x: torch.Tensor, y: torch.Tensor, chunk: int) -> tuple[int, float | None]:
-    """(elements whose bits differ, max |x - y| over non-NaN pairs or None)."""
-    if x.numel() == 0:
-        return 0, None
-    xf, yf = x.reshape(-1), y.reshape(-1)
-    width = x.element_size()
-    ints = INT_VIEWS[width]
-    per = 2 if width == 16 else 1
-    numeric = not (x.dtype.is_complex or x.dtype == torch.bool)
-    changed = 0
-    max_diff: float | None = None
-    for start in range(0, xf.numel(), chunk):
-        xs, ys = xf[start : start + chunk], yf[start : start + chunk]
-        bits = xs.view(ints).reshape(-1, per) != ys.view(ints).reshape(-1, per)
-        differ = bits.any(dim=1)
-        n = int(differ.sum())
-        if n == 0:
-            continue
-        changed += n
-        if numeric:
-            xd, yd = xs[differ].double(), ys[differ].double()
-            d = (xd - yd).abs()
-            d = d[~d.isnan()]
-            if d.numel():
-                m = float(d.max())
-                max_diff = m if max_diff is None else max(max_diff, m)
-    return changed, max_diff

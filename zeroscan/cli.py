@@ -1,9 +1,8 @@
-"""The `zeroscan` command: scan checkpoints, tour the verdicts, run the benchmarks.
+"""The `zeroscan` command: scan checkpoints, tour the verdicts.
 
     zeroscan scan PATH...            a table per checkpoint (torch.save or .safetensors)
     zeroscan scan a.pt b.pt --diff   which tensors changed, which stayed bit-identical
     zeroscan demo                    a short tour of every verdict on built-in examples
-    zeroscan bench                   the benchmark scripts in benchmarks/
 
 Exit status: 0 when all went well; 1 when `--fail-on SEVERITY` is given and a
 finding at or above it exists (so a CI step can gate on a checkpoint); 2 for
@@ -35,154 +34,22 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from zeroscan.cli_format import Progress, Style, fmt_bytes, fmt_count, fmt_num, fmt_percent, fmt_shape, render_table
 from zeroscan.loggers import json_safe
 
 SEVERITIES = ("ok", "info", "warning", "error")
 RANK = {s: i for i, s in enumerate(SEVERITIES)}
 SORT_KEYS = ("order", "name", "numel", "zeros", "subnormal", "near-zero", "nan", "severity")
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
-LARGE_TTY_BYTES = 64 << 20  # a progress bar on a terminal from this size
-LARGE_LOG_BYTES = 1 << 30  # progress lines in a log (stderr not a terminal) from this size
 
 
 class UsageError(Exception):
     """A bad combination of arguments; str() is one line."""
-
-
-# --- small formatting helpers ----------------------------------------------------
-
-
-def fmt_count(n: int) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= 10 * scale:
-            return f"{n / scale:.1f}{unit}"
-    return str(n)
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def fmt_num(v: object) -> str:
-    if v is None:
-        return "-"
-    x = float(v)  # type: ignore[arg-type]
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x == 0:
-        return "0"
-    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
-
-
-def fmt_percent(part: int, whole: int) -> str:
-    if part == 0 or whole == 0:
-        return "0"
-    if part == whole:
-        return "100%"
-    pct = 100.0 * part / whole
-    return f"{pct:.3g}%" if pct >= 0.01 else "<0.01%"
-
-
-def fmt_shape(shape: Sequence[int]) -> str:
-    return "[" + ",".join(str(s) for s in shape) + "]"
-
-
-class Style:
-    """ANSI colours on a terminal (and not under NO_COLOR), nothing otherwise."""
-
-    CODES = {"error": "31;1", "warning": "33", "info": "36", "ok": "32", "dim": "2", "bold": "1"}
-
-    def __init__(self, stream: TextIO) -> None:
-        self.on = stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
-
-    def __call__(self, text: str, kind: str) -> str:
-        code = self.CODES.get(kind)
-        return f"\033[{code}m{text}\033[0m" if self.on and code else text
-
-
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int], colors: Sequence[str | None],
-                 style: Style, color_col: int) -> list[str]:
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
-
-    def line(cells: Sequence[str], color: str | None) -> str:
-        parts = []
-        for i, (c, w) in enumerate(zip(cells, widths)):
-            cell = c.rjust(w) if i in right else c.ljust(w)
-            if i == color_col and color:
-                cell = style(cell, color)
-            parts.append(cell)
-        return "  ".join(parts).rstrip()
-
-    out = [style(line(headers, None), "bold")]
-    out += [line(row, color) for row, color in zip(rows, colors)]
-    return out
-
-
-# --- progress ------------------------------------------------------------------
-
-
-class Progress:
-    """Bytes-scanned progress on stderr: tqdm when installed and stderr is a
-    terminal, else a line rewritten in place (terminal) or a line per 10 %
-    (a log)."""
-
-    def __init__(self, label: str, total: int, enabled: bool | None, stream: TextIO | None = None) -> None:
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        if enabled is None:
-            enabled = total >= (LARGE_TTY_BYTES if self.tty else LARGE_LOG_BYTES)
-        self.enabled = enabled and total > 0
-        self.label = label
-        self.total = total
-        self.last_decile = -1
-        self.bar: Any = None
-        if self.enabled and self.tty:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label,
-                                file=self.stream, leave=False, dynamic_ncols=True)
-            except ImportError:
-                self.bar = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(done - self.bar.n)
-            return
-        pct = 100.0 * done / total if total else 100.0
-        if self.tty:
-            self.stream.write(f"\r{self.label}: {pct:5.1f}% ({fmt_bytes(done)} of {fmt_bytes(total)})")
-            self.stream.flush()
-        elif int(pct // 10) > self.last_decile:
-            self.last_decile = int(pct // 10)
-            self.stream.write(f"{self.label}: {pct:.0f}% ({fmt_bytes(done)} of {fmt_bytes(total)})\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.close()
-        elif self.tty:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
 
 
 # --- scan ------------------------------------------------------------------------
@@ -359,7 +226,8 @@ DIFF_STATUSES = ("changed", "identical", "added", "removed", "reshaped", "retype
 
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
-    from zeroscan.checkpoint import diff_checkpoints, open_checkpoint
+    from zeroscan.checkpoint import open_checkpoint
+    from zeroscan.checkpoint_diff import diff_checkpoints
 
     if len(args.paths) != 2:
         raise UsageError(f"--diff compares exactly two checkpoints, got {len(args.paths)} paths")
@@ -405,88 +273,6 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     return exit_status(summary["worst"], args.fail_on)
 
 
-# --- bench ---------------------------------------------------------------------------
-
-
-def find_bench_dir(given: str | None) -> Path:
-    if given:
-        d = Path(given)
-        if not d.is_dir():
-            raise UsageError(f"--dir {given}: no such directory")
-        return d
-    here = Path(__file__).resolve().parent.parent / "benchmarks"
-    for d in (Path.cwd() / "benchmarks", here):
-        if d.is_dir() and any(d.glob("bench_*.py")):
-            return d
-    raise UsageError(
-        "no benchmarks/ directory with bench_*.py scripts here or beside the zeroscan package "
-        "(run from a zeroscan checkout, or pass --dir)"
-    )
-
-
-def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
-    d = find_bench_dir(args.dir)
-    scripts = sorted(d.glob("bench_*.py"))
-    if args.names:
-        wanted = set(args.names)
-        scripts = [s for s in scripts if s.stem in wanted or s.stem.removeprefix("bench_") in wanted]
-        missing = wanted - {s.stem for s in scripts} - {s.stem.removeprefix("bench_") for s in scripts}
-        if missing:
-            raise UsageError(f"no benchmark named {', '.join(sorted(missing))} in {d}")
-    if not scripts:
-        raise UsageError(f"{d}: no bench_*.py scripts")
-    if args.list:
-        for s in scripts:
-            out.write(f"{s.stem}\t{s}\n")
-        return EXIT_OK
-
-    failed: list[str] = []
-    bar = bench_bar(len(scripts))
-    write = bar.write if bar is not None else (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
-    for i, script in enumerate(scripts, 1):
-        cmd = [sys.executable, str(script)]
-        if not args.full and "--quick" in script.read_text(errors="replace"):
-            cmd.append("--quick")
-        if bar is not None:
-            bar.set_description(script.stem)
-        write(f"[{i}/{len(scripts)}] {' '.join([Path(cmd[1]).name] + cmd[2:])}")
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        assert proc.stdout is not None
-        for text in proc.stdout:
-            if bar is not None:
-                bar.write(text.rstrip("\n"), file=out)
-            else:
-                out.write(text)
-                out.flush()
-        rc = proc.wait()
-        elapsed = time.perf_counter() - start
-        if bar is not None:
-            bar.update(1)
-        if rc != 0:
-            failed.append(script.stem)
-            write(f"[{i}/{len(scripts)}] {script.name} failed (exit {rc}) after {elapsed:.1f} s")
-        else:
-            write(f"[{i}/{len(scripts)}] {script.name} done in {elapsed:.1f} s")
-    if bar is not None:
-        bar.close()
-    if failed:
-        sys.stderr.write(f"zeroscan bench: {len(failed)} of {len(scripts)} failed: {', '.join(failed)}\n")
-        return EXIT_FINDINGS
-    return EXIT_OK
-
-
-def bench_bar(total: int) -> Any:
-    """A tqdm bar over the scripts when tqdm is installed and stderr is a terminal."""
-    if not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="script", file=sys.stderr, leave=False)
-
-
 # --- demo ------------------------------------------------------------------------------
 
 
@@ -529,8 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zeroscan",
         description="Is this tensor truly zero, underflowed, non-finite, or healthy? "
-        "Scan checkpoints, tour the verdicts, run the benchmarks.",
-        epilog="exit status: 0 ok, 1 a finding at or above --fail-on (or a failed benchmark), "
+        "Scan checkpoints, tour the verdicts.",
+        epilog="exit status: 0 ok, 1 a finding at or above --fail-on, "
         "2 an unreadable file or a usage error",
     )
     parser.add_argument("--version", action="version", version=f"zeroscan {version()}")
@@ -566,12 +352,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", metavar="PNG", help="also draw the demo model's gradient flow (needs matplotlib)")
     demo.set_defaults(run=cmd_demo)
 
-    bench = sub.add_parser("bench", help="run the benchmark scripts of benchmarks/ (quick sizes by default)")
-    bench.add_argument("names", nargs="*", metavar="NAME", help="only these (bench_cpu or cpu); default all")
-    bench.add_argument("--full", action="store_true", help="full sizes (leave out --quick)")
-    bench.add_argument("--list", action="store_true", help="list the scripts and exit")
-    bench.add_argument("--dir", help="the benchmarks directory (default: ./benchmarks or the checkout's)")
-    bench.set_defaults(run=cmd_bench)
     return parser
 
 

@@ -1,0 +1,151 @@
+"""How the `zeroscan` command draws on a terminal: numbers, byte sizes and
+shapes in a few characters, aligned tables, ANSI colours (only on a terminal
+and not under NO_COLOR), and bytes-scanned progress on stderr."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+LARGE_TTY_BYTES = 64 << 20  # a progress bar on a terminal from this size
+LARGE_LOG_BYTES = 1 << 30  # progress lines in a log (stderr not a terminal) from this size
+
+
+# --- numbers, tables, colours ----------------------------------------------------
+
+
+def fmt_count(n: int) -> str:
+    """A count in a few characters: 12345 -> "12.3K" (exact below 10K)."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= 10 * scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte size in binary units: 1536 -> "1.5 KiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_num(v: object) -> str:
+    """A statistic in 3 significant digits; None (not measured) is "-"."""
+    if v is None:
+        return "-"
+    x = float(v)  # type: ignore[arg-type]
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x == 0:
+        return "0"
+    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
+
+
+def fmt_percent(part: int, whole: int) -> str:
+    """part/whole in percent; a nonzero part below 0.01 % shows as "<0.01%", never as "0"."""
+    if part == 0 or whole == 0:
+        return "0"
+    if part == whole:
+        return "100%"
+    pct = 100.0 * part / whole
+    return f"{pct:.3g}%" if pct >= 0.01 else "<0.01%"
+
+
+def fmt_shape(shape: Sequence[int]) -> str:
+    """A shape without spaces, so a table column stays one word: [3,4]."""
+    return "[" + ",".join(str(s) for s in shape) + "]"
+
+
+class Style:
+    """ANSI colours on a terminal (and not under NO_COLOR), nothing otherwise."""
+
+    CODES = {"error": "31;1", "warning": "33", "info": "36", "ok": "32", "dim": "2", "bold": "1"}
+
+    def __init__(self, stream: TextIO) -> None:
+        self.on = stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+    def __call__(self, text: str, kind: str) -> str:
+        code = self.CODES.get(kind)
+        return f"\033[{code}m{text}\033[0m" if self.on and code else text
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int], colors: Sequence[str | None],
+                 style: Style, color_col: int) -> list[str]:
+    """The table as lines: columns padded to their widest cell (those in `right`
+    right-aligned), the header bold, and column `color_col` of each row in that
+    row's colour."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+
+    def line(cells: Sequence[str], color: str | None) -> str:
+        parts = []
+        for i, (c, w) in enumerate(zip(cells, widths)):
+            cell = c.rjust(w) if i in right else c.ljust(w)
+            if i == color_col and color:
+                cell = style(cell, color)
+            parts.append(cell)
+        return "  ".join(parts).rstrip()
+
+    out = [style(line(headers, None), "bold")]
+    out += [line(row, color) for row, color in zip(rows, colors)]
+    return out
+
+
+# --- progress ------------------------------------------------------------------
+
+
+class Progress:
+    """Bytes-scanned progress on stderr: tqdm when installed and stderr is a
+    terminal, else a line rewritten in place (terminal) or a line per 10 %
+    (a log)."""
+
+    def __init__(self, label: str, total: int, enabled: bool | None, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        if enabled is None:
+            enabled = total >= (LARGE_TTY_BYTES if self.tty else LARGE_LOG_BYTES)
+        self.enabled = enabled and total > 0
+        self.label = label
+        self.total = total
+        self.last_decile = -1
+        self.bar: Any = None
+        if self.enabled and self.tty:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label,
+                                file=self.stream, leave=False, dynamic_ncols=True)
+            except ImportError:
+                self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            return
+        pct = 100.0 * done / total if total else 100.0
+        if self.tty:
+            self.stream.write(f"\r{self.label}: {pct:5.1f}% ({fmt_bytes(done)} of {fmt_bytes(total)})")
+            self.stream.flush()
+        elif int(pct // 10) > self.last_decile:
+            self.last_decile = int(pct // 10)
+            self.stream.write(f"{self.label}: {pct:.0f}% ({fmt_bytes(done)} of {fmt_bytes(total)})\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        elif self.tty:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
