@@ -29,37 +29,19 @@ Progress goes to stderr, the tables to stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
 import zeroscan
+from timing import best_per_call, describe_machine, dtype_name, fmt_time, progress, write_json
 from zeroscan.testing import distributions_for, make_distribution
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8)
 SIZES = (1 << 10, 1 << 15, 1 << 20, 1 << 23, 1 << 26)
 HUGE = 1 << 26  # the naive composite takes ~1.5 s a call here: few repeats
-
-
-def per_call_seconds(fn: Callable[[], object], budget: float, batches: int = 5) -> float:
-    """Best per-call time over several batches sized to last ~budget/batches each."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    calls = max(1, int(budget / batches / once))
-    best = float("inf")
-    for _ in range(batches):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
 
 
 def works(fn: Callable[[], object]) -> bool:
@@ -86,7 +68,7 @@ class Support:
         return "x.view(torch.float32).sum()" if self.bytewise else "x.sum()"
 
     def composite_note(self, dtype: torch.dtype) -> str:
-        name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
         if not self.compare:
             return (
                 f"torch has no CPU abs().min()/aminmax/mean/std for {name}: naive and torch 3-call "
@@ -134,38 +116,9 @@ def fused_torch(x: torch.Tensor, support: Support) -> tuple[torch.Tensor, ...]:
     return std, mean, lo, hi, torch.count_nonzero(y)
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    threads = torch.get_num_threads()
-    return f"{cpu}, {threads} thread{'' if threads == 1 else 's'}, torch {torch.__version__}"
-
-
-def fmt_time(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.1f} µs"
-    return f"{seconds * 1e3:.2f} ms"
-
-
-_START = time.perf_counter()
-
-
-def progress(text: str) -> None:
-    script = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"  # bench_cpu_bound imports this
-    sys.stderr.write(f"[{script} {time.perf_counter() - _START:5.0f} s] {text}\n")
-    sys.stderr.flush()
-
-
 def dtype_table(dtype: torch.dtype, sizes: list[int], budget: float, g: torch.Generator) -> dict[str, object]:
     """One dtype: the floor, stats on every distribution, naive and torch on the worst."""
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     dists = distributions_for(dtype)
     support = Support(dtype)
     rows = []
@@ -181,16 +134,16 @@ def dtype_table(dtype: torch.dtype, sizes: list[int], budget: float, g: torch.Ge
             progress(f"{name} {n:,}: {dist} ({i}/{len(dists)})")
             x = make_distribution(dist, n, dtype, g)
             if dist == "randn":
-                sum_s = per_call_seconds(floor_fn(x, support), budget)
-            stats_s[dist] = per_call_seconds(lambda: zeroscan.stats(x), budget)
+                sum_s = best_per_call(floor_fn(x, support), budget)
+            stats_s[dist] = best_per_call(lambda: zeroscan.stats(x), budget)
             if worst_x is None or stats_s[dist] > stats_s[worst_name]:
                 worst_name, worst_x = dist, x
             del x  # at most the worst tensor and the current one stay alive
         assert worst_x is not None
         progress(f"{name} {n:,}: naive and torch 3-call on {worst_name}")
         batches = 2 if n >= HUGE else 5
-        naive_s = per_call_seconds(lambda: naive(worst_x, support), budget, batches)
-        torch_s = per_call_seconds(lambda: fused_torch(worst_x, support), budget, batches)
+        naive_s = best_per_call(lambda: naive(worst_x, support), budget, batches)
+        torch_s = best_per_call(lambda: fused_torch(worst_x, support), budget, batches)
         del worst_x
         ratio = {d: t / sum_s for d, t in stats_s.items()}
         worst_s = stats_s[worst_name]
@@ -241,12 +194,12 @@ def hot_loops(budget: float) -> dict[str, float]:
     x = torch.randn(1 << 10)
     xs = [torch.randn(4096) for _ in range(200)]
     t = {
-        "read_1k_s": per_call_seconds(lambda: zeroscan.stats(x).zeros, budget),
-        "sum_item_1k_s": per_call_seconds(lambda: x.sum().item(), budget),
-        "many_read_s": per_call_seconds(lambda: [s.zeros for s in zeroscan.stats_many(xs)], budget),
-        "loop_read_s": per_call_seconds(lambda: [zeroscan.stats(y).zeros for y in xs], budget),
-        "many_s": per_call_seconds(lambda: zeroscan.stats_many(xs), budget),
-        "loop_s": per_call_seconds(lambda: [zeroscan.stats(y) for y in xs], budget),
+        "read_1k_s": best_per_call(lambda: zeroscan.stats(x).zeros, budget),
+        "sum_item_1k_s": best_per_call(lambda: x.sum().item(), budget),
+        "many_read_s": best_per_call(lambda: [s.zeros for s in zeroscan.stats_many(xs)], budget),
+        "loop_read_s": best_per_call(lambda: [zeroscan.stats(y).zeros for y in xs], budget),
+        "many_s": best_per_call(lambda: zeroscan.stats_many(xs), budget),
+        "loop_s": best_per_call(lambda: [zeroscan.stats(y) for y in xs], budget),
     }
     print("### Hot loops, float32")
     print()
@@ -269,7 +222,7 @@ def run(quick: bool, dtypes: tuple[torch.dtype, ...] = DTYPES) -> dict[str, obje
     g = torch.Generator().manual_seed(0)
     start = time.perf_counter()
     load_before = os.getloadavg()[0]
-    print(f"# zeroscan CPU benchmark — {machine()}")
+    print(f"# zeroscan CPU benchmark — {describe_machine()}")
     print()
     print("Cells are zeroscan.stats(x) time / floor time (one read of the randn tensor); best of five batches each.")
     print(f"Load average (1 min) at the start: {load_before:.2f}; anything else running moves these timings.")
@@ -281,7 +234,7 @@ def run(quick: bool, dtypes: tuple[torch.dtype, ...] = DTYPES) -> dict[str, obje
     print(f"Load average (1 min) at the end: {load_after:.2f}; run took {elapsed:.0f} s.")
     progress(f"done in {elapsed:.0f} s")
     return {
-        "machine": machine(),
+        "machine": describe_machine(),
         "quick": quick,
         "load_before": load_before,
         "load_after": load_after,
@@ -295,14 +248,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="sizes up to 8M, shorter timing")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    names = [str(d).removeprefix("torch.") for d in DTYPES]
+    names = [dtype_name(d) for d in DTYPES]
     parser.add_argument("--dtype", action="append", choices=names, help="only this dtype (repeatable); default: all")
     args = parser.parse_args()
     dtypes = tuple(getattr(torch, name) for name in args.dtype) if args.dtype else DTYPES
     results = run(args.quick, dtypes)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

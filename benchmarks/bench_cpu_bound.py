@@ -36,7 +36,8 @@ import torch
 import torch.utils.cpp_extension
 
 import zeroscan
-from bench_cpu import floor_fn, machine, per_call_seconds, progress, Support
+from bench_cpu import Support, floor_fn
+from timing import best_per_call, describe_machine, dtype_name, progress
 from zeroscan.testing import make_distribution
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -70,7 +71,7 @@ def main() -> None:
         raise SystemExit(f"bench_cpu_bound.py: {str(e).splitlines()[0]}") from None
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    print(f"# What bounds the CPU scan — {machine()}")
+    print(f"# What bounds the CPU scan — {describe_machine()}")
     print()
     print(f"{args.numel:,} elements, randn, one thread; each cell: its time / the floor's time in this run")
     print(f"(load average at the start: {os.getloadavg()[0]:.2f}).")
@@ -78,18 +79,18 @@ def main() -> None:
     print("| dtype | floor | floor time | classify | moments | both | stats(x) |")
     print("|---|---|---|---|---|---|---|")
     for dtype in DTYPES:
-        name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
         progress(name)
         x = make_distribution("randn", args.numel, dtype=dtype, generator=g)
         support = Support(dtype)
-        floor = per_call_seconds(floor_fn(x, support), args.budget)
+        floor = best_per_call(floor_fn(x, support), args.budget)
         repeats = max(5, int(args.budget / max(floor, 1e-7) / 3))
         try:
             cells = [parts.time_part(x, part, repeats) / floor for part in PARTS]
         except RuntimeError as e:  # float8_e4m3fn's planes need VBMI and VNNI
             print(f"| {name} | {str(e).splitlines()[0]} |||||", flush=True)
             continue
-        stats = per_call_seconds(lambda: zeroscan.stats(x), args.budget) / floor
+        stats = best_per_call(lambda: zeroscan.stats(x), args.budget) / floor
         row = " | ".join(f"{c:.2f}×" for c in cells)
         print(f"| {name} | {support.floor_label()} | {floor * 1e6:.1f} µs | {row} | {stats:.2f}× |", flush=True)
     print()

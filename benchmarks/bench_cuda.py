@@ -1,6 +1,8 @@
 """GPU benchmark of zeroscan.stats and zeroscan.stats_many against what memory allows.
 
-Everything is timed in ONE run, on the same device, with CUDA events:
+Everything is timed in ONE run, on the same device: the median of 7 batches
+of back-to-back calls, each batch timed between two torch.cuda.synchronize()
+and long enough (1/10 of the budget) that the synchronisation is noise:
 
 1. stats(x) for float32 and bfloat16 tensors of 1 MB .. 4 GB, as read GB/s,
    against
@@ -27,13 +29,13 @@ Everything is timed in ONE run, on the same device, with CUDA events:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Callable
 
 import torch
 
 import zeroscan
+from timing import describe_machine, dtype_name, fmt_time, time_batches, write_json
 
 MB = 1 << 20
 
@@ -46,36 +48,13 @@ MODELS = {
 
 
 def gpu_seconds(fn: Callable[[], object], budget: float) -> float:
-    """Median seconds per call, each sample timing back-to-back calls with
-    CUDA events, sized so that one sample lasts about budget / 10."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    once = max(start.elapsed_time(end) / 1e3, 1e-6)
-    calls = max(1, int(budget / 10 / once))
-    samples = []
-    for _ in range(7):
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(samples)
+    """Median seconds per call over 7 batches of back-to-back calls, each
+    lasting about budget / 10 and synchronised with the device at both ends."""
+    return statistics.median(time_batches(fn, 7, batch_seconds=budget / 10, sync=torch.cuda.synchronize))
 
 
 def fmt_bytes(n: int) -> str:
     return f"{n / (1 << 30):.0f} GB" if n >= 1 << 30 else f"{n / MB:.0f} MB"
-
-
-def fmt_time(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.1f} µs"
-    return f"{seconds * 1e3:.2f} ms"
 
 
 def bandwidth_table(sizes: list[int], budget: float) -> list[dict[str, object]]:
@@ -91,7 +70,7 @@ def bandwidth_table(sizes: list[int], budget: float) -> list[dict[str, object]]:
             t_sum = gpu_seconds(lambda: x.sum(), budget)
             t_stats = gpu_seconds(lambda: zeroscan.stats(x), budget)
             row = {
-                "dtype": str(dtype).removeprefix("torch."),
+                "dtype": dtype_name(dtype),
                 "bytes": size,
                 "copy_GBps": 2 * size / t_copy / 1e9,
                 "sum_GBps": size / t_sum / 1e9,
@@ -133,7 +112,7 @@ def model_table(model: str, dtype: torch.dtype, budget: float) -> dict[str, obje
     t_op = gpu_seconds(lambda: torch.ops.zeroscan.stats_many.default(params, None), budget)
     t_loop = gpu_seconds(lambda: [zeroscan.stats(p) for p in params], budget)
     t_foreach = gpu_seconds(lambda: torch._foreach_norm(params), budget)
-    name = f"{model} model: {len(params)} tensors, {numel / 1e9:.2f}B × {str(dtype).removeprefix('torch.')} = {fmt_bytes(size)}"
+    name = f"{model} model: {len(params)} tensors, {numel / 1e9:.2f}B × {dtype_name(dtype)} = {fmt_bytes(size)}"
     print(f"| {name} | time | GB/s | / flat |")
     print("|---|---|---|---|")
     for label, t in [
@@ -146,7 +125,7 @@ def model_table(model: str, dtype: torch.dtype, budget: float) -> dict[str, obje
         print(f"| {label} | {fmt_time(t)} | {size / t / 1e9:.0f} | {t / t_flat:.2f}× |", flush=True)
     result = {
         "model": model,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
         "tensors": len(params),
         "bytes": size,
         "flat_s": t_flat,
@@ -183,8 +162,7 @@ def host_syncs() -> dict[str, str]:
 
 
 def run(quick: bool, model: str, model_dtype: torch.dtype) -> dict[str, object]:
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    machine = f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / (1 << 30):.0f} GiB, torch {torch.__version__}"
+    machine = describe_machine("cuda")
     print(f"# zeroscan CUDA benchmark — {machine}")
     print()
     top = 256 * MB if quick else 4096 * MB
@@ -215,9 +193,7 @@ def main() -> None:
         raise SystemExit("bench_cuda.py needs a CUDA device (torch.cuda.is_available() is False)")
     model = args.model or ("1b" if args.quick else "7b")
     results = run(args.quick, model, getattr(torch, args.model_dtype))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

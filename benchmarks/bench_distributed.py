@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 import zeroscan
 import zeroscan.distributed as zd
+from timing import time_batches
 
 
 def parameters(layers: int, width: int, vocab: int, g: torch.Generator) -> list[torch.Tensor]:
@@ -48,13 +48,7 @@ def parameters(layers: int, width: int, vocab: int, g: torch.Generator) -> list[
 def timed(fn: Callable[[], object], steps: int) -> tuple[float, float]:
     """(median, min) seconds per call, every rank starting each call together.
     The min is the cost without interference from other processes."""
-    fn()  # warm-up
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    times = time_batches(fn, steps, before_batch=dist.barrier)
     return statistics.median(times), min(times)
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import zeroscan
+from timing import device_sync, seconds_per_call
 
 
 class SmallLM(nn.Module):
@@ -63,26 +64,21 @@ def main() -> None:
     data = torch.randint(0, args.vocab, (args.batch, args.length + 1), device=device)
     n_params = sum(p.numel() for p in model.parameters())
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+    sync = device_sync(device)
     # On CPU the clock is this process's CPU time, so other processes sharing
     # the cores do not count; on GPU it is wall time around synchronisation.
     clock = time.perf_counter if device.type == "cuda" else time.process_time
 
+    def step() -> None:
+        logits = model(data[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), data[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
     def train(steps: int) -> float:
-        sync()
-        start = clock()
-        for _ in range(steps):
-            logits = model(data[:, :-1])
-            loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), data[:, 1:].reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-        sync()
-        return (clock() - start) / steps
+        return seconds_per_call(step, steps, clock=clock, sync=sync)
 
     configs = {
         "plain": lambda: None,
@@ -103,9 +99,7 @@ def main() -> None:
             mon = make()
             times[name].append(train(args.steps))
             if mon is not None:
-                start = time.perf_counter()
-                mon.report()
-                report_ms.append(1e3 * (time.perf_counter() - start))
+                report_ms.append(1e3 * seconds_per_call(mon.report))
                 mon.close()
 
     # The Monitor's own work per step, timed alone on the gradients of the last
@@ -113,12 +107,7 @@ def main() -> None:
     # whole training step around it.
     mon = zeroscan.Monitor(model, every=1)
     mon.step()  # the first monitored step also probes the forward pass
-    sync()
-    start = clock()
-    for _ in range(50):
-        mon.step()
-    sync()
-    scan_ms = 1e3 * (clock() - start) / 50
+    scan_ms = 1e3 * seconds_per_call(mon.step, 50, clock=clock, sync=sync)
     mon.close()
 
     clock_name = "wall time" if device.type == "cuda" else "process CPU time"
