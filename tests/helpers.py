@@ -1,16 +1,26 @@
-"""Shared test helpers: devices, dtypes, input makers and the reference check."""
+"""Shared test helpers: devices, dtypes, seeds, input makers and the one
+check that statistics agree (with the float64 reference or another record)."""
 
 from __future__ import annotations
 
 import math
 import os
 import random
+from collections.abc import Mapping
+from typing import Any
 
+import pytest
 import torch
 
 import zeroscan
+from zeroscan.stats import Readout
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The CUDA cases are collected everywhere and skipped without a GPU, so that a
+# CPU-only run still shows them (as skipped) rather than silently having none.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]
 
 FLOAT_DTYPES = [
     torch.float32,
@@ -25,14 +35,28 @@ ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES
 
 COUNT_FIELDS = ("numel", "zeros", "subnormal", "near_zero", "nan", "posinf", "neginf", "negative", "finite")
 EXACT_FLOAT_FIELDS = ("min_abs", "min_abs_nonzero", "max_abs")
+MOMENT_FIELDS = ("mean", "std", "norm", "sum")
+
+# A record of statistics: a Stats, its to_dict(), or reference_stats' dict.
+StatsRecord = zeroscan.Stats | Mapping[str, Any]
+
+
+def fresh_seed(below: int = 2**63) -> int:
+    """A new seed each call, printed (pytest shows the output of a failing
+    test); ZEROSCAN_TEST_SEED replays one."""
+    seed = int(os.environ.get("ZEROSCAN_TEST_SEED", random.SystemRandom().randrange(below))) % below
+    print(f"seed={seed}")
+    return seed
 
 
 def fresh_generator() -> torch.Generator:
-    """A generator with a new seed each call (pytest shows the printed seed of
-    a failing test; ZEROSCAN_TEST_SEED replays one)."""
-    seed = int(os.environ.get("ZEROSCAN_TEST_SEED", random.SystemRandom().randrange(2**63)))
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator().manual_seed(fresh_seed())
+
+
+def stats_of_row(buffer: torch.Tensor, x: torch.Tensor, index: int = 0) -> zeroscan.Stats:
+    """The Stats that row `index` of a raw result buffer ([16] or [N, 16])
+    holds for the tensor x."""
+    return zeroscan.Stats(Readout(buffer), index, x.dtype, x.shape, x.device, None)
 
 
 def rtol_for(dtype: torch.dtype) -> float:
@@ -80,27 +104,61 @@ def close(got: float, want: float, rtol: float, scale: float) -> bool:
     return abs(got - want) <= rtol * abs(want) + 1e-12 * scale
 
 
-def assert_matches_reference(
-    s: zeroscan.Stats, x: torch.Tensor, tol: float | None = None, rtol: float | None = None
+def assert_same_stats(
+    got: StatsRecord,
+    want: StatsRecord,
+    rtol: float,
+    *,
+    scale: float | None = None,
+    moments: tuple[str, ...] = MOMENT_FIELDS,
+    what: str = "",
 ) -> None:
-    want = zeroscan.reference_stats(x.cpu(), tol=tol)
-    got = s.to_dict()
+    """Counts and min/max |x| exactly equal (NaN to NaN); each of `moments`
+    within `rtol` of want's, with the absolute floor of `close` at `scale`
+    (times the finite count for the sum). The scale defaults to want's root
+    mean square; scale=0 holds the moments strictly relative."""
+    g = got.to_dict() if isinstance(got, zeroscan.Stats) else got
+    w = want.to_dict() if isinstance(want, zeroscan.Stats) else want
+    label = f"{what} " if what else ""
     for field in COUNT_FIELDS:
-        assert got[field] == want[field], f"{field}: got {got[field]}, want {want[field]}"
+        assert g[field] == w[field], f"{label}{field}: got {g[field]}, want {w[field]}"
     for field in EXACT_FLOAT_FIELDS:
-        g, w = got[field], want[field]
-        assert (math.isnan(g) and math.isnan(w)) or g == w, f"{field}: got {g!r}, want {w!r}"
+        assert (math.isnan(g[field]) and math.isnan(w[field])) or g[field] == w[field], (
+            f"{label}{field}: got {g[field]!r}, want {w[field]!r}"
+        )
+    finite = max(1, int(w["finite"]))
+    if scale is None:
+        scale = float(w["norm"]) / math.sqrt(finite)
+    for field in moments:
+        field_scale = scale * finite if field == "sum" else scale
+        assert close(float(g[field]), float(w[field]), rtol, field_scale), (
+            f"{label}{field}: got {g[field]!r}, want {w[field]!r} (rtol {rtol})"
+        )
+
+
+def assert_matches_reference(
+    s: StatsRecord,
+    x: torch.Tensor,
+    tol: float | None = None,
+    rtol: float | None = None,
+    *,
+    same_as_cpu: bool = False,
+) -> None:
+    """s agrees with zeroscan.reference_stats(x) by assert_same_stats, the
+    moments' floor at the mean |x| of x's finite values. With same_as_cpu and
+    x on another device, s agrees as closely with zeroscan.stats of x on the
+    CPU: the two kernels count alike and sum to the dtype's accuracy."""
     rtol = rtol_for(x.dtype) if rtol is None else rtol
     finite = x.detach().cpu().reshape(-1).to(torch.float64)
     finite = finite[finite.isfinite()]
     scale = float(finite.abs().mean()) if finite.numel() else 0.0
-    fields = ("mean", "std", "norm", "sum")
+    moments = MOMENT_FIELDS
     if finite.numel() and float(finite.abs().max()) < 1e-150:
         # Squares of these float64 values underflow: std and norm lose them
         # in the kernel and in the torch reference alike, differently (README).
-        fields = ("mean", "sum")
-    for field in fields:
-        field_scale = scale * max(1, want["finite"]) if field == "sum" else scale
-        assert close(got[field], want[field], rtol, field_scale), (
-            f"{field}: got {got[field]!r}, want {want[field]!r} (rtol {rtol})"
-        )
+        moments = ("mean", "sum")
+    reference = zeroscan.reference_stats(x.cpu(), tol=tol)
+    assert_same_stats(s, reference, rtol, scale=scale, moments=moments, what="vs reference:")
+    if same_as_cpu and x.device.type != "cpu":
+        cpu = zeroscan.stats(x.cpu(), tol=tol)
+        assert_same_stats(s, cpu, rtol, scale=scale, what=f"{x.device.type} vs cpu:")

@@ -1,24 +1,15 @@
 """zeroscan.distributed: exact merging across ranks, replica comparison, DTensor.
 
 The merge itself is pure torch and is checked in-process against one scan of
-the whole tensor. The collectives are checked on 4 gloo processes, and on a
-2-rank subgroup of them, that this file spawns once (bounded in time: a hang
-fails the run): each worker runs every check and records "ok" or its
-traceback, and one test per check reads the records. The sharded checks use
-torch's own DTensor and FSDP2 (fully_shard) on CPU/gloo.
+the whole tensor. The collectives are checked on a world of 4 gloo processes
+(tests/world.py), and on a 2-rank subgroup of them, spawned once: every rank
+runs every check, and one test per check reads what the ranks recorded. The
+sharded checks use torch's own DTensor and FSDP2 (fully_shard) on CPU/gloo.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import multiprocessing
-import os
-import time
-import traceback
-from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,38 +17,20 @@ import torch.distributed as dist
 
 import zeroscan
 import zeroscan.distributed as zd
-from zeroscan.stats import Readout
 from helpers import (
-    COUNT_FIELDS,
-    EXACT_FLOAT_FIELDS,
     FLOAT_DTYPES,
     INT_DTYPES,
     assert_matches_reference,
-    close,
+    assert_same_stats,
     fresh_generator,
     make_values,
+    stats_of_row,
 )
+from world import Check, World, spawn_world
 
 WORLD_TIMEOUT_S = 120.0  # a run of all checks takes ~10 s; past this it is a hang
 COLLECTIVE_TIMEOUT_S = 60.0
 MOMENT_RTOL = 1e-12  # float64 moments of the merge vs one scan of the whole tensor
-MOMENT_FIELDS = ("mean", "std", "norm", "sum")
-
-
-def assert_same_stats(got: zeroscan.Stats, want: zeroscan.Stats, rtol: float, what: str) -> None:
-    """Counts and min/max exactly equal; mean/std/norm/sum within rtol."""
-    g, w = got.to_dict(), want.to_dict()
-    for field in COUNT_FIELDS:
-        assert g[field] == w[field], f"{what} {field}: got {g[field]}, want {w[field]}"
-    for field in EXACT_FLOAT_FIELDS:
-        assert (math.isnan(g[field]) and math.isnan(w[field])) or g[field] == w[field], (
-            f"{what} {field}: got {g[field]!r}, want {w[field]!r}"
-        )
-    finite = max(1, int(w["finite"]))
-    rms = float(w["norm"]) / math.sqrt(finite)
-    for field in MOMENT_FIELDS:
-        scale = rms * finite if field == "sum" else rms
-        assert close(g[field], w[field], rtol, scale), f"{what} {field}: got {g[field]!r}, want {w[field]!r}"
 
 
 def moment_rtol(dtype: torch.dtype) -> float:
@@ -85,8 +58,8 @@ def test_combine_rows_equals_one_scan_of_the_whole(parts: int, dtype: torch.dtyp
     cuts = split_points(full.numel(), parts, g)
     rows = torch.stack([zeroscan.stats(full[a:b]).buffer for a, b in zip(cuts, cuts[1:])])
     merged = zd.combine_rows(rows.unsqueeze(1))
-    got = zeroscan.Stats(Readout(merged), 0, full.dtype, full.shape, full.device, None)
-    assert_same_stats(got, zeroscan.stats(full), moment_rtol(dtype), f"{dtype} in {parts} parts")
+    got = stats_of_row(merged, full)
+    assert_same_stats(got, zeroscan.stats(full), moment_rtol(dtype), what=f"{dtype} in {parts} parts")
     assert_matches_reference(got, full)
     assert torch.equal(merged[0], zd.combine_rows(rows.unsqueeze(1))[0])  # deterministic bits
 
@@ -228,7 +201,7 @@ def check_concatenated_merge(rank: int, world: int, seed: int) -> None:
         want = zeroscan.stats_many(full)
         for i, (x, got, w) in enumerate(zip(full, merged, want)):
             assert isinstance(got, zd.GlobalStats) and (got.mode, got.ranks) == ("concatenated", size)
-            assert_same_stats(got, w, moment_rtol(x.dtype), f"tensor {i} ({x.dtype}) over {size} ranks")
+            assert_same_stats(got, w, moment_rtol(x.dtype), what=f"tensor {i} ({x.dtype}) over {size} ranks")
             assert_matches_reference(got, x)
             assert torch.equal(got.buffer, async_merged[i].buffer)
             assert torch.equal(got.buffer, via_stats_many[i].buffer)
@@ -287,10 +260,16 @@ def check_dtensor_1d(rank: int, world: int, seed: int) -> None:
     results = {name: zd.stats(d) for name, d in cases.items()}
     batch = zd.stats_many([cases["Shard(0)"], cases["Replicate"], full[1:]])  # one collective
     # zeroscan.stats / stats_many hand DTensors to the distributed merge themselves.
-    plain_entry = zeroscan.stats(cases["Shard(1)"])
-    assert plain_entry.mode == "sharded" and torch.equal(plain_entry.buffer, results["Shard(1)"].buffer)
-    plain_batch = zeroscan.stats_many([cases["Shard(0)"], full[1:]])
-    assert [s.mode for s in plain_batch] == ["sharded", "local"]
+    # zeroscan.stats is never a collective: it refuses a DTensor and names the call that is.
+    with pytest.raises(ValueError, match=r"x is a DTensor.*zeroscan\.distributed\.stats"):
+        zeroscan.stats(cases["Shard(1)"])
+    with pytest.raises(ValueError, match=r"tensors\[0\] is a DTensor.*zeroscan\.distributed\.stats"):
+        zeroscan.stats_many([cases["Shard(0)"], full[1:]])
+    with pytest.raises(ValueError, match=r"tensors\[0\] is a DTensor"):
+        zeroscan.scan_buffers([cases["Shard(0)"]])
+    via_batch = zd.stats_many([cases["Shard(1)"], full[1:]])
+    assert [s.mode for s in via_batch] == ["sharded", "local"]
+    assert torch.equal(via_batch[0].buffer, results["Shard(1)"].buffer)
 
     locals_ = [torch.randint(-9, 10, (5, 4), generator=g).double() for _ in range(world)]
     locals_[0][1, 1] = math.nan
@@ -301,14 +280,14 @@ def check_dtensor_1d(rank: int, world: int, seed: int) -> None:
     for name, s in results.items():
         mode = "replicated" if name == "Replicate" else "sharded"
         assert (s.mode, s.ranks, s.shape) == (mode, world, full.shape), name
-        assert_same_stats(s, want, MOMENT_RTOL, name)
+        assert_same_stats(s, want, MOMENT_RTOL, what=name)
     assert [s.mode for s in batch] == ["sharded", "replicated", "local"]
-    assert_same_stats(batch[0], want, MOMENT_RTOL, "batch Shard(0)")
-    assert_same_stats(batch[1], want, MOMENT_RTOL, "batch Replicate")
+    assert_same_stats(batch[0], want, MOMENT_RTOL, what="batch Shard(0)")
+    assert_same_stats(batch[1], want, MOMENT_RTOL, what="batch Replicate")
     assert torch.equal(batch[2].buffer, zeroscan.stats(full[1:]).buffer)
     summed = torch.stack(locals_).sum(0)  # integer-valued: every summation order agrees
     assert partial_stats.mode == "replicated"
-    assert_same_stats(partial_stats, zeroscan.stats(summed), MOMENT_RTOL, "Partial")
+    assert_same_stats(partial_stats, zeroscan.stats(summed), MOMENT_RTOL, what="Partial")
 
 
 def check_fsdp2(rank: int, world: int, seed: int) -> None:
@@ -329,7 +308,7 @@ def check_fsdp2(rank: int, world: int, seed: int) -> None:
 
     for name, s, x in zip(names + names, got, full):
         assert (s.mode, s.shape) == ("sharded", x.shape), name
-        assert_same_stats(s, zeroscan.stats(x), 1e-6, name)
+        assert_same_stats(s, zeroscan.stats(x), 1e-6, what=name)
 
 
 def check_dtensor_2d(rank: int, world: int, seed: int) -> None:
@@ -345,7 +324,7 @@ def check_dtensor_2d(rank: int, world: int, seed: int) -> None:
     for placements, s in zip(cases, batch):
         mode = "replicated" if all(isinstance(p, Replicate) for p in placements) else "sharded"
         assert (s.mode, s.ranks) == (mode, 4), placements
-        assert_same_stats(s, want, MOMENT_RTOL, str(placements))
+        assert_same_stats(s, want, MOMENT_RTOL, what=str(placements))
 
 
 def check_monitor_recipe(rank: int, world: int, seed: int) -> None:
@@ -371,14 +350,12 @@ def check_monitor_recipe(rank: int, world: int, seed: int) -> None:
 
     assert [p.mode for p in parts] == ["sharded"] * 3 + ["local"] * 2
     for i, x in enumerate(full):
-        assert_same_stats(
-            zeroscan.Stats(Readout(merged), i, x.dtype, x.shape, x.device, None), zeroscan.stats(x), 1e-6, f"grad {i}"
-        )
+        assert_same_stats(stats_of_row(merged, x, i), zeroscan.stats(x), 1e-6, what=f"grad {i}")
     assert report.offending_ranks == (world - 2,), str(report)
     assert [m.index for m in report.mismatches] == [4]
 
 
-CHECKS: dict[str, Callable[[int, int, int], None]] = {
+CHECKS: dict[str, Check] = {
     "concatenated_merge": check_concatenated_merge,
     "replicas": check_replicas,
     "dtensor_1d": check_dtensor_1d,
@@ -388,84 +365,32 @@ CHECKS: dict[str, Callable[[int, int, int], None]] = {
 }
 
 
-def _worker(rank: int, world: int, store: str, out_dir: str, seed: int) -> None:
-    torch.set_num_threads(1)
-    results: dict[str, str] = {}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
-        for name, check in CHECKS.items():
-            try:
-                check(rank, world, seed)
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc()
-            dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        results["setup"] = traceback.format_exc()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-
-
 @pytest.fixture(scope="module", params=[4], ids=lambda w: f"world{w}")
-def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with gloo is not available")
-    size: int = request.param
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")
-    tmp = tmp_path_factory.mktemp(f"world{size}")
-    ctx = multiprocessing.get_context("spawn")
-    store = str(tmp / "store")
-    procs = [ctx.Process(target=_worker, args=(r, size, store, str(tmp), seed), daemon=True) for r in range(size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + WORLD_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    results = {}
-    for r in range(size):
-        path = tmp / f"rank{r}.json"
-        results[r] = json.loads(path.read_text()) if path.exists() else {}
-    return {"size": size, "seed": seed, "hung": hung, "results": results, "exitcodes": [p.exitcode for p in procs]}
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> World:
+    return spawn_world(
+        request.param, CHECKS, tmp_path_factory, timeout_s=WORLD_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S
+    )
 
 
-def assert_check_passed(world: dict[str, object], name: str) -> None:
-    assert not world["hung"], f"ranks {world['hung']} still ran after {WORLD_TIMEOUT_S} s (seed {world['seed']})"
-    for rank, results in world["results"].items():  # type: ignore[union-attr]
-        assert "setup" not in results, f"rank {rank} failed to start:\n{results['setup']}"
-        assert name in results, f"rank {rank} wrote no result for {name} (exit codes {world['exitcodes']}; see captured stderr)"
-        assert results[name] == "ok", f"rank {rank} of {world['size']} (seed {world['seed']}):\n{results[name]}"
+def test_merged_stats_equal_one_scan_of_the_full_tensors(world: World) -> None:
+    world.assert_passed("concatenated_merge")
 
 
-def test_merged_stats_equal_one_scan_of_the_full_tensors(world: dict[str, object]) -> None:
-    assert_check_passed(world, "concatenated_merge")
+def test_replica_comparison_finds_the_rank_that_differs(world: World) -> None:
+    world.assert_passed("replicas")
 
 
-def test_replica_comparison_finds_the_rank_that_differs(world: dict[str, object]) -> None:
-    assert_check_passed(world, "replicas")
+def test_dtensor_shard_replicate_partial(world: World) -> None:
+    world.assert_passed("dtensor_1d")
 
 
-def test_dtensor_shard_replicate_partial(world: dict[str, object]) -> None:
-    assert_check_passed(world, "dtensor_1d")
+def test_fsdp2_sharded_gradients(world: World) -> None:
+    world.assert_passed("fsdp2")
 
 
-def test_fsdp2_sharded_gradients(world: dict[str, object]) -> None:
-    assert_check_passed(world, "fsdp2")
+def test_dtensor_on_a_2d_mesh(world: World) -> None:
+    world.assert_passed("dtensor_2d")
 
 
-def test_dtensor_on_a_2d_mesh(world: dict[str, object]) -> None:
-    assert_check_passed(world, "dtensor_2d")
-
-
-def test_monitor_step_gathers_once_and_merges_or_compares(world: dict[str, object]) -> None:
-    assert_check_passed(world, "monitor_recipe")
+def test_monitor_step_gathers_once_and_merges_or_compares(world: World) -> None:
+    world.assert_passed("monitor_recipe")

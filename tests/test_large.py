@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zeroscan
-from helpers import assert_matches_reference, fresh_generator
+from helpers import assert_matches_reference, assert_same_stats, fresh_generator, rtol_for
 
 pytestmark = pytest.mark.slow
 
@@ -69,8 +69,8 @@ def test_large_mean_tiny_spread_at_1e8(dtype: torch.dtype) -> None:
     x = torch.randn(100_000_000, generator=g, dtype=dtype).mul_(1e-3).add_(1000)
     s = zeroscan.stats(x)
     assert_matches_reference(s, x)
-    ref = zeroscan.reference_stats(x)
-    rtol = 1e-10 if dtype == torch.float64 else 1e-6
-    # Strictly relative, no absolute floor: this is the case shifted sums exist for.
-    for field in ("mean", "std", "norm"):
-        assert math.isclose(getattr(s, field), ref[field], rel_tol=rtol), field
+    # Strictly relative, no absolute floor (scale 0): this is the case shifted sums exist for.
+    reference = zeroscan.reference_stats(x)
+    assert_same_stats(
+        s, reference, rtol_for(dtype), scale=0.0, moments=("mean", "std", "norm"), what="strictly relative:"
+    )
