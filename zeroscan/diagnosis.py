@@ -43,14 +43,15 @@ class Verdict(enum.Enum):
     """What one scanned tensor is; `verdict.severity` is fixed per verdict,
     and `verdict.cause` is the same code in the Monitor's findings."""
 
-    EMPTY = "empty"
-    NONFINITE = "nonfinite"
-    EXACT_ZERO = "exact_zero"
-    UNDERFLOW = "underflow"
-    MOSTLY_ZERO = "mostly_zero"
-    PARTIAL_UNDERFLOW = "partial_underflow"
-    CONSTANT = "constant"
-    HEALTHY = "healthy"
+    # Each verdict's value is its Cause, the code the Monitor's findings use too.
+    EMPTY = Cause.EMPTY
+    NONFINITE = Cause.NONFINITE
+    EXACT_ZERO = Cause.EXACT_ZERO
+    UNDERFLOW = Cause.UNDERFLOW
+    MOSTLY_ZERO = Cause.MOSTLY_ZERO
+    PARTIAL_UNDERFLOW = Cause.PARTIAL_UNDERFLOW
+    CONSTANT = Cause.CONSTANT
+    HEALTHY = Cause.HEALTHY
 
     @property
     def severity(self) -> Severity:
@@ -58,7 +59,7 @@ class Verdict(enum.Enum):
 
     @property
     def cause(self) -> Cause:
-        return Cause(self.value)
+        return self.value
 
 
 _SEVERITY = {
