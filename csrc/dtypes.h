@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "stats_record.h"
 
@@ -53,24 +54,11 @@ struct bool_t {
   X(Int, int32_t, double, 0.0, 0.0)                             \
   X(Long, int64_t, double, 0.0, 0.0)
 
+// The unsigned integer of `Bytes` bytes (1, 2, 4 or 8).
 template <int Bytes>
-struct UnsignedOf;
-template <>
-struct UnsignedOf<1> {
-  using type = uint8_t;
-};
-template <>
-struct UnsignedOf<2> {
-  using type = uint16_t;
-};
-template <>
-struct UnsignedOf<4> {
-  using type = uint32_t;
-};
-template <>
-struct UnsignedOf<8> {
-  using type = uint64_t;
-};
+using UnsignedOf = std::conditional_t<
+    Bytes == 1, uint8_t,
+    std::conditional_t<Bytes == 2, uint16_t, std::conditional_t<Bytes == 4, uint32_t, uint64_t>>>;
 
 template <typename To, typename From>
 ZS_HD To bit_cast_to(From x) {
@@ -179,7 +167,7 @@ struct Format<e4m3_t> : FloatFormat<e4m3_t, uint8_t, false> {
 
 template <typename S>
 struct IntFormat {
-  using key_t = typename UnsignedOf<sizeof(S)>::type;
+  using key_t = UnsignedOf<sizeof(S)>;
   static constexpr bool kFloating = false;
   static constexpr bool kSigned = S(-1) < S(0);
   static constexpr bool kHasInf = false;

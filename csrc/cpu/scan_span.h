@@ -65,131 +65,64 @@ void scan_span_scalar(const S* p, int64_t n, const Limits& lim, double shift,
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c,fma,bmi2")))
 #define ZS_VEC __attribute__((always_inline)) inline ZS_AVX512
 
-// AVX-512 operations on the 64 / W unsigned lanes of W bytes in one vector.
+// The narrow lane counters of W-byte lanes summed into 8 uint64 lanes.
 template <int W>
-struct Lanes;
-
-template <>
-struct Lanes<1> {
-  using mask_t = __mmask64;
-  static ZS_VEC __m512i set1(uint64_t v) { return _mm512_set1_epi8(static_cast<char>(v)); }
-  static ZS_VEC mask_t le(__m512i a, __m512i b) { return _mm512_cmple_epu8_mask(a, b); }
-  static ZS_VEC mask_t nonzero(__m512i a) { return _mm512_test_epi8_mask(a, a); }
-  static ZS_VEC mask_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi8_mask(a, b); }
-  static ZS_VEC mask_t sign(__m512i a) { return _mm512_movepi8_mask(a); }
-  // Lanes of `k` where a <= b as signed integers.
-  static ZS_VEC mask_t le_signed(mask_t k, __m512i a, __m512i b) {
-    return _mm512_mask_cmple_epi8_mask(k, a, b);
-  }
-  static ZS_VEC __m512i count(__m512i c, mask_t m) {
-    return _mm512_mask_sub_epi8(c, m, c, _mm512_set1_epi8(-1));
-  }
-  static ZS_VEC __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi8(a, b); }
-  static ZS_VEC __m512i abs(__m512i a) { return _mm512_abs_epi8(a); }
-  static ZS_VEC __m512i min(__m512i a, __m512i b) { return _mm512_min_epu8(a, b); }
-  static ZS_VEC __m512i max(__m512i a, __m512i b) { return _mm512_max_epu8(a, b); }
-  static ZS_VEC __m512i mask_min(__m512i a, mask_t m, __m512i b) {
-    return _mm512_mask_min_epu8(a, m, a, b);
-  }
-  static ZS_VEC __m512i mask_max(__m512i a, mask_t m, __m512i b) {
-    return _mm512_mask_max_epu8(a, m, a, b);
-  }
-  // The lane counters summed into 8 uint64 lanes.
-  static ZS_VEC __m512i widen_counts(__m512i c) {
+ZS_VEC __m512i widen_lane_counts(__m512i c) {
+  if constexpr (W == 1) {
     return _mm512_sad_epu8(c, _mm512_setzero_si512());
-  }
-};
-
-template <>
-struct Lanes<2> {
-  using mask_t = __mmask32;
-  static ZS_VEC __m512i set1(uint64_t v) { return _mm512_set1_epi16(static_cast<short>(v)); }
-  static ZS_VEC mask_t le(__m512i a, __m512i b) { return _mm512_cmple_epu16_mask(a, b); }
-  static ZS_VEC mask_t nonzero(__m512i a) { return _mm512_test_epi16_mask(a, a); }
-  static ZS_VEC mask_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi16_mask(a, b); }
-  static ZS_VEC mask_t sign(__m512i a) { return _mm512_movepi16_mask(a); }
-  // Lanes of `k` where a <= b as signed integers.
-  static ZS_VEC mask_t le_signed(mask_t k, __m512i a, __m512i b) {
-    return _mm512_mask_cmple_epi16_mask(k, a, b);
-  }
-  static ZS_VEC __m512i count(__m512i c, mask_t m) {
-    return _mm512_mask_sub_epi16(c, m, c, _mm512_set1_epi16(-1));
-  }
-  static ZS_VEC __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi16(a, b); }
-  static ZS_VEC __m512i abs(__m512i a) { return _mm512_abs_epi16(a); }
-  static ZS_VEC __m512i min(__m512i a, __m512i b) { return _mm512_min_epu16(a, b); }
-  static ZS_VEC __m512i max(__m512i a, __m512i b) { return _mm512_max_epu16(a, b); }
-  static ZS_VEC __m512i mask_min(__m512i a, mask_t m, __m512i b) {
-    return _mm512_mask_min_epu16(a, m, a, b);
-  }
-  static ZS_VEC __m512i mask_max(__m512i a, mask_t m, __m512i b) {
-    return _mm512_mask_max_epu16(a, m, a, b);
-  }
-  static ZS_VEC __m512i widen_counts(__m512i c) {
-    const __m512i pairs = _mm512_madd_epi16(c, _mm512_set1_epi16(1));  // u32
-    return _mm512_add_epi64(_mm512_srli_epi64(pairs, 32),
-                            _mm512_and_si512(pairs, _mm512_set1_epi64(0xffffffff)));
-  }
-};
-
-template <>
-struct Lanes<4> {
-  using mask_t = __mmask16;
-  static ZS_VEC __m512i set1(uint64_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
-  static ZS_VEC mask_t le(__m512i a, __m512i b) { return _mm512_cmple_epu32_mask(a, b); }
-  static ZS_VEC mask_t nonzero(__m512i a) { return _mm512_test_epi32_mask(a, a); }
-  static ZS_VEC mask_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi32_mask(a, b); }
-  static ZS_VEC mask_t sign(__m512i a) { return _mm512_movepi32_mask(a); }
-  // Lanes of `k` where a <= b as signed integers.
-  static ZS_VEC mask_t le_signed(mask_t k, __m512i a, __m512i b) {
-    return _mm512_mask_cmple_epi32_mask(k, a, b);
-  }
-  static ZS_VEC __m512i count(__m512i c, mask_t m) {
-    return _mm512_mask_sub_epi32(c, m, c, _mm512_set1_epi32(-1));
-  }
-  static ZS_VEC __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
-  static ZS_VEC __m512i abs(__m512i a) { return _mm512_abs_epi32(a); }
-  static ZS_VEC __m512i min(__m512i a, __m512i b) { return _mm512_min_epu32(a, b); }
-  static ZS_VEC __m512i max(__m512i a, __m512i b) { return _mm512_max_epu32(a, b); }
-  static ZS_VEC __m512i mask_min(__m512i a, mask_t m, __m512i b) {
-    return _mm512_mask_min_epu32(a, m, a, b);
-  }
-  static ZS_VEC __m512i mask_max(__m512i a, mask_t m, __m512i b) {
-    return _mm512_mask_max_epu32(a, m, a, b);
-  }
-  static ZS_VEC __m512i widen_counts(__m512i c) {
+  } else if constexpr (W == 8) {
+    return c;
+  } else {
+    if constexpr (W == 2) c = _mm512_madd_epi16(c, _mm512_set1_epi16(1));  // u32 pairs
     return _mm512_add_epi64(_mm512_srli_epi64(c, 32),
                             _mm512_and_si512(c, _mm512_set1_epi64(0xffffffff)));
   }
-};
+}
 
-template <>
-struct Lanes<8> {
-  using mask_t = __mmask8;
-  static ZS_VEC __m512i set1(uint64_t v) { return _mm512_set1_epi64(static_cast<long long>(v)); }
-  static ZS_VEC mask_t le(__m512i a, __m512i b) { return _mm512_cmple_epu64_mask(a, b); }
-  static ZS_VEC mask_t nonzero(__m512i a) { return _mm512_test_epi64_mask(a, a); }
-  static ZS_VEC mask_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi64_mask(a, b); }
-  static ZS_VEC mask_t sign(__m512i a) { return _mm512_movepi64_mask(a); }
-  // Lanes of `k` where a <= b as signed integers.
-  static ZS_VEC mask_t le_signed(mask_t k, __m512i a, __m512i b) {
-    return _mm512_mask_cmple_epi64_mask(k, a, b);
-  }
-  static ZS_VEC __m512i count(__m512i c, mask_t m) {
-    return _mm512_mask_sub_epi64(c, m, c, _mm512_set1_epi64(-1));
-  }
-  static ZS_VEC __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi64(a, b); }
-  static ZS_VEC __m512i abs(__m512i a) { return _mm512_abs_epi64(a); }
-  static ZS_VEC __m512i min(__m512i a, __m512i b) { return _mm512_min_epu64(a, b); }
-  static ZS_VEC __m512i max(__m512i a, __m512i b) { return _mm512_max_epu64(a, b); }
-  static ZS_VEC __m512i mask_min(__m512i a, mask_t m, __m512i b) {
-    return _mm512_mask_min_epu64(a, m, a, b);
-  }
-  static ZS_VEC __m512i mask_max(__m512i a, mask_t m, __m512i b) {
-    return _mm512_mask_max_epu64(a, m, a, b);
-  }
-  static ZS_VEC __m512i widen_counts(__m512i c) { return c; }
-};
+// AVX-512 operations on the 64 / W unsigned lanes of W bytes in one vector.
+// Each is one intrinsic whose name differs between widths only in its
+// lane-size suffix (B bits), so ZS_LANES spells them once.
+template <int W>
+struct Lanes;
+
+#define ZS_LANES(W, B, MASK)                                                  \
+  template <>                                                                 \
+  struct Lanes<W> {                                                           \
+    using mask_t = MASK;                                                      \
+    using lane_t = uint##B##_t;                                               \
+    static ZS_VEC __m512i set1(uint64_t v) {                                  \
+      return _mm512_set1_epi##B(static_cast<std::make_signed_t<lane_t>>(v));  \
+    }                                                                         \
+    static ZS_VEC mask_t le(__m512i a, __m512i b) { return _mm512_cmple_epu##B##_mask(a, b); } \
+    static ZS_VEC mask_t nonzero(__m512i a) { return _mm512_test_epi##B##_mask(a, a); }        \
+    static ZS_VEC mask_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi##B##_mask(a, b); } \
+    static ZS_VEC mask_t sign(__m512i a) { return _mm512_movepi##B##_mask(a); }                \
+    /* Lanes of `k` where a <= b as signed integers. */                       \
+    static ZS_VEC mask_t le_signed(mask_t k, __m512i a, __m512i b) {          \
+      return _mm512_mask_cmple_epi##B##_mask(k, a, b);                        \
+    }                                                                         \
+    /* Adds 1 to the lanes of `m` (lane counters). */                         \
+    static ZS_VEC __m512i count(__m512i c, mask_t m) {                        \
+      return _mm512_mask_sub_epi##B(c, m, c, _mm512_set1_epi##B(-1));         \
+    }                                                                         \
+    static ZS_VEC __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi##B(a, b); }        \
+    static ZS_VEC __m512i abs(__m512i a) { return _mm512_abs_epi##B(a); }                      \
+    static ZS_VEC __m512i min(__m512i a, __m512i b) { return _mm512_min_epu##B(a, b); }        \
+    static ZS_VEC __m512i max(__m512i a, __m512i b) { return _mm512_max_epu##B(a, b); }        \
+    static ZS_VEC __m512i mask_min(__m512i a, mask_t m, __m512i b) {          \
+      return _mm512_mask_min_epu##B(a, m, a, b);                              \
+    }                                                                         \
+    static ZS_VEC __m512i mask_max(__m512i a, mask_t m, __m512i b) {          \
+      return _mm512_mask_max_epu##B(a, m, a, b);                              \
+    }                                                                         \
+    static ZS_VEC __m512i widen_counts(__m512i c) { return widen_lane_counts<W>(c); } \
+  };
+
+ZS_LANES(1, 8, __mmask64)
+ZS_LANES(2, 16, __mmask32)
+ZS_LANES(4, 32, __mmask16)
+ZS_LANES(8, 64, __mmask8)
+#undef ZS_LANES
 
 // Horizontal min / max of the key lanes: narrow lanes are widened, half a
 // vector at a time, until they are 32 bits wide.

@@ -155,79 +155,62 @@ struct Rng {
 template <typename T>
 struct Traits;
 
-// Floating types: (name, tiny, eps, conversion from double).
+// T holding the bytes of `u` (of the same size).
+template <typename T, typename U>
+T same_bits(const U& u) {
+  static_assert(sizeof(T) == sizeof(U), "same_bits needs equal sizes");
+  T out;
+  std::memcpy(&out, &u, sizeof(T));
+  return out;
+}
+
+// Floating types: (name, tiny = 2^kMinExp, eps = 2^-kMantissa, conversion
+// from double, and from the low bits of a uint64).
+template <typename T, int kMinExp, int kMantissa>
+struct FloatTraits {
+  static double tiny() { return std::ldexp(1.0, kMinExp); }
+  static double eps() { return std::ldexp(1.0, -kMantissa); }
+  static T from_bits(uint64_t b) {
+    return same_bits<T>(static_cast<UnsignedOf<sizeof(T)>>(b));
+  }
+};
 template <>
-struct Traits<float> {
+struct Traits<float> : FloatTraits<float, -126, 23> {
   static constexpr const char* name = "float32";
-  static double tiny() { return FLT_MIN; }
-  static double eps() { return std::ldexp(1.0, -23); }
   static float from(double v) { return static_cast<float>(v); }
-  static float from_bits(uint64_t b) {
-    const uint32_t u = static_cast<uint32_t>(b);
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
 };
 template <>
-struct Traits<double> {
+struct Traits<double> : FloatTraits<double, -1022, 52> {
   static constexpr const char* name = "float64";
-  static double tiny() { return DBL_MIN; }
-  static double eps() { return std::ldexp(1.0, -52); }
   static double from(double v) { return v; }
-  static double from_bits(uint64_t b) {
-    double f;
-    std::memcpy(&f, &b, 8);
-    return f;
-  }
 };
 template <>
-struct Traits<f16_t> {
+struct Traits<f16_t> : FloatTraits<f16_t, -14, 10> {
   static constexpr const char* name = "float16";
-  static double tiny() { return std::ldexp(1.0, -14); }
-  static double eps() { return std::ldexp(1.0, -10); }
   static f16_t from(double v) {
-    const __half h = __float2half_rn(static_cast<float>(v));
-    f16_t out;
-    std::memcpy(&out.bits, &h, 2);
-    return out;
+    return same_bits<f16_t>(__float2half_rn(static_cast<float>(v)));
   }
-  static f16_t from_bits(uint64_t b) { return f16_t{static_cast<uint16_t>(b)}; }
 };
 template <>
-struct Traits<bf16_t> {
+struct Traits<bf16_t> : FloatTraits<bf16_t, -126, 7> {
   static constexpr const char* name = "bfloat16";
-  static double tiny() { return std::ldexp(1.0, -126); }
-  static double eps() { return std::ldexp(1.0, -7); }
   static bf16_t from(double v) {
-    const __nv_bfloat16 h = __float2bfloat16_rn(static_cast<float>(v));
-    bf16_t out;
-    std::memcpy(&out.bits, &h, 2);
-    return out;
+    return same_bits<bf16_t>(__float2bfloat16_rn(static_cast<float>(v)));
   }
-  static bf16_t from_bits(uint64_t b) { return bf16_t{static_cast<uint16_t>(b)}; }
 };
 template <>
-struct Traits<e4m3_t> {
+struct Traits<e4m3_t> : FloatTraits<e4m3_t, -6, 3> {
   static constexpr const char* name = "float8_e4m3fn";
-  static double tiny() { return std::ldexp(1.0, -6); }
-  static double eps() { return std::ldexp(1.0, -3); }
   static e4m3_t from(double v) {
-    return e4m3_t{__nv_cvt_float_to_fp8(static_cast<float>(v), __NV_NOSAT,
-                                        __NV_E4M3)};
+    return e4m3_t{__nv_cvt_float_to_fp8(static_cast<float>(v), __NV_NOSAT, __NV_E4M3)};
   }
-  static e4m3_t from_bits(uint64_t b) { return e4m3_t{static_cast<uint8_t>(b)}; }
 };
 template <>
-struct Traits<e5m2_t> {
+struct Traits<e5m2_t> : FloatTraits<e5m2_t, -14, 2> {
   static constexpr const char* name = "float8_e5m2";
-  static double tiny() { return std::ldexp(1.0, -14); }
-  static double eps() { return std::ldexp(1.0, -2); }
   static e5m2_t from(double v) {
-    return e5m2_t{__nv_cvt_float_to_fp8(static_cast<float>(v), __NV_NOSAT,
-                                        __NV_E5M2)};
+    return e5m2_t{__nv_cvt_float_to_fp8(static_cast<float>(v), __NV_NOSAT, __NV_E5M2)};
   }
-  static e5m2_t from_bits(uint64_t b) { return e5m2_t{static_cast<uint8_t>(b)}; }
 };
 
 // Integer types: (name, range); tiny and eps are 0.
@@ -555,16 +538,10 @@ void emulate_launch(const Batch& b, EmulatedCall& call) {
   for (int g = 0; g < b.h.num_tiles; ++g) {
     const TileSpan span = locate(b.h, b.t, g);
     const TensorTiles& t = b.t[span.tensor];
-    const T* data = static_cast<const T*>(t.data);
     Partial p = empty_partial();
     for (int tid = 0; tid < kThreads; ++tid) {
       ThreadStats<T> st;
-      if constexpr (kStrided) {
-        scan_strided<T>(data, b.shape[span.tensor], span.begin, span.end, tid,
-                        st, lim);
-      } else {
-        scan_contiguous<T>(data, span.begin, span.end, tid, st, lim);
-      }
+      scan_share<T, kStrided>(b, span, tid, st, lim);
       combine(p, st.finish());
     }
     int64_t* row = call.out.data() + static_cast<int64_t>(t.row) * kNumFields;
@@ -698,12 +675,48 @@ std::vector<View> views_for(int64_t n, bool big) {
 
 // ---- Running one call -------------------------------------------------------
 
+// The tiles of all `cases` together.
+int64_t total_tiles_of(const std::vector<Case*>& cases) {
+  int64_t total = 0;
+  for (const Case* c : cases) total += tiles_of(c->layout, c->elem_size);
+  return total;
+}
+
+// The launches of one call as stats_many groups them: cases of one type and
+// tol, in row order within a group. Calls scan(first case of the group, its
+// inputs); an input's first element is at data_of(case).
+template <typename DataOf, typename Scan>
+void for_each_launch(const std::vector<Case*>& cases, DataOf data_of, Scan scan) {
+  const int64_t n = static_cast<int64_t>(cases.size());
+  std::vector<bool> done(n, false);
+  for (int64_t i = 0; i < n; ++i) {
+    if (done[i]) continue;
+    std::vector<ScanInput> inputs;
+    for (int64_t j = i; j < n; ++j) {
+      const Case& c = *cases[j];
+      if (done[j] || c.type != cases[i]->type || c.tol != cases[i]->tol) continue;
+      done[j] = true;
+      inputs.push_back({data_of(c), &c.layout, static_cast<int32_t>(j)});
+    }
+    scan(*cases[i], inputs);
+  }
+}
+
+// Exits unless plan_launches gave every tile of the call one partial slot.
+void check_slots_numbered(int64_t slot_cursor, int64_t total_tiles) {
+  if (slot_cursor != total_tiles) {
+    std::fprintf(stderr, "plan_launches numbered %lld tiles, expected %lld\n",
+                 static_cast<long long>(slot_cursor),
+                 static_cast<long long>(total_tiles));
+    std::exit(1);
+  }
+}
+
 // Scans `cases` in one call (as stats_many does) and returns their rows.
 std::vector<int64_t> run_call(const std::vector<TypeOps>& types,
                               const std::vector<Case*>& cases, int grid) {
   const int64_t n = static_cast<int64_t>(cases.size());
-  int64_t total_tiles = 0;
-  for (const Case* c : cases) total_tiles += tiles_of(c->layout, c->elem_size);
+  const int64_t total_tiles = total_tiles_of(cases);
   int64_t* out = nullptr;
   Partial* partials = nullptr;
   int32_t* counters = nullptr;
@@ -715,32 +728,18 @@ std::vector<int64_t> run_call(const std::vector<TypeOps>& types,
     CHECK_CUDA(cudaMemsetAsync(counters, 0, n * sizeof(int32_t), 0));
   }
   int64_t slot_cursor = 0;
-  // Grouped by (type, tol), in row order within a group.
-  std::vector<bool> done(n, false);
-  for (int64_t i = 0; i < n; ++i) {
-    if (done[i]) continue;
+  const auto on_device = [](const Case& c) -> const void* {
+    return static_cast<const uint8_t*>(c.device) + c.offset * c.elem_size;
+  };
+  for_each_launch(cases, on_device, [&](const Case& first, const std::vector<ScanInput>& inputs) {
     LaunchHeader h;
-    h.limits = cases[i]->limits;
+    h.limits = first.limits;
     h.out = out;
     h.partials = partials;
     h.counters = counters;
-    std::vector<ScanInput> inputs;
-    for (int64_t j = i; j < n; ++j) {
-      const Case& c = *cases[j];
-      if (done[j] || c.type != cases[i]->type || c.tol != cases[i]->tol) continue;
-      done[j] = true;
-      const void* data =
-          static_cast<const uint8_t*>(c.device) + c.offset * c.elem_size;
-      inputs.push_back({data, &c.layout, static_cast<int32_t>(j)});
-    }
-    types[cases[i]->type].launch(inputs, h, slot_cursor, grid);
-  }
-  if (slot_cursor != total_tiles) {
-    std::fprintf(stderr, "plan_launches numbered %lld tiles, expected %lld\n",
-                 static_cast<long long>(slot_cursor),
-                 static_cast<long long>(total_tiles));
-    std::exit(1);
-  }
+    types[first.type].launch(inputs, h, slot_cursor, grid);
+  });
+  check_slots_numbered(slot_cursor, total_tiles);
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<int64_t> rows(n * kNumFields);
   CHECK_CUDA(cudaMemcpy(rows.data(), out, rows.size() * sizeof(int64_t),
@@ -755,34 +754,21 @@ std::vector<int64_t> run_call(const std::vector<TypeOps>& types,
 std::vector<int64_t> emulate_call(const std::vector<TypeOps>& types,
                                   const std::vector<Case*>& cases) {
   const int64_t n = static_cast<int64_t>(cases.size());
-  int64_t total_tiles = 0;
-  for (const Case* c : cases) total_tiles += tiles_of(c->layout, c->elem_size);
+  const int64_t total_tiles = total_tiles_of(cases);
   EmulatedCall call;
   call.out.assign(n * kNumFields, -1);
   call.partials.resize(total_tiles);
   call.counters.assign(n, 0);
   int64_t slot_cursor = 0;
-  std::vector<bool> done(n, false);
-  for (int64_t i = 0; i < n; ++i) {
-    if (done[i]) continue;
+  const auto on_host = [](const Case& c) -> const void* {
+    return c.host.data() + c.offset * c.elem_size;
+  };
+  for_each_launch(cases, on_host, [&](const Case& first, const std::vector<ScanInput>& inputs) {
     LaunchHeader h;
-    h.limits = cases[i]->limits;
-    std::vector<ScanInput> inputs;
-    for (int64_t j = i; j < n; ++j) {
-      const Case& c = *cases[j];
-      if (done[j] || c.type != cases[i]->type || c.tol != cases[i]->tol) continue;
-      done[j] = true;
-      const void* data = c.host.data() + c.offset * c.elem_size;
-      inputs.push_back({data, &c.layout, static_cast<int32_t>(j)});
-    }
-    types[cases[i]->type].emulate(inputs, h, slot_cursor, call);
-  }
-  if (slot_cursor != total_tiles) {
-    std::fprintf(stderr, "plan_launches numbered %lld tiles, expected %lld\n",
-                 static_cast<long long>(slot_cursor),
-                 static_cast<long long>(total_tiles));
-    std::exit(1);
-  }
+    h.limits = first.limits;
+    types[first.type].emulate(inputs, h, slot_cursor, call);
+  });
+  check_slots_numbered(slot_cursor, total_tiles);
   return call.out;
 }
 
@@ -855,10 +841,39 @@ __global__ void widen_kernel(const T* in, float* out, int n) {
   if (i < n) out[i] = Format<T>::value(in[i]);
 }
 
+// Every bit pattern of T (`patterns` of them), in order.
 template <typename T, typename Bits>
-void check_widening(int patterns) {
+std::vector<T> all_patterns(int patterns) {
   std::vector<T> host(patterns);
   for (int b = 0; b < patterns; ++b) host[b] = T{static_cast<Bits>(b)};
+  return host;
+}
+
+// got[b], the widening of host[b] by the code under test, against the host
+// decoding; `pass` ("" or "host ") names which widening it was.
+template <typename T>
+void compare_widening(const char* pass, const std::vector<T>& host,
+                      const std::vector<float>& got) {
+  const int patterns = static_cast<int>(host.size());
+  int bad = 0;
+  for (int b = 0; b < patterns; ++b) {
+    const float want = static_cast<float>(host_value(host[b]));
+    const bool ok = (std::isnan(want) && std::isnan(got[b])) ||
+                    std::memcmp(&want, &got[b], 4) == 0;
+    if (!ok && ++bad <= 5) {
+      std::printf("FAIL %swiden %s bits 0x%x: got %.9g want %.9g\n", pass,
+                  Traits<T>::name, b, got[b], want);
+    }
+  }
+  failures += bad;
+  std::printf("%swidening of all %d %s patterns: %s\n", pass, patterns,
+              Traits<T>::name, bad ? "MISMATCH" : "exact");
+}
+
+// The device's widening of every pattern.
+template <typename T, typename Bits>
+void check_widening(int patterns) {
+  const std::vector<T> host = all_patterns<T, Bits>(patterns);
   T* in = nullptr;
   float* out = nullptr;
   CHECK_CUDA(cudaMalloc(&in, patterns * sizeof(T)));
@@ -870,19 +885,7 @@ void check_widening(int patterns) {
   std::vector<float> got(patterns);
   CHECK_CUDA(cudaMemcpy(got.data(), out, patterns * sizeof(float),
                         cudaMemcpyDeviceToHost));
-  int bad = 0;
-  for (int b = 0; b < patterns; ++b) {
-    const float want = static_cast<float>(host_value(host[b]));
-    const bool ok = (std::isnan(want) && std::isnan(got[b])) ||
-                    std::memcmp(&want, &got[b], 4) == 0;
-    if (!ok && ++bad <= 5) {
-      std::printf("FAIL widen %s bits 0x%x: got %.9g want %.9g\n",
-                  Traits<T>::name, b, got[b], want);
-    }
-  }
-  failures += bad;
-  std::printf("widening of all %d %s patterns: %s\n", patterns,
-              Traits<T>::name, bad ? "MISMATCH" : "exact");
+  compare_widening("", host, got);
   CHECK_CUDA(cudaFree(in));
   CHECK_CUDA(cudaFree(out));
 }
@@ -890,21 +893,10 @@ void check_widening(int patterns) {
 // The host pass of the same widening code (what --emulate runs).
 template <typename T, typename Bits>
 void check_host_widening(int patterns) {
-  int bad = 0;
-  for (int b = 0; b < patterns; ++b) {
-    const T x{static_cast<Bits>(b)};
-    const float want = static_cast<float>(host_value(x));
-    const float got = Format<T>::value(x);
-    const bool ok = (std::isnan(want) && std::isnan(got)) ||
-                    std::memcmp(&want, &got, 4) == 0;
-    if (!ok && ++bad <= 5) {
-      std::printf("FAIL host widen %s bits 0x%x: got %.9g want %.9g\n",
-                  Traits<T>::name, b, got, want);
-    }
-  }
-  failures += bad;
-  std::printf("host widening of all %d %s patterns: %s\n", patterns,
-              Traits<T>::name, bad ? "MISMATCH" : "exact");
+  const std::vector<T> host = all_patterns<T, Bits>(patterns);
+  std::vector<float> got(patterns);
+  for (int b = 0; b < patterns; ++b) got[b] = Format<T>::value(host[b]);
+  compare_widening("host ", host, got);
 }
 
 int run(uint64_t seed, bool large, bool emulate) {

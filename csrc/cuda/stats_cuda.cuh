@@ -383,27 +383,19 @@ struct CombineOp {
   }
 };
 
-// Reads a partial written by another block of this kernel (through L2).
+// Reads a partial written by another block of this kernel (through L2),
+// word by word: __ldcg has no overload for a struct.
 ZS_DEV Partial load_partial(const Partial* p) {
-  const long long* c = reinterpret_cast<const long long*>(p);
-  const double* f = reinterpret_cast<const double*>(p);
+  constexpr int kWords = sizeof(Partial) / 8;
+  static_assert(sizeof(Partial) == kWords * 8, "Partial is whole 8-byte words");
+  const unsigned long long* w = reinterpret_cast<const unsigned long long*>(p);
+  unsigned long long words[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) words[i] = __ldcg(w + i);
   Partial q;
-  q.numel = __ldcg(c + 0);
-  q.zeros = __ldcg(c + 1);
-  q.subnormal = __ldcg(c + 2);
-  q.near_zero = __ldcg(c + 3);
-  q.nan = __ldcg(c + 4);
-  q.posinf = __ldcg(c + 5);
-  q.neginf = __ldcg(c + 6);
-  q.negative = __ldcg(c + 7);
-  q.min_abs = __ldcg(f + 8);
-  q.min_abs_nonzero = __ldcg(f + 9);
-  q.max_abs = __ldcg(f + 10);
-  q.mean = __ldcg(f + 11);
-  q.m2 = __ldcg(f + 12);
+  memcpy(&q, words, sizeof(q));
   return q;
 }
-static_assert(sizeof(Partial) == 13 * 8, "load_partial reads 13 words");
 
 // Launch tile g: its tensor, that tensor's tile count, and the positions.
 struct TileSpan {
@@ -434,6 +426,19 @@ ZS_HDI TileSpan locate(const LaunchHeader& h, const TensorTiles* t, int g) {
   return s;
 }
 
+// Thread `tid`'s share of launch tile `span` of batch `b`, added to `st`.
+template <typename T, bool kStrided, typename Batch>
+ZS_HDI void scan_share(const Batch& b, const TileSpan& span, int tid,
+                       ThreadStats<T>& st, const Limits& lim) {
+  const T* data = static_cast<const T*>(b.t[span.tensor].data);
+  if constexpr (kStrided) {
+    scan_strided<T>(data, b.shape[span.tensor], span.begin, span.end, tid, st,
+                    lim);
+  } else {
+    scan_contiguous<T>(data, span.begin, span.end, tid, st, lim);
+  }
+}
+
 // Grid-stride loop over the launch's tiles. See the file comment.
 template <typename T, bool kStrided, typename Batch>
 __device__ __forceinline__ void scan_tiles(const Batch& b) {
@@ -449,15 +454,9 @@ __device__ __forceinline__ void scan_tiles(const Batch& b) {
     const TileSpan span = locate(h, b.t, g);
     const TensorTiles& t = b.t[span.tensor];
     const int tiles = span.tiles;
-    const T* data = static_cast<const T*>(t.data);
 
     ThreadStats<T> st;
-    if constexpr (kStrided) {
-      scan_strided<T>(data, b.shape[span.tensor], span.begin, span.end, tid,
-                      st, lim);
-    } else {
-      scan_contiguous<T>(data, span.begin, span.end, tid, st, lim);
-    }
+    scan_share<T, kStrided>(b, span, tid, st, lim);
     Partial p = Reduce(temp).Reduce(st.finish(), CombineOp());
     int64_t* row = h.out + static_cast<int64_t>(t.row) * kNumFields;
 
