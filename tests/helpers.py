@@ -3,17 +3,23 @@ check that statistics agree (with the float64 reference or another record)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import random
+import types
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import zeroscan
-from zeroscan.stats import Readout
+from zeroscan.monitor import Finding, Monitor, Report, Thresholds
+from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
+from zeroscan.stats import Readout, meta_of
+from zeroscan.verdicts import Severity
 
 # The CUDA cases are collected everywhere and skipped without a GPU, so that a
 # CPU-only run still shows them (as skipped) rather than silently having none.
@@ -22,15 +28,6 @@ DEVICES = [
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
 ]
 
-FLOAT_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-]
-INT_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES
 
 COUNT_FIELDS = ("numel", "zeros", "subnormal", "near_zero", "nan", "posinf", "neginf", "negative", "finite")
@@ -56,7 +53,7 @@ def fresh_generator() -> torch.Generator:
 def stats_of_row(buffer: torch.Tensor, x: torch.Tensor, index: int = 0) -> zeroscan.Stats:
     """The Stats that row `index` of a raw result buffer ([16] or [N, 16])
     holds for the tensor x."""
-    return zeroscan.Stats(Readout(buffer), index, x.dtype, x.shape, x.device, None)
+    return zeroscan.Stats(Readout(buffer), index, meta_of(x), None)
 
 
 def rtol_for(dtype: torch.dtype) -> float:
@@ -162,3 +159,41 @@ def assert_matches_reference(
     if same_as_cpu and x.device.type != "cpu":
         cpu = zeroscan.stats(x.cpu(), tol=tol)
         assert_same_stats(s, cpu, rtol, scale=scale, what=f"{x.device.type} vs cpu:")
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def example(name: str) -> types.ModuleType:
+    """examples/<name>.py, loaded as a module (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"zeroscan_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def serious(report: Report) -> list[Finding]:
+    """The findings of a Monitor report at WARNING or above."""
+    return [f for f in report.findings if f.severity >= Severity.WARNING]
+
+
+def train_monitored(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    g: torch.Generator,
+    *,
+    steps: int,
+    batch: int = 16,
+    thresholds: Thresholds | None = None,
+) -> Report:
+    """`steps` optimizer steps of `model` under a Monitor, on batches of
+    randn(batch, 4) in the dtype of its first parameter with the mean squared
+    output as the loss; the Monitor's report."""
+    dtype = next(model.parameters()).dtype
+    with Monitor(model, opt, thresholds=thresholds) as monitor:
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(batch, 4, generator=g).to(dtype)).float().square().mean().backward()
+            opt.step()
+    return monitor.report()

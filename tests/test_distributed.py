@@ -372,25 +372,7 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     )
 
 
-def test_merged_stats_equal_one_scan_of_the_full_tensors(world: World) -> None:
-    world.assert_passed("concatenated_merge")
-
-
-def test_replica_comparison_finds_the_rank_that_differs(world: World) -> None:
-    world.assert_passed("replicas")
-
-
-def test_dtensor_shard_replicate_partial(world: World) -> None:
-    world.assert_passed("dtensor_1d")
-
-
-def test_fsdp2_sharded_gradients(world: World) -> None:
-    world.assert_passed("fsdp2")
-
-
-def test_dtensor_on_a_2d_mesh(world: World) -> None:
-    world.assert_passed("dtensor_2d")
-
-
-def test_monitor_step_gathers_once_and_merges_or_compares(world: World) -> None:
-    world.assert_passed("monitor_recipe")
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_check_passes_on_every_rank(world: World, check: str) -> None:
+    """One check of CHECKS (each check_* function above says what it asserts)."""
+    world.assert_passed(check)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import fresh_generator
+from helpers import fresh_generator, train_monitored
 from torch import nn
 
 from zeroscan import loggers
@@ -115,10 +115,15 @@ def test_log_tensorboard_real_summary_writer(tmp_path: Path) -> None:
     assert event.step == 3 and event.value == pytest.approx(report["tensors"][0]["norm"], rel=1e-6)
 
 
-def test_jsonl_logger(tmp_path: Path) -> None:
+def two_steps() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Reports of steps 1 and 2, with fresh random values."""
     g = fresh_generator()
+    return hand_report(g, step=1), hand_report(g, step=2)
+
+
+def test_jsonl_logger(tmp_path: Path) -> None:
+    a, b = two_steps()
     path = tmp_path / "zs.jsonl"
-    a, b = hand_report(g, step=1), hand_report(g, step=2)
     with JsonlLogger(path) as log:
         log.log(a)
         log.log(b)
@@ -142,9 +147,8 @@ def test_jsonl_logger(tmp_path: Path) -> None:
 
 
 def test_csv_logger(tmp_path: Path) -> None:
-    g = fresh_generator()
+    a, b = two_steps()
     path = tmp_path / "zs.csv"
-    a, b = hand_report(g, step=1), hand_report(g, step=2)
     with CsvLogger(path) as log:
         log.log(a)
     with CsvLogger(path) as log:  # a second run appends without a second header
@@ -188,20 +192,12 @@ class Detached(nn.Module):
 
 
 def monitored_report(g: torch.Generator, steps: int = 3) -> Any:
-    from zeroscan.monitor import Monitor
-
     model = Detached()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Monitor(model, opt) as mon:
-        for _ in range(steps):
-            opt.zero_grad()
-            model(torch.randn(16, 4, generator=g)).square().mean().backward()
-            opt.step()
-    return mon.report(), model
+    return train_monitored(model, opt, g, steps=steps), model
 
 
 def test_loggers_on_a_real_monitor_report(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    pytest.importorskip("zeroscan.monitor")
     g = fresh_generator()
     report, model = monitored_report(g)
     got = scalars(report)
@@ -241,7 +237,6 @@ def fake_lightning(monkeypatch: pytest.MonkeyPatch) -> type:
 
 
 def test_lightning_callback(fake_lightning: type) -> None:
-    pytest.importorskip("zeroscan.monitor")
     g = fresh_generator()
     model = Detached()
     logged: list[dict[str, float]] = []

@@ -4,12 +4,10 @@ findings, the Report forms and robustness. Every case of examples/ runs here
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,10 +17,9 @@ from torch import nn
 import zeroscan
 import zeroscan.monitor as monitor_module
 import zeroscan.monitor.records as monitor_records
-from helpers import DEVICES, fresh_generator
+from helpers import DEVICES, example, fresh_generator, serious, train_monitored
 from zeroscan import Finding, Monitor, Report, Severity, Thresholds, Verdict
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TENSOR_KEYS = {
     "name", "kind", "numel", "zero_fraction", "subnormal_fraction", "near_zero_fraction",
     "nan", "inf", "norm", "mean", "std", "min_abs", "max_abs",
@@ -38,20 +35,8 @@ def one_thread() -> Any:
     torch.set_num_threads(before)
 
 
-def example(name: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(f"zeroscan_example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def seed() -> int:
     return int(torch.randint(0, 2**31 - 1, (), generator=fresh_generator()))
-
-
-def serious(report: Report) -> list[Finding]:
-    return [f for f in report.findings if f.severity >= Severity.WARNING]
 
 
 def by_name(report: Report) -> dict[str, list[Finding]]:
@@ -334,12 +319,7 @@ def test_not_updated_lr_zero_and_below_ulp() -> None:
     g = fresh_generator()
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD([{"params": [model.weight], "lr": 0.0}, {"params": [model.bias], "lr": 0.1}])
-    with Monitor(model, opt) as mon:
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.randn(8, 4, generator=g)).square().sum().backward()
-            opt.step()
-    report = mon.report()
+    report = train_monitored(model, opt, g, steps=3, batch=8)
     assert causes(report) == {("weight", "not_updated")}
     assert "lr=0" in report.findings[0].message
 
@@ -347,12 +327,7 @@ def test_not_updated_lr_zero_and_below_ulp() -> None:
     with torch.no_grad():
         half.weight.fill_(1.0)
     opt = torch.optim.SGD(half.parameters(), lr=1e-6)
-    with Monitor(half, opt, thresholds=Thresholds(frozen_window=3)) as mon:
-        for _ in range(4):
-            opt.zero_grad()
-            half(torch.randn(8, 4, generator=g).half()).float().square().mean().backward()
-            opt.step()
-    report = mon.report()
+    report = train_monitored(half, opt, g, steps=4, batch=8, thresholds=Thresholds(frozen_window=3))
     assert ("weight", "frozen_in_time") in causes(report) and ("bias", "frozen_in_time") in causes(report)
     assert "resolution" in by_name(report)["weight"][0].message
 

@@ -12,12 +12,9 @@ scan of the full tensors.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import math
-import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +26,7 @@ import zeroscan
 import zeroscan.distributed as zdist
 import zeroscan.monitor.records as monitor_records
 from zeroscan.monitor import Slot
-from helpers import COUNT_FIELDS, EXACT_FLOAT_FIELDS, close, fresh_generator
+from helpers import assert_same_stats, example, fresh_generator, serious
 from world import Check, World, spawn_world
 from zeroscan import Finding, Monitor, Report, Severity, Thresholds
 
@@ -37,45 +34,13 @@ WORLD = 2
 WORLD_TIMEOUT_S = 90.0  # every check together takes ~15 s; past this it is a hang
 COLLECTIVE_TIMEOUT_S = 30.0
 MOMENT_RTOL = 1e-12  # float64 moments merged from shards vs one scan of the full tensor
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EMPTY_HISTORY: dict[str, list[Any]] = {
     "steps": [], "names": [], "grad_norm": [], "zero_fraction": [], "underflow_fraction": [],
 }
 
 
-def _example(name: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(f"zeroscan_example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def serious(report: Report) -> list[Finding]:
-    return [f for f in report.findings if f.severity >= Severity.WARNING]
-
-
 def summary(report: Report) -> list[tuple[str, str, str, tuple[int, ...] | None]]:
     return sorted((f.name, f.kind, f.cause, f.ranks) for f in serious(report))  # type: ignore[type-var]
-
-
-def assert_row_is_stats_of(got: dict[str, Any], x: torch.Tensor, what: str) -> None:
-    """A decoded global row equals zeroscan.stats of the full tensor: counts and
-    min/max |x| exactly, moments to MOMENT_RTOL (float64)."""
-    want = zeroscan.stats(x).to_dict()
-    for field in COUNT_FIELDS:
-        assert got[field] == want[field], f"{what} {field}: got {got[field]}, want {want[field]}"
-    for field in EXACT_FLOAT_FIELDS:
-        assert got[field] == want[field] or (math.isnan(got[field]) and math.isnan(want[field])), (
-            f"{what} {field}: got {got[field]!r}, want {want[field]!r}"
-        )
-    finite = max(1, int(want["finite"]))
-    rms = float(want["norm"]) / math.sqrt(finite)
-    for field in ("mean", "std", "norm", "sum"):
-        scale = rms * finite if field == "sum" else rms
-        assert close(float(got[field]), float(want[field]), MOMENT_RTOL, scale), (
-            f"{what} {field}: got {got[field]!r}, want {want[field]!r}"
-        )
 
 
 # ------------------------------------------------------------ the checks
@@ -100,7 +65,7 @@ def check_ddp_nan_on_one_rank(rank: int, seed: int) -> Report:
     dist.all_gather_single = counting_gather  # type: ignore[assignment]
     monitor_records.decode = no_decode  # type: ignore[assignment]
     try:
-        monitor = _example("monitor_ddp").train(seed, steps=steps, nan_rank=1, nan_param=nan_param)
+        monitor = example("monitor_ddp").train(seed, steps=steps, nan_rank=1, nan_param=nan_param)
     finally:
         dist.all_gather_single = real_gather  # type: ignore[assignment]
         monitor_records.decode = real_decode  # type: ignore[assignment]
@@ -216,8 +181,8 @@ def check_fsdp2(rank: int, seed: int) -> Report:
     first = monitor._records[0].rows
     assert first is not None
     for i, (name, (grad, weight)) in enumerate(zip(names, full)):
-        assert_row_is_stats_of(first[Slot.grad(i)][0], grad, f"{name} grad")
-        assert_row_is_stats_of(first[Slot.weight(i)][0], weight, f"{name} weight")
+        assert_same_stats(first[Slot.grad(i)][0], zeroscan.stats(grad), MOMENT_RTOL, what=f"{name} grad")
+        assert_same_stats(first[Slot.weight(i)][0], zeroscan.stats(weight), MOMENT_RTOL, what=f"{name} weight")
     assert summary(report) == [("0.weight", "grad", "nonfinite", (1,))], str(report)
     assert "rank 1's shard" in serious(report)[0].message
     numels = {(t["name"], t["kind"]): t["numel"] for t in report.tensors}
@@ -278,24 +243,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     )
 
 
-def test_ddp_nan_gradient_on_one_rank_names_that_rank(world: World) -> None:
-    world.assert_passed("ddp_nan_on_one_rank")
-
-
-def test_healthy_ddp_global_stats_are_the_local_ones(world: World) -> None:
-    world.assert_passed("ddp_healthy")
-
-
-def test_diverged_weight_and_missing_gradient_name_the_rank(world: World) -> None:
-    world.assert_passed("replicas_diverge")
-
-
-def test_fsdp2_merged_stats_equal_the_full_tensors(world: World) -> None:
-    world.assert_passed("fsdp2")
-
-
-def test_misuse_across_ranks_raises_clear_errors(world: World) -> None:
-    world.assert_passed("misuse")
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_check_passes_on_every_rank(world: World, check: str) -> None:
+    """One check of CHECKS (each check_* function above says what it asserts)."""
+    world.assert_passed(check)
 
 
 # ------------------------------------------------------------ in-process

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import fresh_generator
+from helpers import fresh_generator, train_monitored
 from torch import nn
 
 from zeroscan import plot
@@ -94,24 +94,16 @@ def test_report_plot_many_layers_and_empty(tmp_path: Path) -> None:
     empty = tmp_path / "empty.png"
     plot.plot_report({"step": 0, "findings": [], "tensors": [], "history": {}}, empty)
     assert empty.exists()
-    with pytest.raises(TypeError, match="report must be a Report"):
+    with pytest.raises(TypeError, match="report must be a zeroscan Report"):
         plot.plot_report(3, tmp_path / "x.png")
 
 
 def test_real_monitor_report_plot(tmp_path: Path) -> None:
-    pytest.importorskip("zeroscan.monitor")
-    from zeroscan.monitor import Monitor
-
     g = fresh_generator()
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     model[2].weight.requires_grad_(False)  # frozen: no gradient
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    with Monitor(model, opt) as mon:
-        for _ in range(4):
-            opt.zero_grad()
-            model(torch.randn(16, 4, generator=g)).square().mean().backward()
-            opt.step()
-    report = mon.report()
+    report = train_monitored(model, opt, g, steps=4)
     path = tmp_path / "flow.png"
     report.plot(str(path))
     not_blank(path)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from zeroscan.ops import SCANNABLE_DTYPES
 from zeroscan.safetensors_io import (
     SafetensorsError,
     looks_like_safetensors,
@@ -36,24 +37,7 @@ from zeroscan.safetensors_io import (
     read_safetensors_header,
 )
 
-# What the native scan reads directly; complex tensors are scanned as their
-# real and imaginary parts (torch.view_as_real).
-SCANNABLE_DTYPES = frozenset(
-    {
-        torch.float32,
-        torch.float64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-    }
-)
+# Complex tensors are scanned as their real and imaginary parts (torch.view_as_real).
 COMPLEX_DTYPES = frozenset({torch.complex64, torch.complex128})
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from zeroscan.cli_format import Progress, Style, fmt_bytes, fmt_count, fmt_num, fmt_percent, fmt_shape, render_table
-from zeroscan.loggers import json_safe
+from zeroscan.report_data import json_safe
 
 SEVERITIES = ("ok", "info", "warning", "error")
 RANK = {s: i for i, s in enumerate(SEVERITIES)}
@@ -291,24 +291,24 @@ def version() -> str:
     return __version__
 
 
-def probability(text: str) -> float:
+def number(text: str, valid: Callable[[float], bool], expected: str) -> float:
+    """A command-line number that `valid` accepts; argparse names the option
+    and shows `expected` when it does not."""
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not valid(v):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
     return v
+
+
+def probability(text: str) -> float:
+    return number(text, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 
 
 def tolerance(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
-    if not v >= 0.0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text}")
-    return v
+    return number(text, lambda v: v >= 0.0, "a non-negative number")
 
 
 def build_parser() -> argparse.ArgumentParser:

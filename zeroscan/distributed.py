@@ -68,7 +68,7 @@ __all__ = [
     "combine_rows", "comm_device", "compare_replicas", "drop_uncounted", "empty_rows", "gather_rows",
     "local_part", "merge_stats", "replica_report", "rows_agree", "stats", "stats_many",
 ]
-from zeroscan.stats import Readout, Stats, StatsBatch, device_groups, scan_buffers
+from zeroscan.stats import Readout, Stats, StatsBatch, TensorMeta, device_groups, scan_buffers
 
 MODE_LOCAL = "local"
 MODE_CONCATENATED = "concatenated"
@@ -86,17 +86,9 @@ class GlobalStats(Stats):
     __slots__ = ("mode", "ranks")
 
     def __init__(
-        self,
-        readout: Readout,
-        index: int,
-        dtype: torch.dtype,
-        shape: torch.Size,
-        device: torch.device,
-        tol: float | None,
-        mode: str,
-        ranks: int,
+        self, readout: Readout, index: int, meta: TensorMeta, tol: float | None, mode: str, ranks: int
     ) -> None:
-        super().__init__(readout, index, dtype, shape, device, tol)
+        super().__init__(readout, index, meta, tol)
         self.mode = mode
         self.ranks = ranks
 
@@ -284,7 +276,7 @@ def merge_stats(
         readout = Readout(gathered.merged())
         world = len(gathered.ranks)
         out = [
-            GlobalStats(readout, i, s.dtype, s.shape, s.device, s.tol, MODE_CONCATENATED, world)
+            GlobalStats(readout, i, (s.dtype, s.shape, s.device), s.tol, MODE_CONCATENATED, world)
             for i, s in enumerate(items)
         ]
         return out[0] if single else StatsBatch(out)  # type: ignore[arg-type]
@@ -404,7 +396,12 @@ def stats_many(
         return StatsBatch(
             [
                 GlobalStats(
-                    readout, i, x.dtype, x.shape, p.tensor.device, tol, p.mode, 1 if p.mode == MODE_LOCAL else world
+                    readout,
+                    i,
+                    (x.dtype, x.shape, p.tensor.device),
+                    tol,
+                    p.mode,
+                    1 if p.mode == MODE_LOCAL else world,
                 )
                 for i, (x, p) in enumerate(zip(xs, parts))
             ]

@@ -28,12 +28,13 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+
+from zeroscan.report_data import json_safe, report_dict
 
 LOG_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 SEVERITY_RANK = {"ok": 0, "info": 1, "warning": 2, "error": 3}
@@ -62,27 +63,6 @@ class ScalarWriter(Protocol):
     anything else with the same add_scalar."""
 
     def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
-
-
-def report_dict(report: object) -> Mapping[str, Any]:
-    """A Report's to_dict(), or the dict itself."""
-    if isinstance(report, Mapping):
-        return report
-    to_dict = getattr(report, "to_dict", None)
-    if callable(to_dict):
-        return to_dict()
-    raise TypeError(f"report must be a zeroscan Report or its to_dict() dict, got {type(report).__name__}")
-
-
-def json_safe(obj: Any) -> Any:
-    """NaN and infinities -> None, recursively, so the output is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {str(k): json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 def underflow_fraction(t: Mapping[str, Any]) -> float | None:

@@ -23,6 +23,18 @@ from zeroscan.record import NUM_FIELDS
 
 MAX_DIMS = 64  # kMaxDims of csrc/layout.h
 
+# What the native scan reads, in the order of csrc/dtypes.h (ZEROSCAN_DTYPES).
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+INT_DTYPES: tuple[torch.dtype, ...] = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+SCANNABLE_DTYPES = frozenset(FLOAT_DTYPES + INT_DTYPES)
+
 NONE_HINT = (
     "a gradient that was never computed is None: the parameter is frozen "
     "(requires_grad=False), did not take part in the forward pass, or backward "

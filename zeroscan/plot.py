@@ -19,6 +19,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from zeroscan.report_data import report_dict
+
 SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 SEVERITY_RANK = {"ok": 0, "info": 1, "warning": 2, "error": 3}
 PLAIN_COLOR = "#607d8b"
@@ -39,15 +41,6 @@ def require_matplotlib() -> Any:
             "zeroscan's plots need matplotlib, which is not installed: pip install matplotlib"
         ) from None
     return Figure
-
-
-def as_dict(report: object) -> Mapping[str, Any]:
-    if isinstance(report, Mapping):
-        return report
-    to_dict = getattr(report, "to_dict", None)
-    if callable(to_dict):
-        return to_dict()
-    raise TypeError(f"report must be a Report or its to_dict() dict, got {type(report).__name__}")
 
 
 # --- small helpers -----------------------------------------------------------
@@ -137,7 +130,7 @@ def plot_report(report: object, path: str | os.PathLike[str], *, dpi: int = 110)
     """Draws the gradient flow of a Monitor report (a Report or its to_dict())
     to `path` (any format matplotlib writes: .png, .svg, .pdf) and returns it."""
     Figure = require_matplotlib()
-    data = as_dict(report)
+    data = report_dict(report)
     tensors = list(data.get("tensors", []))
     # Every parameter in model order; one with a weight row but no gradient
     # row is drawn as "no gradient" (frozen, detached, unused).

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import overload
+from typing import Generic, TypeVar, overload
 
 import numpy
 import torch
 
 from zeroscan.ops import check_tensor, check_tol
-from zeroscan.record import COUNT_FIELDS, Row, row_from_words
+from zeroscan.record import COUNT_FIELDS, Column, Row, row_from_words
 
 class Readout:
     """One native call's result buffer and its host copy, made on first read.
@@ -82,7 +82,35 @@ class Readout:
         return row
 
 
-_COUNT_COLUMN = {name: column for column, name in enumerate(COUNT_FIELDS)}
+# What a Stats says about the scanned tensor besides its statistics:
+# (dtype, shape, device). A plain tuple: stats_many makes one per tensor.
+TensorMeta = tuple[torch.dtype, torch.Size, torch.device]
+
+
+def meta_of(x: torch.Tensor) -> TensorMeta:
+    return (x.dtype, x.shape, x.device)
+
+
+V = TypeVar("V", int, float)
+
+
+class Field(Generic[V]):
+    """One public field of a Stats (see the module doc), read from its row.
+
+    A count is read from its own int64 word, without decoding the row; any
+    other field decodes the whole row once (Readout).
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.column = Column[name.upper()] if name in COUNT_FIELDS else None
+
+    def __get__(self, stats: Stats | None, owner: type | None = None) -> V:
+        if stats is None:  # Stats.zeros: the field itself, for help() and docs
+            return self  # type: ignore[return-value]
+        if self.column is not None:
+            return stats._readout.count(stats._index, self.column)  # type: ignore[return-value]
+        return stats._readout.row(stats._index)[self.name]  # type: ignore[return-value]
 
 
 class Stats:
@@ -90,92 +118,28 @@ class Stats:
 
     __slots__ = ("_readout", "_index", "dtype", "shape", "device", "tol")
 
-    def __init__(
-        self,
-        readout: Readout,
-        index: int,
-        dtype: torch.dtype,
-        shape: torch.Size,
-        device: torch.device,
-        tol: float | None,
-    ) -> None:
+    def __init__(self, readout: Readout, index: int, meta: TensorMeta, tol: float | None) -> None:
         self._readout = readout
         self._index = index
-        self.dtype = dtype
-        self.shape = shape
-        self.device = device
+        self.dtype, self.shape, self.device = meta
         self.tol = tol
 
-    def _field(self, name: str) -> float | int:
-        return self._readout.row(self._index)[name]
-
-    def _count(self, name: str) -> int:
-        """A count, read from its int64 word without decoding the row."""
-        return self._readout.count(self._index, _COUNT_COLUMN[name])
-
-    @property
-    def numel(self) -> int:
-        return self._count("numel")
-
-    @property
-    def zeros(self) -> int:
-        return self._count("zeros")
-
-    @property
-    def subnormal(self) -> int:
-        return self._count("subnormal")
-
-    @property
-    def near_zero(self) -> int:
-        return self._count("near_zero")
-
-    @property
-    def nan(self) -> int:
-        return self._count("nan")
-
-    @property
-    def posinf(self) -> int:
-        return self._count("posinf")
-
-    @property
-    def neginf(self) -> int:
-        return self._count("neginf")
-
-    @property
-    def negative(self) -> int:
-        return self._count("negative")
-
-    @property
-    def finite(self) -> int:
-        return int(self._field("finite"))
-
-    @property
-    def min_abs(self) -> float:
-        return float(self._field("min_abs"))
-
-    @property
-    def min_abs_nonzero(self) -> float:
-        return float(self._field("min_abs_nonzero"))
-
-    @property
-    def max_abs(self) -> float:
-        return float(self._field("max_abs"))
-
-    @property
-    def mean(self) -> float:
-        return float(self._field("mean"))
-
-    @property
-    def std(self) -> float:
-        return float(self._field("std"))
-
-    @property
-    def norm(self) -> float:
-        return float(self._field("norm"))
-
-    @property
-    def sum(self) -> float:
-        return float(self._field("sum"))
+    numel: Field[int] = Field()
+    zeros: Field[int] = Field()
+    subnormal: Field[int] = Field()
+    near_zero: Field[int] = Field()
+    nan: Field[int] = Field()
+    posinf: Field[int] = Field()
+    neginf: Field[int] = Field()
+    negative: Field[int] = Field()
+    finite: Field[int] = Field()
+    min_abs: Field[float] = Field()
+    min_abs_nonzero: Field[float] = Field()
+    max_abs: Field[float] = Field()
+    mean: Field[float] = Field()
+    std: Field[float] = Field()
+    norm: Field[float] = Field()
+    sum: Field[float] = Field()
 
     @property
     def zero_fraction(self) -> float:
@@ -297,7 +261,7 @@ def stats(x: torch.Tensor, *, tol: float | None = None) -> Stats:
     x = check_tensor("zeroscan.stats", "x", x)
     tol = check_tol("zeroscan.stats", tol)
     buffer = torch.ops.zeroscan.stats.default(x, tol)
-    return Stats(Readout(buffer), 0, x.dtype, x.shape, x.device, tol)
+    return Stats(Readout(buffer), 0, meta_of(x), tol)
 
 
 def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> StatsBatch:
@@ -325,14 +289,14 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
     if buffer is not None and not buffer.is_meta:  # meta inputs reach the fake kernel
         readout = Readout(buffer)
         device = buffer.device
-        metas = [(x.dtype, x.shape) for x in xs]
-        return StatsBatch.lazy(len(xs), lambda row: Stats(readout, row, *metas[row], device, tol))
+        metas = [(x.dtype, x.shape, device) for x in xs]
+        return StatsBatch.lazy(len(xs), lambda row: Stats(readout, row, metas[row], tol))
     xs = [check_tensor(op, "tensors", x, i) for i, x in enumerate(xs)]
     items: list[Stats | None] = [None] * len(xs)
     for indices in device_groups(xs):
         readout = Readout(torch.ops.zeroscan.stats_many.default([xs[i] for i in indices], tol))
         for row, i in enumerate(indices):
-            items[i] = Stats(readout, row, xs[i].dtype, xs[i].shape, xs[i].device, tol)
+            items[i] = Stats(readout, row, meta_of(xs[i]), tol)
     return StatsBatch(items)  # type: ignore[arg-type]
 
 

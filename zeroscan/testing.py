@@ -38,6 +38,8 @@ import math
 
 import torch
 
+from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
+
 DISTRIBUTIONS: tuple[str, ...] = (
     "randn",
     "zeros_50",
@@ -49,16 +51,6 @@ DISTRIBUTIONS: tuple[str, ...] = (
     "nonfinite_1",
     "large_mean",
 )
-
-FLOAT_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float64,
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-)
-INT_DTYPES: tuple[torch.dtype, ...] = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 # The fraction of values each sparse or masked distribution sets.
 FRACTION: dict[str, float] = {

@@ -265,10 +265,10 @@ class CauseFinder:
         if probe is not None:
             owner = module_label(self.model, p.owner)
             if i in probe.detached:
-                where = module_label(self.model, probe.detached[i])
                 return Cause.DETACHED, (
-                    f"{name} is detached inside the forward of {where} (.detach() or .data on the parameter): "
-                    "its use leaves nothing for backward; use the parameter itself"
+                    f"{name} is detached inside the forward of {module_label(self.model, probe.detached[i])} "
+                    "(.detach() or .data on the parameter): its use leaves nothing for backward; use the "
+                    "parameter itself"
                 ), True
             if i in probe.used:
                 where = module_label(self.model, probe.used[i])
@@ -285,9 +285,8 @@ class CauseFinder:
                 ), True
             if i in probe.no_grad_use:
                 where = module_label(self.model, probe.no_grad_use[i])
-                return Cause.DETACHED, (
-                    f"{name} is used in {where} under torch.no_grad(), so nothing is recorded for backward"
-                ), True
+                message = f"{name} is used in {where} under torch.no_grad(), so nothing is recorded for backward"
+                return Cause.DETACHED, message, True
             if p.owner in probe.no_grad_modules:
                 return Cause.DETACHED, f"{owner} ran under torch.no_grad(), so {name} gets no gradient", True
             if p.owner in probe.ran:
