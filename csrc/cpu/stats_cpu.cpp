@@ -40,23 +40,33 @@ double as_shift(double mean) {
   return sizeof(S) <= 4 ? static_cast<double>(static_cast<float>(mean)) : mean;
 }
 
-// The shift is the mean of the first finite values of the chunk: close to the
-// chunk's mean, so the shifted second moment barely cancels.
+// The shift is the mean of the first finite values of the chunk, close to
+// the chunk's mean, so the shifted second moment barely cancels; or 0 when
+// that mean lies within one standard deviation of 0: such values need no
+// shift to keep the second moment from cancelling, and with none every
+// exact zero adds exactly nothing to the sums (mostly-zero data would
+// otherwise add -shift once per zero and round at every add).
 template <typename S>
 double pick_shift(const Layout& l, const S* data, int64_t begin, int64_t end) {
-  double sum = 0.0;
+  double sample[kShiftSample];
   int64_t count = 0;
+  double sum = 0.0;
   const int64_t stop = std::min(end, begin + kShiftSample);
   for_each_run(l, begin, stop, [&](int64_t off, int64_t len, int64_t stride) {
     for (int64_t k = 0; k < len; ++k) {
       const double x = static_cast<double>(Format<S>::value(data[off + k * stride]));
       if (std::isfinite(x)) {
+        sample[count++] = x;
         sum += x;
-        ++count;
       }
     }
   });
-  return as_shift<S>(count == 0 ? 0.0 : sum / static_cast<double>(count));
+  if (count == 0) return 0.0;
+  const double mean = sum / static_cast<double>(count);
+  double m2 = 0.0;
+  for (int64_t k = 0; k < count; ++k) m2 += (sample[k] - mean) * (sample[k] - mean);
+  const bool offset = mean * mean > m2 / static_cast<double>(count);
+  return offset ? as_shift<S>(mean) : 0.0;
 }
 
 // Positions [begin, end) of one tensor, summed with `shift`.
