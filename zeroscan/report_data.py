@@ -1,9 +1,9 @@
-"""Reports as plain data: what the loggers, the plots and the CLI share.
+"""Reports as plain data: what the loggers, the plots, the CLI and Report share.
 
 The loggers and the plots take a Monitor Report or its ``to_dict()`` dict
 alike (`report_dict`), so that a report saved as JSON can be replayed; the
-loggers and the CLI write strict JSON, which has no NaN or infinity
-(`json_safe`).
+loggers, the CLI and Report.to_json_lines write strict JSON, which has no
+NaN or infinity (`json_safe`).
 """
 
 from __future__ import annotations

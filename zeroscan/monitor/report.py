@@ -9,11 +9,11 @@ every tensor and the per-step history.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from zeroscan.report_data import json_safe
 from zeroscan.verdicts import MOSTLY_ZERO, PARTIAL_UNDERFLOW, Cause, Severity, check_fraction
 
 GLOBAL_NAME = "(all parameters)"  # the name of findings about the whole model
@@ -167,8 +167,8 @@ class Report:
         for f in self.findings:
             lines.append({"type": "finding", "step": self.step, **f.to_dict()})
         for t in self.tensors:
-            lines.append({"type": "tensor", "step": self.step, **{k: json_value(v) for k, v in t.items()}})
-        return "".join(json.dumps(line, allow_nan=False) + "\n" for line in lines)
+            lines.append({"type": "tensor", "step": self.step, **t})
+        return "".join(json.dumps(json_safe(line), allow_nan=False) + "\n" for line in lines)
 
     def plot(self, path: str) -> Any:
         """Draws the report with zeroscan.plot.plot_report (needs matplotlib)."""
@@ -196,15 +196,3 @@ class Report:
 
     def __repr__(self) -> str:
         return f"Report(step={self.step}, findings={len(self.findings)}, worst={self.worst.name})"
-
-
-def _json_value(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
-
-
-def json_value(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
