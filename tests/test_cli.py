@@ -24,20 +24,20 @@ from zeroscan.safetensors_io import write_safetensors
 
 ROW_KEYS = {
     "name", "dtype", "shape", "numel", "zeros", "zero_fraction", "subnormal", "near_zero", "nan", "posinf",
-    "neginf", "negative", "min_abs", "min_abs_nonzero", "max_abs", "mean", "std", "norm", "verdict",
+    "neginf", "negative", "min_abs", "min_abs_nonzero", "max_abs", "mean", "std", "norm", "verdict", "role",
     "severity", "reason",
 }  # fmt: skip
 
 
 def planted(g: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random healthy tensors plus one all-zero, one NaN-poisoned and one underflowed tensor."""
+    """Random healthy tensors plus one all-zero weight matrix, one NaN-poisoned and one underflowed tensor."""
     n = int(torch.randint(50, 400, (), generator=g))
     poisoned = torch.randn(n, 3, generator=g)
     k = int(torch.randint(1, 5, (), generator=g))
     poisoned.view(-1)[torch.randperm(3 * n, generator=g)[:k]] = math.nan
     return {
-        "encoder.weight": torch.randn(n, 8, generator=g),
-        "encoder.bias": torch.zeros(n),
+        "encoder.weight": torch.zeros(n, 8),
+        "encoder.bias": torch.randn(n, generator=g),
         "decoder.weight": poisoned,
         "decoder.bias": torch.randn(3, generator=g).to(torch.bfloat16),
         "tiny.weight": torch.randn(7, 5, generator=g) * 1e-41,
@@ -84,7 +84,7 @@ def assert_row_matches(row: dict, x: torch.Tensor) -> None:
 
 def test_scan_table_names_every_tensor_and_verdict(capsys: pytest.CaptureFixture[str], ckpt: Path) -> None:
     rc, out, err = run(capsys, "scan", str(ckpt))
-    assert rc == 0 and err == ""
+    assert rc == 1 and err == ""  # the NaN fails the default --fail-on error
     for name in ("model.encoder.weight", "model.encoder.bias", "model.decoder.weight", "model.tiny.weight"):
         assert name in out
     header = out.splitlines()[1]
@@ -92,17 +92,17 @@ def test_scan_table_names_every_tensor_and_verdict(capsys: pytest.CaptureFixture
                    "mean", "std", "verdict"):
         assert column in header
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("model.")}
-    assert lines["model.encoder.bias"].rstrip().endswith("exact_zero")
+    assert lines["model.encoder.weight"].rstrip().endswith("exact_zero")
     assert lines["model.decoder.weight"].rstrip().endswith("nonfinite")
     assert lines["model.tiny.weight"].rstrip().endswith("underflow")
-    assert lines["model.encoder.weight"].rstrip().endswith("healthy")
+    assert lines["model.encoder.bias"].rstrip().endswith("healthy")
     assert "findings:" in out and "ERROR model.decoder.weight" in out
     assert "epoch" not in lines and "note" not in out
 
 
 def test_scan_json_schema_and_values(capsys: pytest.CaptureFixture[str], ckpt: Path, tensors: dict) -> None:
     rc, doc = scan_json(capsys, str(ckpt))
-    assert rc == 0
+    assert rc == 1
     assert doc["command"] == "scan" and doc["zeroscan"] == zeroscan.__version__ and doc["tol"] is None
     (f,) = doc["files"]
     assert f["path"] == str(ckpt) and f["format"] == "torch" and f["skipped"] == []
@@ -111,10 +111,11 @@ def test_scan_json_schema_and_values(capsys: pytest.CaptureFixture[str], ckpt: P
     for row in f["tensors"]:
         assert_row_matches(row, tensors[row["name"].removeprefix("model.")])
     verdicts = {r["name"]: (r["verdict"], r["severity"]) for r in f["tensors"]}
-    assert verdicts["model.encoder.bias"] == ("exact_zero", "warning")
+    assert verdicts["model.encoder.weight"] == ("exact_zero", "warning")
     assert verdicts["model.decoder.weight"] == ("nonfinite", "error")
     assert verdicts["model.tiny.weight"] == ("underflow", "warning")
-    assert verdicts["model.encoder.weight"] == ("healthy", "ok")
+    assert verdicts["model.encoder.bias"] == ("healthy", "ok")
+    assert {r["name"]: r["role"] for r in f["tensors"]}["model.encoder.bias"] == "bias"
     summary = doc["summary"]
     assert summary == {"files": 1, "tensors": len(tensors), "skipped": 0,
                        "findings": {"info": 0, "warning": 2, "error": 1}, "worst": "error"}
@@ -125,16 +126,18 @@ def test_scan_json_schema_and_values(capsys: pytest.CaptureFixture[str], ckpt: P
 
 
 @pytest.mark.parametrize(
-    ("fail_on", "want"), [("none", 0), ("error", 1), ("warning", 1), ("info", 1)]
+    ("fail_on", "want"), [([], 1), (["--fail-on", "none"], 0), (["--fail-on", "error"], 1),
+                          (["--fail-on", "warning"], 1), (["--fail-on", "info"], 1)]
 )
-def test_fail_on_with_findings(capsys: pytest.CaptureFixture[str], ckpt: Path, fail_on: str, want: int) -> None:
-    assert run(capsys, "scan", str(ckpt), "--fail-on", fail_on)[0] == want
+def test_fail_on_with_findings(capsys: pytest.CaptureFixture[str], ckpt: Path, fail_on: list[str], want: int) -> None:
+    assert run(capsys, "scan", str(ckpt), *fail_on)[0] == want  # the default is error: the NaN fails
 
 
 def test_fail_on_gates_on_the_worst_finding(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     g = fresh_generator()
     path = tmp_path / "warn.pt"
     torch.save({"w": torch.randn(30, generator=g), "b": torch.zeros(5)}, path)  # a warning, no error
+    assert run(capsys, "scan", str(path))[0] == 0
     assert run(capsys, "scan", str(path), "--fail-on", "error")[0] == 0
     assert run(capsys, "scan", str(path), "--fail-on", "warning")[0] == 1
     healthy = tmp_path / "healthy.pt"
@@ -145,10 +148,10 @@ def test_fail_on_gates_on_the_worst_finding(capsys: pytest.CaptureFixture[str], 
 def test_only_findings(capsys: pytest.CaptureFixture[str], ckpt: Path) -> None:
     rc, doc = scan_json(capsys, str(ckpt), "--only-findings")
     names = {r["name"] for r in doc["files"][0]["tensors"]}
-    assert names == {"model.encoder.bias", "model.decoder.weight", "model.tiny.weight"}
+    assert names == {"model.encoder.weight", "model.decoder.weight", "model.tiny.weight"}
     assert doc["summary"]["tensors"] == 6  # the summary counts every tensor
     rc, out, _ = run(capsys, "scan", str(ckpt), "--only-findings")
-    assert "model.encoder.weight " not in out and "model.encoder.bias" in out
+    assert "model.encoder.bias " not in out and "model.encoder.weight" in out
 
 
 def test_only_findings_on_a_healthy_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -156,6 +159,22 @@ def test_only_findings_on_a_healthy_file(capsys: pytest.CaptureFixture[str], tmp
     torch.save({"w": torch.randn(10, generator=fresh_generator()) + 5}, path)
     rc, out, _ = run(capsys, "scan", str(path), "--only-findings")
     assert rc == 0 and "no tensor has a finding" in out and "no findings" in out
+
+
+@pytest.mark.parametrize(
+    ("saved", "want"),
+    [({"w": torch.zeros(3, 3)}, ["(torch, 1 tensor, 36 B)", "1 tensor scanned, 1 finding (1 warning)"]),
+     ({"w": torch.zeros(3, 3), "v": torch.zeros(2, 2), "x": torch.full((4,), 2.0)},
+      ["(torch, 3 tensors, 68 B)", "3 tensors scanned, 3 findings (2 warnings, 1 info)"])],
+)
+def test_counts_in_the_text_agree_in_number(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, saved: dict[str, torch.Tensor], want: list[str]
+) -> None:
+    path = tmp_path / "t.pt"
+    torch.save(saved, path)
+    rc, out, _ = run(capsys, "scan", str(path))
+    for text in want:
+        assert text in out
 
 
 @pytest.mark.parametrize("key", ["order", "name", "numel", "zeros", "subnormal", "near-zero", "nan", "severity"])
@@ -170,7 +189,7 @@ def test_sort(capsys: pytest.CaptureFixture[str], ckpt: Path, tensors: dict, key
     elif key == "numel":
         assert [r["numel"] for r in rows] == sorted((r["numel"] for r in rows), reverse=True)
     elif key == "zeros":
-        assert names[0] == "model.encoder.bias"
+        assert names[0] == "model.encoder.weight"
     elif key in ("subnormal", "near-zero"):
         assert names[0] == "model.tiny.weight"
     elif key == "nan":
@@ -230,13 +249,13 @@ def test_integer_all_zero_is_only_info_and_odd_dtypes(capsys: pytest.CaptureFixt
     g = fresh_generator()
     c = torch.randn(6, dtype=torch.complex64, generator=g)
     path = tmp_path / "odd.pt"
-    torch.save({"num_batches_tracked": torch.tensor(0), "c": c, "u": torch.zeros(3, dtype=torch.uint16),
-                "mask": torch.zeros(4, dtype=torch.bool)}, path)
+    torch.save({"token_type_ids": torch.zeros(2, 7, dtype=torch.int64), "c": c,
+                "u": torch.zeros(3, dtype=torch.uint16), "mask": torch.zeros(4, dtype=torch.bool)}, path)
     rc, doc = scan_json(capsys, str(path), "--fail-on", "warning")
     f = doc["files"][0]
     rows = {r["name"]: r for r in f["tensors"]}
     assert rc == 0
-    assert rows["num_batches_tracked"]["severity"] == "info" and "integer" in rows["num_batches_tracked"]["reason"]
+    assert rows["token_type_ids"]["severity"] == "info" and "integer" in rows["token_type_ids"]["reason"]
     assert rows["mask"]["severity"] == "info"
     assert rows["c"]["numel"] == 12  # real and imaginary parts
     assert rows["c"]["zeros"] == int((torch.view_as_real(c) == 0).sum())
@@ -376,7 +395,7 @@ def test_progress_lines_without_tqdm(
 ) -> None:
     monkeypatch.setitem(sys.modules, "tqdm", None)  # as if tqdm were not installed
     rc, out, err = run(capsys, "scan", str(ckpt), "--progress")
-    assert rc == 0 and "scanning model.pt: 100%" in err
+    assert rc == 1 and "scanning model.pt: 100%" in err
     rc, out, err = run(capsys, "scan", str(ckpt), "--no-progress")
     assert err == ""
     rc, out, err = run(capsys, "scan", str(ckpt))  # small file, not a terminal: quiet
@@ -408,16 +427,21 @@ def test_diff(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert rows["a"]["status"] == "changed" and rows["a"]["changed"] == k
     assert rows["a"]["changed_fraction"] == pytest.approx(k / 40)
     assert rows["a"]["max_abs_diff"] == pytest.approx(float((a2 - before["a"]).abs().max()), rel=1e-6)
-    assert rows["frozen"]["status"] == "identical" and rows["frozen"]["severity"] == "warning"
+    assert rows["frozen"]["status"] == "identical" and rows["frozen"]["severity"] == "info"
+    assert rows["frozen"]["reason"] == "unchanged while 1 other tensor changed"
     assert rows["nan"]["status"] == "identical"  # bit-identical, although NaN != NaN
     assert rows["count"]["status"] == "identical" and rows["count"]["severity"] == "ok"  # integer
     assert rows["gone"]["status"] == "removed" and rows["new"]["status"] == "added"
     assert rows["grows"]["status"] == "reshaped" and rows["kind"]["status"] == "retyped"
     assert list(rows)[-1] == "new"
     assert doc["summary"] == {"changed": 1, "identical": 3, "added": 1, "removed": 1, "reshaped": 1,
-                              "retyped": 1, "unread": 0, "worst": "warning"}
-    assert run(capsys, "scan", str(pa), str(pb), "--diff", "--fail-on", "warning")[0] == 1
+                              "retyped": 1, "unread": 0, "worst": "info"}
+    assert doc["trained_from_first"] is False
+    assert run(capsys, "scan", str(pa), str(pb), "--diff", "--fail-on", "warning")[0] == 0
+    assert run(capsys, "scan", str(pa), str(pb), "--diff", "--trained-from-first", "--fail-on", "warning")[0] == 1
     rc, out, _ = run(capsys, "scan", str(pa), str(pb), "--diff", "--only-findings")
+    assert "frozen" in out and "unchanged" in out and "never updated" not in out
+    rc, out, _ = run(capsys, "scan", str(pa), str(pb), "--diff", "--only-findings", "--trained-from-first")
     assert "frozen" in out and "never updated" in out
     assert not any(line.split()[:2] == ["a", "float32"] for line in out.splitlines() if line)  # changed: no finding
     rc, out, _ = run(capsys, "scan", str(pa), str(pa), "--diff", "--fail-on", "info")
@@ -437,6 +461,8 @@ def test_diff_usage_errors(capsys: pytest.CaptureFixture[str], ckpt: Path) -> No
     assert rc == 2 and "exactly two" in err and err.count("\n") == 1
     rc, out, err = run(capsys, "scan", str(ckpt), str(ckpt), "--diff", "--plot", "x.png")
     assert rc == 2 and "--plot" in err
+    rc, out, err = run(capsys, "scan", str(ckpt), "--trained-from-first")
+    assert rc == 2 and "--diff" in err and err.count("\n") == 1
 
 
 # --- errors: one line, exit 2, no traceback --------------------------------------------------

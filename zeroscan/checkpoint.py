@@ -264,7 +264,9 @@ def scan_checkpoint(
     progress: ProgressFn | None = None,
     batch_bytes: int = 64 << 20,
 ) -> CheckpointScan:
-    """Scans every tensor of a checkpoint and diagnoses each (zeroscan.diagnose_stats);
+    """Scans every tensor of a checkpoint and diagnoses each (zeroscan.diagnose_stats)
+    in its role (zeroscan.roles): a zero bias or BatchNorm running mean is OK,
+    an all-zero weight matrix a warning, a NaN an error in any role; other
     findings on integer and bool tensors are at most "info".
 
     Tensors are scanned a batch at a time (up to `batch_bytes`, one native
@@ -274,6 +276,7 @@ def scan_checkpoint(
     each batch.
     """
     from zeroscan.diagnosis import Severity, diagnose_stats
+    from zeroscan.roles import judge_in_role, tensor_role
     from zeroscan.stats import stats_many
 
     with open_checkpoint(path) as ckpt:
@@ -290,11 +293,13 @@ def scan_checkpoint(
             results = stats_many([t for _, t in batch], tol=tol)
             for (entry, t), s in zip(batch, results):
                 d = diagnose_stats(s, mostly_zero=mostly_zero)
-                severity, reason = d.severity.name.lower(), d.reason
-                if not t.is_floating_point() and d.severity > Severity.INFO:
-                    # counters, indices, masks (num_batches_tracked, token_type_ids): all zero is normal
-                    severity, reason = "info", f"{reason} (an integer tensor: a counter, index or mask, so only info)"
-                rows.append(scan_row(entry, s.to_dict(), d.verdict.value, severity, reason))
+                role = tensor_role(entry.name, entry.shape)
+                severity, reason = judge_in_role(role, d.verdict.cause, d.severity, d.reason)
+                if not t.is_floating_point() and severity > Severity.INFO:
+                    # indices and masks (token_type_ids, attention_mask): all zero is normal
+                    reason = f"{reason} (an integer tensor: a counter, index or mask, so only info)"
+                    severity = Severity.INFO
+                rows.append(scan_row(entry, s.to_dict(), d.verdict.value, role.value, severity.name.lower(), reason))
                 done += entry.nbytes
             batch.clear()
             if progress is not None:
@@ -334,7 +339,9 @@ def unscannable_reason(entry: TensorEntry) -> str | None:
     return None
 
 
-def scan_row(entry: TensorEntry, s: dict[str, object], verdict: str, severity: str, reason: str) -> dict[str, object]:
+def scan_row(
+    entry: TensorEntry, s: dict[str, object], verdict: str, role: str, severity: str, reason: str
+) -> dict[str, object]:
     numel = int(s["numel"])  # type: ignore[call-overload]
     zeros = int(s["zeros"])  # type: ignore[call-overload]
     return {
@@ -357,6 +364,7 @@ def scan_row(entry: TensorEntry, s: dict[str, object], verdict: str, severity: s
         "std": s["std"],
         "norm": s["norm"],
         "verdict": verdict,
+        "role": role,
         "severity": severity,
         "reason": reason,
     }

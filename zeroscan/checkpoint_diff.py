@@ -1,7 +1,10 @@
 """Comparing two checkpoints tensor by tensor, bit for bit: which tensors
 changed (how many elements, by how much), which stayed bit-identical, and
 which were added, removed, reshaped or retyped. A floating-point tensor left
-bit-identical while others changed is a warning: the optimizer never updated it.
+bit-identical while others changed is "unchanged" (info): a frozen backbone or
+a fine-tune that touched only a head does that on purpose. Only when the second
+file was trained from the first (trained_from_first=True) is it a warning: the
+optimizer never updated it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import torch
 
 from zeroscan.checkpoint import ProgressFn, open_checkpoint
+from zeroscan.words import count_noun
 
 # Integer views of each element width, so bits are compared, not values (NaN == NaN,
 # -0.0 != 0.0); a 16-byte element (complex128) is compared as two int64 words.
@@ -21,6 +25,7 @@ def diff_checkpoints(
     a: str | os.PathLike[str],
     b: str | os.PathLike[str],
     *,
+    trained_from_first: bool = False,
     progress: ProgressFn | None = None,
     chunk_elements: int = 1 << 22,
 ) -> list[dict[str, object]]:
@@ -31,8 +36,13 @@ def diff_checkpoints(
     "reshaped" or "retyped"; for changed tensors the number and fraction of
     elements whose bits differ and the largest |a - b| over values where
     neither is NaN. A floating-point tensor left bit-identical while others
-    changed is a warning: the optimizer never updated it.
+    changed is "unchanged" (info), or with `trained_from_first` (b is a's
+    model after more training) a warning: the optimizer never updated it.
     """
+    if not isinstance(trained_from_first, bool):
+        raise TypeError(
+            f"zeroscan.diff_checkpoints: trained_from_first must be a bool, got {type(trained_from_first).__name__}"
+        )
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
         rows: list[dict[str, object]] = []
         total = sum(e.nbytes for e in ca.entries if e.name in cb)
@@ -74,9 +84,11 @@ def diff_checkpoints(
             dtype = getattr(torch, str(r["dtype"]), None)
             floating = isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)
             if r["status"] == "identical" and floating and r["numel"]:
-                r["severity"] = "warning"
-                others = f"{n_changed} other tensor{'s' if n_changed != 1 else ''}"
-                r["reason"] = f"bit-identical while {others} changed: never updated"
+                others = f"{count_noun(n_changed, 'other tensor')} changed"
+                if trained_from_first:
+                    r["severity"], r["reason"] = "warning", f"bit-identical while {others}: never updated"
+                else:
+                    r["severity"], r["reason"] = "info", f"unchanged while {others}"
     return rows
 
 

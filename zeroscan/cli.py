@@ -4,10 +4,14 @@
     zeroscan scan a.pt b.pt --diff   which tensors changed, which stayed bit-identical
     zeroscan demo                    a short tour of every verdict on built-in examples
 
-Exit status: 0 when all went well; 1 when `--fail-on SEVERITY` is given and a
-finding at or above it exists (so a CI step can gate on a checkpoint); 2 for
-a usage error or a file that cannot be read (one line on stderr, never a
-traceback); 130 when interrupted.
+Exit status: 0 when all went well; 1 when a finding at or above `--fail-on`
+exists (default error, so a NaN fails a CI step as a linter's error does;
+`--fail-on none` never fails); 2 for a usage error or a file that cannot be
+read (one line on stderr, never a traceback); 130 when interrupted.
+
+Each tensor is judged in its role (zeroscan.roles): a zero bias, a
+normalisation layer's ones, BatchNorm's running statistics are OK; an
+all-zero weight matrix or kernel is a warning; NaN/Inf an error in any role.
 
 `scan --json` writes one JSON object to stdout (floats that are NaN or
 infinite are written as null; the counts say which):
@@ -18,11 +22,11 @@ infinite are written as null; the counts say which):
      "summary": {"files", "tensors", "skipped", "findings": {"info", "warning", "error"}, "worst"}}
     ROW: {"name", "dtype", "shape", "numel", "zeros", "zero_fraction", "subnormal", "near_zero",
           "nan", "posinf", "neginf", "negative", "min_abs", "min_abs_nonzero", "max_abs",
-          "mean", "std", "norm", "verdict", "severity", "reason"}
+          "mean", "std", "norm", "verdict", "role", "severity", "reason"}
 
 and with `--diff`:
 
-    {"zeroscan": VERSION, "command": "diff", "a", "b",
+    {"zeroscan": VERSION, "command": "diff", "a", "b", "trained_from_first": bool,
      "tensors": [{"name", "dtype", "shape", "numel", "status", "severity", "reason",
                   "changed", "changed_fraction", "max_abs_diff"}],   # the last three when compared
      "summary": {"changed", "identical", "added", "removed", "reshaped", "retyped", "unread", "worst"}}
@@ -41,6 +45,7 @@ from typing import Any, TextIO
 
 from zeroscan.cli_format import Progress, Style, fmt_bytes, fmt_count, fmt_num, fmt_percent, fmt_shape, render_table
 from zeroscan.report_data import json_safe
+from zeroscan.words import count_noun, is_are
 
 SEVERITIES = ("ok", "info", "warning", "error")
 RANK = {s: i for i, s in enumerate(SEVERITIES)}
@@ -120,12 +125,10 @@ def findings_words(counts: dict[str, int]) -> str:
     total = sum(counts.values())
     if not total:
         return "no findings"
-    parts = [
-        f"{counts[s]} {s}{'s' if counts[s] != 1 and s != 'info' else ''}"
-        for s in ("error", "warning", "info")
-        if counts[s]
-    ]
-    return f"{total} finding{'s' if total != 1 else ''} ({', '.join(parts)})"
+    # "info" is a mass noun and takes no plural s: "2 info", "2 warnings".
+    parts = [count_noun(counts[s], s, "info" if s == "info" else None)
+             for s in ("error", "warning", "info") if counts[s]]
+    return f"{count_noun(total, 'finding')} ({', '.join(parts)})"
 
 
 def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
@@ -133,6 +136,8 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
 
     if args.diff:
         return cmd_diff(args, out)
+    if args.trained_from_first:
+        raise UsageError("--trained-from-first says how the two files of --diff relate; add --diff")
     style = Style(out)
     files = []
     for path in args.paths:
@@ -199,7 +204,8 @@ def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO)
     rows = sort_rows(shown(f.rows, args.only_findings), args.sort)
     nbytes = f.nbytes
     counts = count_findings(f.rows)
-    out.write(style(f"{f.path}", "bold") + f"  ({f.format}, {len(f.rows)} tensors, {fmt_bytes(nbytes)})\n")
+    size = f"{f.format}, {count_noun(len(f.rows), 'tensor')}, {fmt_bytes(nbytes)}"
+    out.write(style(f"{f.path}", "bold") + f"  ({size})\n")
     if rows:
         out.write("\n".join(scan_table(rows, style)) + "\n")
     elif args.only_findings:
@@ -211,7 +217,7 @@ def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO)
             out.write(f"  {style(r['severity'].upper(), r['severity'])} {r['name']}: {r['verdict']}: {r['reason']}\n")
     for s in f.skipped:
         out.write(f"  skipped {s['name']} ({s['dtype']}): {s['reason']}\n")
-    out.write(f"\n{len(f.rows)} tensors scanned, {findings_words(counts)}\n")
+    out.write(f"\n{count_noun(len(f.rows), 'tensor')} scanned, {findings_words(counts)}\n")
 
 
 def exit_status(worst: str, fail_on: str) -> int:
@@ -238,7 +244,7 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
         size = ca.nbytes
     progress = Progress(f"comparing {Path(a).name}", size, args.progress)
     try:
-        rows = diff_checkpoints(a, b, progress=progress)
+        rows = diff_checkpoints(a, b, trained_from_first=args.trained_from_first, progress=progress)
     finally:
         progress.close()
     summary: dict[str, Any] = {s: sum(1 for r in rows if r["status"] == s) for s in DIFF_STATUSES}
@@ -249,7 +255,8 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     if args.sort in order:
         shown_rows = sorted(shown_rows, key=order[args.sort])
     if args.json:
-        doc = {"zeroscan": version(), "command": "diff", "a": a, "b": b, "tensors": shown_rows, "summary": summary}
+        doc = {"zeroscan": version(), "command": "diff", "a": a, "b": b,
+               "trained_from_first": args.trained_from_first, "tensors": shown_rows, "summary": summary}
         json.dump(json_safe(doc), out, indent=1)
         out.write("\n")
     else:
@@ -265,11 +272,18 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
         if cells:
             out.write("\n".join(render_table(headers, cells, {4, 5}, colors, style, color_col=3)) + "\n")
         words = ", ".join(f"{summary[s]} {s}" for s in DIFF_STATUSES if summary[s])
-        out.write(f"\n{len(rows)} names: {words or 'none'}\n")
-        if summary["identical"] and summary["changed"]:
+        out.write(f"\n{count_noun(len(rows), 'name')}: {words or 'none'}\n")
+        never = sum(1 for r in rows if r["status"] == "identical" and r["severity"] == "warning")
+        unchanged = sum(1 for r in rows if r["status"] == "identical" and r["severity"] == "info")
+        if never:
             out.write("a floating-point tensor left bit-identical while others changed was never updated "
                       "between the two checkpoints: frozen, missing from the optimizer, or its gradient "
                       "was always zero\n")
+        elif unchanged:
+            # Unchanged is how a frozen backbone looks, so it is only a warning when the user says so.
+            out.write(f"{count_noun(unchanged, 'floating-point tensor')} {is_are(unchanged)} unchanged; "
+                      "if the second file was trained from the first, --trained-from-first makes "
+                      f"{'it a warning' if unchanged == 1 else 'them warnings'}\n")
     return exit_status(summary["worst"], args.fail_on)
 
 
@@ -316,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="zeroscan",
         description="Is this tensor truly zero, underflowed, non-finite, or healthy? "
         "Scan checkpoints, tour the verdicts.",
-        epilog="exit status: 0 ok, 1 a finding at or above --fail-on, "
+        epilog="exit status: 0 ok, 1 a finding at or above --fail-on (default error), "
         "2 an unreadable file or a usage error",
     )
     parser.add_argument("--version", action="version", version=f"zeroscan {version()}")
@@ -335,10 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
                            "(with --diff: order, name, numel or severity)")
     scan.add_argument("--only-findings", action="store_true", help="list only tensors with a finding")
     scan.add_argument("--json", action="store_true", help="write one JSON object to stdout instead of tables")
-    scan.add_argument("--fail-on", choices=("info", "warning", "error", "none"), default="none",
-                      help="exit 1 when a finding at or above this severity exists (default: none)")
+    scan.add_argument("--fail-on", choices=("info", "warning", "error", "none"), default="error",
+                      help="exit 1 when a finding at or above this severity exists (default: error, so a "
+                           "NaN or Inf fails; none: never)")
     scan.add_argument("--diff", action="store_true",
-                      help="compare two checkpoints: changed, bit-identical, added and removed tensors")
+                      help="compare two checkpoints: changed, bit-identical, added and removed tensors "
+                           "(a floating-point tensor left bit-identical is 'unchanged', an info)")
+    scan.add_argument("--trained-from-first", action="store_true",
+                      help="with --diff: the second file was trained from the first, so a floating-point "
+                           "tensor left bit-identical while others changed was never updated (a warning)")
     scan.add_argument("--plot", metavar="PNG", help="also draw the scan to this image (needs matplotlib)")
     scan.add_argument("--tol", type=tolerance, default=None,
                       help="near-zero threshold (default: each dtype's machine epsilon)")

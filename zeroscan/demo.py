@@ -169,7 +169,7 @@ def run_demo(out: TextIO | None = None, plot: str | None = None) -> int:
         tensor_cases(tour, g)
         model_cases(tour, g, plot)
     tour.say()
-    tour.say("Next: `zeroscan scan model.pt` (add --json, --fail-on error, --plot scan.png), "
+    tour.say("Next: `zeroscan scan model.pt` (add --json, --fail-on warning, --plot scan.png), "
              "`zeroscan scan a.pt b.pt --diff`, and zeroscan.Monitor(model, optimizer) in your training loop.")
     if tour.unexpected:
         sys.stderr.write("zeroscan demo: unexpected results: " + "; ".join(tour.unexpected) + "\n")

@@ -32,6 +32,7 @@ import torch
 from zeroscan.stats import Stats, stats_many
 from zeroscan.stats import stats as scan
 from zeroscan.verdicts import MOSTLY_ZERO, PARTIAL_UNDERFLOW, Cause, Severity, check_fraction
+from zeroscan.words import count_noun, is_are
 
 __all__ = [
     "MOSTLY_ZERO", "PARTIAL_UNDERFLOW", "Diagnosis", "Severity", "Verdict",
@@ -160,14 +161,16 @@ def _judge(s: Stats, mostly_zero: float, partial_underflow: float) -> tuple[Verd
         return Verdict.EMPTY, f"the {dtype} tensor has no elements, so there is nothing to judge"
     nonfinite = s.nan + s.posinf + s.neginf
     if nonfinite:
-        parts = [f"{k} {name}" for k, name in ((s.nan, "NaN"), (s.posinf, "+inf"), (s.neginf, "-inf")) if k]
+        # "+inf" and "-inf" are symbols and take no plural s; "NaN" is a word and does.
+        kinds = ((s.nan, "NaN", "NaNs"), (s.posinf, "+inf", "+inf"), (s.neginf, "-inf", "-inf"))
+        parts = [count_noun(k, one, many) for k, one, many in kinds if k]
         return Verdict.NONFINITE, (
-            f"{_share(nonfinite, n)} of the {n} values are not finite ({', '.join(parts)}); "
-            "everything computed from them is poisoned"
+            f"{_some_of(nonfinite, n)} not finite ({', '.join(parts)}); "
+            f"everything computed from {'it' if nonfinite == 1 else 'them'} is poisoned"
         )
     zeros = s.zeros
     if zeros == n:
-        return Verdict.EXACT_ZERO, f"all {n} values are exactly zero"
+        return Verdict.EXACT_ZERO, f"{'the only value is' if n == 1 else f'all {n} values are'} exactly zero"
     nonzero = n - zeros
     tiny = s.near_zero
     if tiny == nonzero:
@@ -179,19 +182,20 @@ def _judge(s: Stats, mostly_zero: float, partial_underflow: float) -> tuple[Verd
         )
     if zeros / n >= mostly_zero:
         return Verdict.MOSTLY_ZERO, (
-            f"{_share(zeros, n)} of the {n} values are exactly zero "
+            f"{_some_of(zeros, n)} exactly zero "
             f"(threshold {mostly_zero:.3g})"
         )
     if s.subnormal and s.subnormal / nonzero >= partial_underflow:
         return Verdict.PARTIAL_UNDERFLOW, (
-            f"{_share(s.subnormal, nonzero)} of the nonzero values are subnormal in {dtype} "
-            f"(below {torch.finfo(s.dtype).tiny:.3g}), so they have lost precision "
+            f"{_some_of(s.subnormal, nonzero, 'nonzero value')} subnormal in {dtype} "
+            f"(below {torch.finfo(s.dtype).tiny:.3g}), so {'it has' if s.subnormal == 1 else 'they have'} "
+            "lost precision "
             f"(threshold {partial_underflow:.3g})"
         )
     if n >= 2 and s.min_abs == s.max_abs and abs(s.mean) == s.max_abs:  # same |x|, same sign
         return Verdict.CONSTANT, f"all {n} values equal {s.mean:.6g}"
     return Verdict.HEALTHY, (
-        f"{n} finite values, {_share(zeros, n)} exactly zero, |x| up to {s.max_abs:.3g}"
+        f"{count_noun(n, 'finite value')}, {_share(zeros, n)} exactly zero, |x| up to {s.max_abs:.3g}"
     )
 
 
@@ -207,6 +211,17 @@ def _share(part: int, whole: int) -> str:
     if part == whole:
         return "all"
     pct = 100.0 * part / whole
-    if pct < 0.01:
+    text = f"{pct:.3g}"
+    if pct < 0.01 or text == "100" or not math.isfinite(pct):  # "100%" would read as "all"
         return f"{part}"
-    return f"{pct:.3g}%" if math.isfinite(pct) else str(part)
+    return f"{text}%"
+
+
+def _some_of(part: int, whole: int, noun: str = "value") -> str:
+    """The subject and its verb, agreeing in number: "the only value is",
+    "all of the 5 values are", "1 of the 20000 values is", "5% of the 200 values are"."""
+    if part == whole == 1:
+        return f"the only {noun} is"
+    share = _share(part, whole)
+    verb = is_are(part) if share == str(part) else "are"  # "all" and a percentage are plural
+    return f"{share} of the {whole} {noun}s {verb}"

@@ -1,0 +1,23 @@
+"""Counts in words that agree in number: "1 NaN is", "2 NaNs are".
+
+Every message that puts a count before a noun or a verb builds it here, so
+that a tensor of one value never reads "1 values are".
+"""
+
+from __future__ import annotations
+
+
+def count_noun(n: int, singular: str, plural: str | None = None) -> str:
+    """`n` and the noun in the number `n` asks for: count_noun(1, "NaN") is
+    "1 NaN", count_noun(3, "NaN") "3 NaNs"; `plural` for an irregular noun
+    (count_noun(2, "info", "info"))."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"zeroscan.words.count_noun: n must be an int, got {type(n).__name__}")
+    return f"{n} {singular if n == 1 else (plural if plural is not None else singular + 's')}"
+
+
+def is_are(n: int) -> str:
+    """The verb for a subject of `n` things: "is" for 1, "are" otherwise (0 included)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"zeroscan.words.is_are: n must be an int, got {type(n).__name__}")
+    return "is" if n == 1 else "are"
