@@ -36,6 +36,8 @@ class Cause(str, enum.Enum):
     FROZEN = "frozen"
     UNUSED = "unused"
     NO_BACKWARD = "no_backward"
+    GRAD_CLEARED = "grad_cleared"
+    CONDITIONAL = "conditional"
     NOT_REACHED = "not_reached"
     NOT_IN_OPTIMIZER = "not_in_optimizer"
     PLAIN_ATTRIBUTE = "plain_attribute"
@@ -46,6 +48,9 @@ class Cause(str, enum.Enum):
     FROZEN_IN_TIME = "frozen_in_time"
     NORM_DRIFT = "norm_drift"
     ZERO_FRACTION_RISING = "zero_fraction_rising"
+    # Steps: optimizer.step() skipped (GradScaler), or never seen.
+    SKIPPED_STEPS = "skipped_steps"
+    NO_STEP = "no_step"
     # Activations.
     DEAD_UNITS = "dead_units"
     SATURATED_SOFTMAX = "saturated_softmax"

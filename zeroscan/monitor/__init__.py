@@ -15,8 +15,17 @@ auto=False), call `monitor.step()` once per optimizer step, after backward()
 and any clipping, before zero_grad(); `monitor.step(loss)` also lets the
 cause analysis start from the loss instead of the model's outputs.
 
-What one monitored step costs: one zeroscan stats_many call per device over
-every gradient and every weight. Its int64 result buffer stays on the device
+A step is opened when a backward pass through the model's outputs finishes
+(backward.py): its gradients are scanned then, so a step whose
+optimizer.step() never runs (GradScaler skips it on inf/NaN) is still
+recorded. Gradients reset after it with no step mean a skipped step;
+gradients left untouched until the next backward pass mean gradient
+accumulation, and the step goes on. A module or parameter assigned to the
+model later (a new head) is taken in at the next step (structure.py).
+
+What one monitored step costs: two zeroscan stats_many calls per device, one
+over the gradients when backward ends and one over every gradient and
+weight at the optimizer step. Their int64 result buffers stay on the device
 in a bounded ring (`history` steps); nothing is read, so there is no host
 sync, until `report()` copies the ring once per device and judges it.
 

@@ -18,6 +18,7 @@ require grad but were never registered as parameters.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,6 +51,7 @@ class Probe(TorchFunctionMode):
         self.no_grad_modules: set[str] = set()
         self.used: dict[int, str] = {}
         self.no_grad_use: dict[int, str] = {}
+        self.reentrant: set[int] = set()  # used inside torch.utils.checkpoint(use_reentrant=True)
         self.detached: dict[int, str] = {}
         self.cuts: list[tuple[str, str]] = []
         self.handles: list[Any] = []
@@ -79,6 +81,8 @@ class Probe(TorchFunctionMode):
                     self.used.setdefault(i, where)
                 else:
                     self.no_grad_use.setdefault(i, where)
+                    if in_reentrant_checkpoint():
+                        self.reentrant.add(i)
         if cut is not None and args and isinstance(args[0], torch.Tensor):
             first = args[0]
             if first.requires_grad and id(first) not in self.pindex and len(self.cuts) < 16:
@@ -93,6 +97,20 @@ class Probe(TorchFunctionMode):
     def leave_module(self) -> None:
         if self.stack:
             self.stack.pop()
+
+
+def in_reentrant_checkpoint() -> bool:
+    """Whether the caller runs inside the forward of torch.utils.checkpoint's
+    reentrant implementation (which runs its function under no_grad)."""
+    frame = sys._getframe(1)
+    for _ in range(64):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def tensors_in(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
@@ -141,16 +159,15 @@ class CauseFinder:
             probe.active = True
             probe.__enter__()
 
-    def forward_finished(self, output: Any, monitored: bool) -> None:
-        """A forward pass of the model ended (also by an exception)."""
+    def forward_finished(self, roots: list[Any], monitored: bool) -> None:
+        """A forward pass of the model ended (also by an exception); `roots`:
+        the grad_fns of its outputs."""
         probe = self._probe
         if probe is not None and probe.active:
             probe.__exit__(None, None, None)
             probe.active = False
             probe.done = True
         if monitored and torch.is_grad_enabled():
-            roots: list[Any] = []
-            output_grad_fns(output, roots)
             self.roots = roots  # the latest forward pass of this step
 
     def step_finished(self, monitored: bool) -> None:
@@ -196,9 +213,13 @@ class CauseFinder:
         probe.handles.clear()
         self._probe = None
 
-    def explain(self, missing: list[int], loss: torch.Tensor | None) -> dict[int, tuple[Cause, str]]:
+    def explain(
+        self, missing: list[int], loss: torch.Tensor | None, backward_seen: bool | None = None
+    ) -> dict[int, tuple[Cause, str]]:
         """Why each parameter in `missing` (indices) has no gradient:
-        {index: (cause, message)}; answers that cannot change are kept."""
+        {index: (cause, message)}; answers that cannot change are kept.
+        `backward_seen`: whether a backward pass went through the outputs of
+        the latest forward pass (None: not known)."""
         causes = {i: self._causes[i] for i in missing if i in self._causes}
         rest = [i for i in missing if i not in causes]
         if not rest:
@@ -211,7 +232,7 @@ class CauseFinder:
             from_loss = self._reachable([loss.grad_fn])
         probe = self._probe if self._probe is not None and self._probe.done else None
         for i in rest:
-            cause, message, stable = self._why_none(i, roots, reached, from_loss, probe, loss)
+            cause, message, stable = self._why_none(i, roots, reached, from_loss, probe, loss, backward_seen)
             causes[i] = (cause, message)
             if stable:
                 self._causes[i] = (cause, message)
@@ -246,6 +267,7 @@ class CauseFinder:
         from_loss: set[int] | None,
         probe: Probe | None,
         loss: torch.Tensor | None,
+        backward_seen: bool | None,
     ) -> tuple[Cause, str, bool]:
         """(cause, message, stable): `reached` holds the parameters that the
         graph of the outputs reaches, `from_loss` those the loss reaches."""
@@ -255,6 +277,18 @@ class CauseFinder:
             return Cause.UNUSED, (
                 f"{name} feeds the model's outputs, but the loss does not use the output it feeds "
                 "(an auxiliary head or output left out of the loss)"
+            ), False
+        if (i in reached or (from_loss is not None and i in from_loss)) and backward_seen is False:
+            return Cause.NO_BACKWARD, (
+                f"{name} is in the autograd graph of the model's outputs, but no backward pass through "
+                "those outputs ran since the forward pass: backward() was not called on a loss built from "
+                "them, or the loss was rebuilt from a Python number (loss.item(), float(loss), "
+                "torch.tensor(loss)), which carries no graph back to the model"
+            ), False
+        if (i in reached or (from_loss is not None and i in from_loss)) and backward_seen:
+            return Cause.NO_BACKWARD, (
+                f"backward() went through the model's outputs but left {name} without a gradient: "
+                "torch.autograd.grad or backward(inputs=...) computes gradients without storing them in .grad"
             ), False
         if i in reached or (from_loss is not None and i in from_loss):
             return Cause.NO_BACKWARD, (
@@ -282,6 +316,13 @@ class CauseFinder:
                 return Cause.UNUSED, (
                     f"{name} is used in forward (by {where}) but its result never reaches the model's "
                     "outputs (computed, then discarded)"
+                ), True
+            if i in probe.reentrant:
+                where = module_label(self.model, probe.no_grad_use[i])
+                return Cause.DETACHED, (
+                    f"{name} is used in {where} inside torch.utils.checkpoint(..., use_reentrant=True), and "
+                    "no input of that checkpoint requires grad: the reentrant checkpoint then records "
+                    "nothing for backward; pass use_reentrant=False (or give it an input that requires grad)"
                 ), True
             if i in probe.no_grad_use:
                 where = module_label(self.model, probe.no_grad_use[i])
@@ -321,18 +362,26 @@ def module_label(model: nn.Module, name: str) -> str:
 
 
 def unregistered_state(model: nn.Module) -> list[Finding]:
-    """Tensors that require grad but are not parameters of `model`, so that
-    neither model.parameters() nor an optimizer ever sees them."""
+    """Trainable state that `model` does not register, so that neither
+    model.parameters() nor an optimizer ever sees it: tensors that require
+    grad kept as plain attributes or buffers, and modules or parameters kept
+    in Python lists, tuples or dicts where nn.ModuleList, nn.ParameterList,
+    nn.ModuleDict or nn.ParameterDict was meant."""
+    registered = {id(p) for p in model.parameters()}
+    modules = {id(m) for m in model.modules()}
     out: list[Finding] = []
     for mod_name, module in model.named_modules():
+        owner = module_label(model, mod_name)
         for attr, value in vars(module).items():
+            name = f"{mod_name}.{attr}" if mod_name else attr
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.requires_grad:
-                name = f"{mod_name}.{attr}" if mod_name else attr
                 out.append(Finding(name, "param", Severity.WARNING, Cause.PLAIN_ATTRIBUTE, (
-                    f"{name} requires grad but is a plain tensor attribute of {module_label(model, mod_name)}, "
+                    f"{name} requires grad but is a plain tensor attribute of {owner}, "
                     "not an nn.Parameter: model.parameters(), the optimizer and state_dict() never see it, "
                     f"so it is never trained; wrap it: self.{attr} = nn.Parameter(...)"
                 )))
+            elif isinstance(value, (list, tuple, dict)):
+                out += _unregistered_in_container(name, owner, value, registered, modules)
         for attr, value in module._buffers.items():
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 name = f"{mod_name}.{attr}" if mod_name else attr
@@ -341,3 +390,36 @@ def unregistered_state(model: nn.Module) -> list[Finding]:
                     "the optimizer never sees it; use nn.Parameter"
                 )))
     return out
+
+
+def _unregistered_in_container(
+    name: str, owner: str, value: list | tuple | dict, registered: set[int], modules: set[int]
+) -> list[Finding]:
+    """The trainable modules and parameters inside one plain container
+    attribute that the model does not register."""
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    kind = "dict" if isinstance(value, dict) else type(value).__name__
+    found: list[str] = []
+    module_like = False
+    for key, item in items:
+        if isinstance(item, nn.Module):
+            trainable = [p for p in item.parameters() if p.requires_grad]
+            if id(item) not in modules and trainable and not any(id(p) in registered for p in trainable):
+                found.append(f"{name}[{key!r}]")
+                module_like = True
+        elif isinstance(item, torch.Tensor) and item.requires_grad and id(item) not in registered:
+            found.append(f"{name}[{key!r}]")
+    if not found:
+        return []
+    if module_like:
+        fix = "nn.ModuleDict" if kind == "dict" else "nn.ModuleList"
+        what = "modules"
+    else:
+        fix = "nn.ParameterDict" if kind == "dict" else "nn.ParameterList"
+        what = "parameters"
+    held = ", ".join(found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")
+    return [Finding(name, "param", Severity.WARNING, Cause.PLAIN_ATTRIBUTE, (
+        f"{name} is a plain Python {kind} on {owner} holding trainable {what} ({held}): nn.Module does not "
+        f"look inside a {kind}, so model.parameters(), the optimizer, state_dict() and .to(device) never "
+        f"see them, and they never train; use {fix}"
+    ))]

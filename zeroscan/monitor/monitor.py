@@ -8,21 +8,34 @@ rules.py, and the exchange across ranks is ranks.py.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zeroscan.monitor import records
-from zeroscan.monitor.causes import CauseFinder, unregistered_state
+from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched
+from zeroscan.monitor.causes import CauseFinder, output_grad_fns, unregistered_state
 from zeroscan.monitor.ranks import RankExchange, check_group
-from zeroscan.monitor.records import Slot, StepRecord, decode_records, softmax_gap, tensor_dict, unit_peak
+from zeroscan.monitor.records import Slot, StepRecord, decode_records, renumber, softmax_gap, tensor_dict, unit_peak
 from zeroscan.monitor.report import Report, Thresholds
 from zeroscan.monitor.rules import OptimizerView, judge
+from zeroscan.monitor.steps import history_records, judged_records
+from zeroscan.monitor.structure import StructureWatch
+from zeroscan.verdicts import Cause
 
 MAX_CALLS_PER_STEP = 8  # activation calls of one module scanned per step
 RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.GELU)
+
+
+class OpenStep(NamedTuple):
+    """A step whose backward pass has finished and whose optimizer step has
+    not run yet: its scan (None when the step is not monitored) and the
+    gradients as backward left them."""
+
+    record: StepRecord | None
+    grads: GradState
 
 
 class Monitor:
@@ -85,6 +98,10 @@ class Monitor:
         self._act_notes: list[tuple[str, str]] = []
         self._in_auto = False
         self._auto = bool(auto and optimizer is not None)
+        self._open: OpenStep | None = None
+        self._open_touched = False
+        self._watch = BackwardWatch(self._backward_started, self._backward_finished)
+        self._structure = StructureWatch(model)
         self._handles.append(model.register_forward_pre_hook(self._root_pre))
         self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
         if activations:
@@ -115,6 +132,7 @@ class Monitor:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._structure.remove()
         self._causes.drop()
         self._causes.roots = []
         self._acts = []
@@ -141,11 +159,16 @@ class Monitor:
     # ---- hooks -----------------------------------------------------------
 
     def _root_pre(self, module: nn.Module, args: Any) -> None:
+        self._watch.reset()
         if self._monitored():
             self._causes.forward_started()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._causes.forward_finished(output, self._monitored())
+        roots: list[Any] = []
+        if torch.is_grad_enabled() and not self._closed:
+            output_grad_fns(output, roots)
+            self._watch.watch(roots)
+        self._causes.forward_finished(roots, self._monitored())
 
     def _activation_hook(self, name: str, tag: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -178,6 +201,30 @@ class Monitor:
         finally:
             self._in_auto = False
 
+    def _backward_started(self) -> None:
+        # Read now, before this pass accumulates into .grad: gradients left as the
+        # last backward pass left them mean gradient accumulation (the step goes on).
+        open_step = self._open
+        self._open_touched = open_step is not None and grads_touched(self._params, open_step.grads)
+
+    def _backward_finished(self) -> None:
+        if self._closed:
+            return
+        self._refresh_structure()
+        open_step = self._open
+        if open_step is not None:
+            self._open = None
+            if self._open_touched:  # reset or changed, and no step ran: a skipped step
+                self._end_step(open_step.record, stepped=False)
+        record = None
+        if self._monitored():  # the gradients as backward left them: a skipped step keeps these
+            record = StepRecord(self._count)
+            record.stepped = None
+            grads = [(p.tensor.grad, Slot.grad(p.index)) for p in self._params if p.tensor.grad is not None]
+            self._scan_into(record, [g for g, _ in grads], [s for _, s in grads])
+            record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
+        self._open = OpenStep(record, grad_state(self._params))
+
     # ---- stepping --------------------------------------------------------
 
     def step(self, loss: torch.Tensor | None = None) -> None:
@@ -195,19 +242,39 @@ class Monitor:
         self._advance(loss)
 
     def _advance(self, loss: torch.Tensor | None) -> None:
-        step = self._count
-        monitored = self._monitored()
+        """The optimizer step runs now: the step that backward opened ends,
+        scanned as it is now (after clipping and unscaling)."""
+        self._refresh_structure()
+        open_step, self._open = self._open, None
+        record = None
+        if open_step is not None and open_step.record is not None:
+            record = open_step.record
+            self._scan(record, loss, open_step.grads)
+        elif self._monitored():
+            record = StepRecord(self._count)
+            self._scan(record, loss, None)
+        self._end_step(record, stepped=True)
+
+    def _end_step(self, record: StepRecord | None, stepped: bool) -> None:
+        """One step ends (`record`: its scan, None when it was not monitored)."""
+        monitored = record is not None
+        if record is not None:
+            record.stepped = stepped
+            if self._ranks is not None:
+                record.gather = self._ranks.start(
+                    record.step, record.groups, record.sharded, record.uncounted, record.cleared
+                )
+            self._records.append(record)
         self._count += 1
-        if monitored:
-            self._records.append(self._scan(step, loss))
         self._causes.step_finished(monitored)
         self._acts = []
         self._act_calls = {}
         self._act_notes = []
 
-    def _scan(self, step: int, loss: torch.Tensor | None) -> StepRecord:
-        """One native scan per device of every gradient and weight; never reads it."""
-        record = StepRecord(step)
+    def _scan(self, record: StepRecord, loss: torch.Tensor | None, backward: GradState | None) -> None:
+        """One native scan per device of every gradient and weight, into
+        `record`; never reads it. `backward`: the gradients as the step's
+        backward pass left them, where the Monitor saw it end."""
         tensors: list[torch.Tensor] = []
         slots: list[Slot] = []
         missing = []
@@ -215,23 +282,34 @@ class Monitor:
             if p.tensor.grad is not None:
                 tensors.append(p.tensor.grad)
                 slots.append(Slot.grad(p.index))
+            elif backward is not None and backward[p.index] is not None:
+                record.cleared.append(p.index)
+                record.none_causes[p.index] = (Cause.GRAD_CLEARED, (
+                    f"{p.name} had a gradient when backward() finished, but none at the optimizer step: "
+                    "zero_grad() (or .grad = None) ran between backward() and step(); clear gradients "
+                    "before the forward pass or after step()"
+                ))
             elif p.tensor.requires_grad:
                 missing.append(p.index)
             tensors.append(p.tensor)
             slots.append(Slot.weight(p.index))
         record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
-        with torch.no_grad():
-            if self._ranks is None:
-                record.groups = self._run(tensors, slots, record.notes)
-            else:
-                local, sharded, uncounted = self._ranks.local_parts(tensors, slots)
-                record.groups = self._run(local, slots, record.notes)
-                record.gather = self._ranks.start(step, record.groups, sharded, uncounted)
+        self._scan_into(record, tensors, slots)
         record.activations = self._acts
         record.notes.extend(self._act_notes)
         if missing:
-            record.none_causes = self._causes.explain(missing, loss)
-        return record
+            seen = (backward is not None) if self._watch.active else None
+            record.none_causes.update(self._causes.explain(missing, loss, seen))
+
+    def _scan_into(self, record: StepRecord, tensors: list[torch.Tensor], slots: list[Slot]) -> None:
+        with torch.no_grad():
+            if self._ranks is None:
+                record.groups += self._run(tensors, slots, record.notes)
+            else:
+                local, sharded, uncounted = self._ranks.local_parts(tensors, slots)
+                record.groups += self._run(local, slots, record.notes)
+                record.sharded += sharded
+                record.uncounted += uncounted
 
     def _run(
         self, tensors: list[torch.Tensor], slots: list[Slot], notes: list[tuple[str, str]]
@@ -249,21 +327,74 @@ class Monitor:
 
     def report(self) -> Report:
         """Reads the recorded history back (one copy per device) and judges it.
+        With no step recorded it scans the gradients as they are now (as the
+        last backward pass left them) and says that no step was seen.
         With a process group it first waits for the recorded steps' gathers;
         it issues no collective itself (see the package doc)."""
+        self._refresh_structure(check=True)
+        open_step = self._open
+        if open_step is not None:
+            # A backward pass with no step after it: GradScaler skipped the step (its
+            # unscaling bumps no version counter, so nothing else tells), or no step
+            # follows at all. Judged as such: a skip only if its gradients hold inf/NaN.
+            self._open = None
+            self._end_step(open_step.record, stepped=False)
         recorded = list(self._records)
         if self._ranks is None:
             decode_records(recorded)
         else:
             self._ranks.decode(recorded)
+        if not recorded:  # this rank's own scan: no gather was started for it
+            now = self._open.record if self._open is not None and self._open.record is not None else None
+            if now is None:
+                now = StepRecord(-1)
+                now.stepped = None
+                self._scan(now, None, None)
+            decode_records([now])
+            recorded = [now]
         findings = judge(self._params, recorded, self.thresholds, self._optimizer_view(), unregistered_state(self.model))
-        latest = recorded[-1] if recorded else None
-        return Report(
-            latest.step if latest is not None else -1,
-            findings,
-            self._tensor_rows(latest),
-            self._history(recorded),
-        )
+        latest = judged_records(self._params, recorded)[-1]
+        shown = history_records(self._params, recorded)
+        return Report(latest.step, findings, self._tensor_rows(latest), self._history(shown))
+
+    # ---- the model as it is now ---------------------------------------------
+
+    def _refresh_structure(self, check: bool = False) -> None:
+        """Takes in a change of the model's modules or parameters (see
+        structure.py); `check` also compares the parameters themselves."""
+        if not (self._structure.changed or check):
+            return
+        params = records.collect_params(self.model)
+        now = [(p.name, id(p.tensor)) for p in params]
+        self._structure.rebuild()
+        if now == [(p.name, id(p.tensor)) for p in self._params]:
+            return
+        # The records kept so far are read back (a rare host sync) and renumbered.
+        recorded = list(self._records)
+        if self._ranks is None:
+            decode_records(recorded)
+        else:
+            self._ranks.decode(recorded)
+            self._ranks.set_params(params)
+        new_index = {}
+        by_id = {id(p.tensor): p.index for p in params}
+        for p in self._params:
+            j = by_id.get(id(p.tensor))
+            if j is not None:
+                new_index[p.index] = j
+        requires_grad = tuple(p.tensor.requires_grad for p in params)
+        for r in recorded:
+            renumber(r, new_index, requires_grad)
+        if self._open is not None:
+            old = {new_index[i]: was for i, was in enumerate(self._open.grads) if i in new_index}
+            grads = [old[j] if j in old else now_state for j, now_state in enumerate(grad_state(params))]
+            if self._open.record is not None:
+                renumber(self._open.record, new_index, requires_grad)
+            self._open = OpenStep(self._open.record, grads)
+        self._params = params
+        self._causes.drop()
+        self._causes = CauseFinder(self.model, params)
+        self._causes.arm()
 
     def _optimizer_view(self) -> OptimizerView:
         if self.optimizer is None:

@@ -57,6 +57,12 @@ class RankExchange:
         self._names_crc = zlib.crc32("\n".join(p.name for p in params).encode())
         self._layouts: dict[tuple[Any, ...], tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]] = {}
 
+    def set_params(self, params: list[Param]) -> None:
+        """The model changed: later steps pack these parameters."""
+        self._params = params
+        self._names_crc = zlib.crc32("\n".join(p.name for p in params).encode())
+        self._layouts.clear()
+
     def local_parts(
         self, tensors: list[torch.Tensor], slots: list[Slot]
     ) -> tuple[list[torch.Tensor], list[Slot], list[Slot]]:
@@ -76,18 +82,25 @@ class RankExchange:
         return local, sharded, uncounted
 
     def start(
-        self, step: int, groups: list[tuple[list[Slot], torch.Tensor]], sharded: list[Slot], uncounted: list[Slot]
+        self,
+        step: int,
+        groups: list[tuple[list[Slot], torch.Tensor]],
+        sharded: list[Slot],
+        uncounted: list[Slot],
+        cleared: list[int],
     ) -> zdist.PendingMerge[zdist.GatheredRows]:
         """Packs this step's rows into one int64 [2P + 1, 16] buffer (a row per
         slot, and a header row: step, P, a checksum of the names) and starts
-        the step's one all_gather of it."""
+        the step's one all_gather of it. A slot in several groups takes the
+        last group's row; the gradients of `cleared` (parameters) are absent."""
         device = zdist.comm_device(self.group, groups[0][1].device if groups else torch.device("cpu"))
-        key = (device, tuple(tuple(s) for s, _ in groups), tuple(sharded), tuple(uncounted))
+        absent = [Slot.grad(i) for i in cleared]
+        key = (device, tuple(tuple(s) for s, _ in groups), tuple(sharded), tuple(uncounted), tuple(absent))
         layout = self._layouts.get(key)
         if layout is None:
             if len(self._layouts) >= 8:
                 self._layouts.clear()
-            layout = self._layouts[key] = self._layout(device, groups, sharded, uncounted)
+            layout = self._layouts[key] = self._layout(device, groups, sharded, uncounted, absent)
         template, copies = layout
         packed = template.clone()
         for (dest, src), (_, buffer) in zip(copies, groups):
@@ -103,18 +116,20 @@ class RankExchange:
         groups: list[tuple[list[Slot], torch.Tensor]],
         sharded: list[Slot],
         uncounted: list[Slot],
+        absent: list[Slot],
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]:
         """The packed buffer of a step before its rows are copied in (empty rows,
         the presence and sharded marks, the header) and, per device group, where
         its rows go. Built once per layout, so a step copies nothing from the host."""
         n = slot_rows(len(self._params))
         template = empty_rows(n + 1)
-        present = [s.row for slots, _ in groups for s in slots]
+        gone = set(absent)
+        present = [s.row for slots, _ in groups for s in slots if s not in gone]
         template[present, PRESENT_COL] = 1
         template[[s.row for s in sharded], SHARDED_COL] = 1
         template[n, 1] = len(self._params)
         template[n, 2] = self._names_crc
-        skip = set(uncounted)  # a replica of a shard that another rank contributes
+        skip = set(uncounted) | gone  # a replica of a shard that another rank contributes
         copies = []
         for slots, _ in groups:
             keep = [k for k, s in enumerate(slots) if s not in skip]

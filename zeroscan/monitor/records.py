@@ -77,13 +77,19 @@ class StepRecord:
     what the Python side knew at that step."""
 
     __slots__ = (
-        "step", "groups", "requires_grad", "none_causes", "activations", "notes", "rows", "acts",
-        "gather", "rank_findings", "shard_ranks",
+        "step", "stepped", "groups", "requires_grad", "none_causes", "activations", "notes", "rows", "acts",
+        "gather", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared", "before_step",
     )
 
     def __init__(self, step: int) -> None:
         self.step = step
-        self.groups: list[tuple[list[Slot], torch.Tensor]] = []  # per device: slots, int64 [N, 16]
+        # True: optimizer.step() (or Monitor.step()) ran on these gradients. False: the
+        # gradients were reset after a backward pass without a step (a GradScaler skip,
+        # or a backward pass that no step follows); None: the step is still open.
+        self.stepped: bool | None = True
+        # Per device: slots, int64 [N, 16]. Groups scanned later (a gradient changed
+        # between the end of backward and the step) come later and win.
+        self.groups: list[tuple[list[Slot], torch.Tensor]] = []
         self.requires_grad: tuple[bool, ...] = ()
         self.none_causes: dict[int, tuple[str, str]] = {}  # param -> (cause, message)
         self.activations: list[tuple[str, str, torch.Tensor]] = []  # name, "relu"|"softmax", [2, 16]
@@ -96,6 +102,12 @@ class StepRecord:
         self.gather: zdist.PendingMerge[zdist.GatheredRows] | None = None
         self.rank_findings: dict[Slot, Any] = {}
         self.shard_ranks: dict[Slot, tuple[int, ...]] = {}
+        self.sharded: list[Slot] = []  # across ranks: slots scanned through a local shard
+        self.uncounted: list[Slot] = []  # ... whose shard another rank contributes
+        # Parameters whose gradient existed when backward ended but was gone at the
+        # step (zero_grad() in between), and the rows that the step's scan replaced.
+        self.cleared: list[int] = []
+        self.before_step: dict[Slot, Row] = {}
 
     def row(self, slot: Slot) -> Row | None:
         """The decoded fields of `slot` at this step, or None if not scanned."""
@@ -203,6 +215,8 @@ def decode_records(records: list[StepRecord], *, own_rows: bool = True) -> None:
         for k, (slots, _) in enumerate(r.groups if own_rows else []):
             fields, raw = decoded[(id(r), "group", k)]
             for slot, f, w in zip(slots, fields, raw):
+                if slot in rows:
+                    r.before_step[slot] = rows[slot][0]
                 rows[slot] = (f, tuple(w))
         acts = []
         for k, (name, tag, _) in enumerate(r.activations):
@@ -210,6 +224,41 @@ def decode_records(records: list[StepRecord], *, own_rows: bool = True) -> None:
             acts.append(Activation(name, tag, fields[0], fields[1]))
         r.rows = rows
         r.acts = acts
+        drop_cleared(r)
+
+
+def drop_cleared(r: StepRecord) -> None:
+    """The gradients cleared between backward and the step are not the step's:
+    their rows at the end of backward move to before_step."""
+    for i in r.cleared:
+        scanned = (r.rows or {}).pop(Slot.grad(i), None)
+        if scanned is not None:
+            r.before_step[Slot.grad(i)] = scanned[0]
+
+
+def renumber(r: StepRecord, new_index: dict[int, int], requires_grad: tuple[bool, ...]) -> None:
+    """Renumbers a record's parameters after the model changed: `new_index`
+    maps old parameter numbers to new ones (a parameter gone maps nowhere,
+    and its rows are dropped); `requires_grad` fills in the new parameters."""
+
+    def slot(s: Slot) -> Slot:
+        return Slot(new_index.get(s.param, -1), s.kind)  # -1: no parameter reads it
+
+    def keyed(d: dict[Slot, Any]) -> dict[Slot, Any]:
+        return {slot(s): v for s, v in d.items() if s.param in new_index}
+
+    r.groups = [([slot(s) for s in slots], buffer) for slots, buffer in r.groups]
+    if r.rows is not None:
+        r.rows = keyed(r.rows)
+    r.before_step = keyed(r.before_step)
+    r.rank_findings = keyed(r.rank_findings)
+    r.shard_ranks = keyed(r.shard_ranks)
+    r.sharded = [slot(s) for s in r.sharded]
+    r.uncounted = [slot(s) for s in r.uncounted]
+    r.none_causes = {new_index[i]: v for i, v in r.none_causes.items() if i in new_index}
+    r.cleared = [new_index[i] for i in r.cleared if i in new_index]
+    old = {new_index[i]: v for i, v in enumerate(r.requires_grad) if i in new_index}
+    r.requires_grad = tuple(old.get(j, v) for j, v in enumerate(requires_grad))
 
 
 def unchanged_for(records: list[StepRecord], param: int) -> int:

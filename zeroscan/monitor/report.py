@@ -68,7 +68,9 @@ class Thresholds:
     vanishing / exploding: bounds on ||grad|| / ||weight|| (weights of norm 0
         are skipped). 1e-7 is about float32 eps: an SGD step with lr <= 1
         cannot move the weight. 1e3: one step with lr 1e-3 would move it by
-        more than its own norm.
+        more than its own norm. For "exploding" a weight counts as at least
+        1e-2 per entry (root mean square), so that a near-zero bias does not
+        make the ratio huge.
     dead_units: fraction of an activation's units that are exactly zero for
         the whole batch (WARNING; all of them is an ERROR).
     saturated: fraction of softmax rows whose largest probability is within
@@ -80,6 +82,15 @@ class Thresholds:
         "zero_fraction_rising".
     frozen_window: a weight unchanged for this many monitored steps although
         its gradient was nonzero is "frozen_in_time" (fewer: "not_updated").
+    zero_window: a gradient that is exactly zero is a WARNING once it has been
+        zero for this many monitored steps in a row, or for two in a row with
+        the weight unchanged; before that it is INFO, because designs that
+        start from zero (LoRA's B = 0, zero_init_residual) give exactly zero
+        gradients at the first step and train from the next.
+    skip_run: optimizer steps skipped (GradScaler found inf/NaN) this many
+        monitored steps in a row, up to the latest, are a WARNING; fewer are
+        INFO (a GradScaler calibrating its scale skips a few); every monitored
+        step skipped is an ERROR.
     replica_rtol: across ranks, replicas agree when their counts and min/max
         |x| are equal and their mean and sum of squared deviations differ by
         at most this, relative to their scale (another reduction order); DDP
@@ -95,6 +106,8 @@ class Thresholds:
     drift_window: int = 20
     drift_factor: float = 100.0
     frozen_window: int = 8
+    zero_window: int = 3
+    skip_run: int = 3
     replica_rtol: float = 1e-9
 
     def __post_init__(self) -> None:
@@ -108,7 +121,7 @@ class Thresholds:
         rtol = self.replica_rtol
         if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol < 1:
             raise ValueError(f"{op}: replica_rtol must be a number in [0, 1), got {rtol!r}")
-        for name in ("drift_window", "frozen_window"):
+        for name in ("drift_window", "frozen_window", "zero_window", "skip_run"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 2:
                 raise ValueError(f"{op}: {name} must be an int >= 2, got {value!r}")

@@ -14,8 +14,12 @@ import torch
 
 from zeroscan.monitor.records import Activation, Param, Slot, StepRecord, dtype_name, nonfinite_words, unchanged_for
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
+from zeroscan.monitor.steps import judged_records, step_findings
 from zeroscan.record import Row
 from zeroscan.verdicts import Cause, Severity
+from zeroscan.words import is_are
+
+WEIGHT_RMS_FLOOR = 1e-2  # see Thresholds.exploding
 
 # What the optimizer holds: each parameter's (index) learning rate; None for
 # a Monitor without an optimizer.
@@ -33,10 +37,12 @@ def judge(
     then by parameter order. `model_findings` (about the model itself, such as
     unregistered state) rank after the parameters' own."""
     found: list[tuple[int, Finding]] = [(len(params), f) for f in model_findings]
-    found += _optimizer_findings(params, records, optimizer)
+    basis = judged_records(params, records)
+    found += _optimizer_findings(params, basis, optimizer)
     if records:
-        found += _latest_findings(params, records, thresholds, optimizer)
-        found += _history_findings(params, records, thresholds)
+        found += step_findings(params, records, thresholds)
+        found += _latest_findings(params, basis, thresholds, optimizer)
+        found += _history_findings(params, basis, thresholds)
     found.sort(key=lambda of: (-int(of[1].severity), of[0]))
     return [f for _, f in found]
 
@@ -66,6 +72,9 @@ def _latest_findings(
     out: list[tuple[int, Finding]] = []
     dead = [a.name for a in rec.acts or [] if a.tag == "relu" and a.unit["numel"] and a.unit["zeros"] == a.unit["numel"]]
     underflowing = any(int(g["subnormal"]) > 0 for p in params if (g := rec.row(Slot.grad(p.index))) is not None)
+    whole = _all_zero_finding(params, rec) if rec.stepped is not False else None
+    if whole is not None:
+        out.append((-1, whole))
     for p in params:
         i, name = p.index, p.name
         grad, w = rec.row(Slot.grad(i)), rec.row(Slot.weight(i))
@@ -86,9 +95,11 @@ def _latest_findings(
             ))))
             continue
         if grad is None:
-            cause, message = rec.none_causes.get(i, (Cause.NOT_REACHED, f"{name} has no gradient"))
-            severity = Severity.ERROR if cause == Cause.DETACHED else Severity.WARNING
-            out.append((i, Finding(name, "grad", severity, Cause(cause), message)))
+            out.append((i, _none_finding(p, rec, records)))
+            continue
+        if rec.stepped is False:  # skipped: scaled, non-finite gradients (see the skipped_steps finding)
+            continue
+        if whole is not None:
             continue
         finding = _grad_finding(p, grad, w, dead, records, underflowing, th)
         if finding is not None:
@@ -107,6 +118,54 @@ def _latest_findings(
     for k, (name, why) in enumerate(rec.notes):
         out.append((base + k, Finding(name, "param", Severity.INFO, Cause.NOT_SCANNED, why)))
     return out
+
+
+def _none_finding(p: Param, rec: StepRecord, records: list[StepRecord]) -> Finding:
+    """A parameter that requires grad has no gradient at the latest step."""
+    had = sum(1 for r in records[:-1] if r.row(Slot.grad(p.index)) is not None)
+    if had:
+        return Finding(p.name, "grad", Severity.INFO, Cause.CONDITIONAL, (
+            f"{p.name} has no gradient at step {rec.step}, but had one at {had} of the "
+            f"{len(records) - 1} monitored steps before it: conditional computation (a mixture-of-experts "
+            "router that sent it no tokens, a branch not taken) that trains it at other steps"
+        ))
+    cause, message = rec.none_causes.get(p.index, (Cause.NOT_REACHED, f"{p.name} has no gradient"))
+    severity = Severity.ERROR if cause == Cause.DETACHED else Severity.WARNING
+    return Finding(p.name, "grad", severity, Cause(cause), message)
+
+
+def _all_zero_finding(params: list[Param], rec: StepRecord) -> Finding | None:
+    """One model-wide finding when every gradient of the step is exactly zero."""
+    grads = [(p, g) for p in params if (g := rec.row(Slot.grad(p.index))) is not None and int(g["numel"])]
+    if len(grads) < 2 or any(int(g["zeros"]) != int(g["numel"]) for _, g in grads):
+        return None
+    before = [rec.before_step.get(Slot.grad(p.index)) for p, _ in grads]
+    if any(b is not None and int(b["zeros"]) != int(b["numel"]) for b in before):
+        why = (
+            "they were nonzero when backward() finished and were zeroed before the optimizer step: "
+            "clip_grad_norm_ with max_norm=0, or an in-place change of .grad (mul_(0), zero_()) "
+            "between backward() and step()"
+        )
+    else:
+        why = (
+            "backward() itself produced zeros, so the loss does not depend on any parameter: "
+            "a loss multiplied by 0, a loss scale of 0, or a batch whose targets are all masked out"
+        )
+    return Finding(GLOBAL_NAME, "grad", Severity.WARNING, Cause.EXACT_ZERO, (
+        f"every gradient of the model ({len(grads)} tensors) is exactly zero at step {rec.step}: {why}; "
+        "nothing trains at this step"
+    ))
+
+
+def _zero_streak(p: Param, records: list[StepRecord]) -> int:
+    """Monitored steps in a row, up to the latest, where p's gradient is all zero."""
+    streak = 0
+    for r in reversed(records):
+        g = r.row(Slot.grad(p.index))
+        if g is None or int(g["zeros"]) != int(g["numel"]):
+            break
+        streak += 1
+    return streak
 
 
 def _grad_finding(
@@ -147,8 +206,16 @@ def _grad_finding(
                 "a dead ReLU, a mask or torch.where that selects none of these elements, "
                 "a multiplication by zero, or a loss that is constant in this parameter"
             )
-        return Finding(name, "grad", Severity.WARNING, Cause.EXACT_ZERO, (
-            f"every entry of the gradient of {name} is exactly zero: {why}; it will not train"
+        streak = _zero_streak(p, records)
+        if streak >= th.zero_window or (streak >= 2 and unchanged_for(records, p.index) >= streak):
+            return Finding(name, "grad", Severity.WARNING, Cause.EXACT_ZERO, (
+                f"every entry of the gradient of {name} is exactly zero, at the last {streak} monitored "
+                f"steps: {why}; it does not train"
+            ))
+        return Finding(name, "grad", Severity.INFO, Cause.EXACT_ZERO, (
+            f"every entry of the gradient of {name} is exactly zero at step {records[-1].step}: {why}. "
+            "A parameter that starts at zero by design does this at its first step (LoRA's A while B = 0, "
+            f"the blocks of zero_init_residual); a warning if it lasts {th.zero_window} monitored steps"
         ))
     nonzero = n - zeros
     sub = int(g["subnormal"])
@@ -189,7 +256,10 @@ def _grad_finding(
             f"the gradient of {name} is vanishing: ||g||/||w|| = {ratio:.2e} (||g|| = {g_norm:.3g}, "
             f"||w|| = {w_norm:.3g}), below {th.vanishing:.0e}; plain SGD cannot move this weight"
         ))
-    if ratio > th.exploding:
+    # A near-zero weight (a bias that starts at 0) makes the ratio huge without
+    # anything exploding: its norm counts as at least WEIGHT_RMS_FLOOR per entry.
+    scale = max(w_norm, WEIGHT_RMS_FLOOR * math.sqrt(int(w["numel"])))
+    if g_norm / scale > th.exploding:
         return Finding(name, "grad", Severity.ERROR, Cause.EXPLODING, (
             f"the gradient of {name} is exploding: ||g||/||w|| = {ratio:.3g} (||g|| = {g_norm:.3g}, "
             f"||w|| = {w_norm:.3g}); clip gradients, lower the learning rate, or check the loss scale"
@@ -236,7 +306,8 @@ def _no_update_reasons(p: Param, w: Row, g: Row, optimizer: OptimizerView) -> st
         lr = optimizer[p.index]
         if isinstance(lr, (int, float)) and lr == 0:
             return "its optimizer param group has lr=0"
-        return f"lr={lr}: {below}, or optimizer.step() is skipped (GradScaler found inf)"
+        # Steps that GradScaler skipped are told apart (steps.py), so a skip is no cause here.
+        return f"lr={lr}: {below}"
     return f"lr 0, a parameter missing from the optimizer, or {below}"
 
 
@@ -259,14 +330,16 @@ def _activation_finding(act: Activation, th: Thresholds) -> Finding | None:
             ))
         if dead / n >= th.dead_units:
             return Finding(name, "activation", Severity.WARNING, Cause.DEAD_UNITS, (
-                f"{dead} of {n} units of {name} ({100 * dead / n:.3g}%) are exactly zero for the whole "
+                f"{dead} of {n} units of {name} ({100 * dead / n:.3g}%) {is_are(dead)} "
+                "exactly zero for the whole "
                 "batch (dead ReLU units get no gradient and cannot recover)"
             ))
         return None
     saturated = int(unit["zeros"]) + int(unit["near_zero"])
     if saturated / n >= th.saturated:
         return Finding(name, "activation", Severity.WARNING, Cause.SATURATED_SOFTMAX, (
-            f"{saturated} of {n} softmax rows of {name} ({100 * saturated / n:.3g}%) put all their mass "
+            f"{saturated} of {n} softmax rows of {name} ({100 * saturated / n:.3g}%) "
+            f"{'puts all its' if saturated == 1 else 'put all their'} mass "
             "on one entry (1 - max p within eps): the softmax gradient through them is ~0; "
             "scale the logits down (temperature, 1/sqrt(d) in attention) or check for huge logits"
         ))

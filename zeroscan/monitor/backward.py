@@ -1,0 +1,93 @@
+"""When a backward pass through the model ends, and what happened to the
+gradients after it.
+
+The Monitor records a step's gradients when backward completes, so that a
+step whose optimizer.step() never runs (GradScaler skips it when it finds
+inf/NaN) is still seen. `BackwardWatch` puts a pre-hook on the grad_fn of
+each output of a forward pass; the first of them to fire in a backward pass
+queues an autograd-engine callback, which runs when that backward pass has
+finished accumulating every .grad. The callback queues itself once more
+before acting, so that it runs after the callbacks other wrappers queue
+during backward (DDP copies its all-reduced buckets into .grad in one).
+
+A `GradState` remembers, per parameter, which .grad tensor was there and
+its version counter (bumped by every in-place change: clipping, unscaling,
+zero_()), with no reference that would keep a freed gradient alive. Between
+two backward passes with no step, gradients left untouched mean gradient
+accumulation; gradients reset or changed mean the step ended without
+optimizer.step().
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zeroscan.monitor.records import Param
+
+_ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
+
+# Per parameter: a weak reference to its .grad tensor and that tensor's version
+# counter, or None where .grad was None.
+GradState = list[tuple["weakref.ReferenceType[torch.Tensor]", int] | None]
+
+
+def grad_state(params: list[Param]) -> GradState:
+    out: GradState = []
+    for p in params:
+        g = p.tensor.grad
+        out.append(None if g is None else (weakref.ref(g), g._version))
+    return out
+
+
+def same_grad(p: Param, was: tuple[weakref.ReferenceType[torch.Tensor], int] | None) -> bool:
+    """Whether p's .grad is the tensor `was` remembers, unchanged since."""
+    g = p.tensor.grad
+    if was is None:
+        return g is None
+    return g is not None and was[0]() is g and g._version == was[1]
+
+
+def grads_touched(params: list[Param], state: GradState) -> bool:
+    """Whether any gradient was replaced, cleared or changed in place since `state`."""
+    return not all(same_grad(p, was) for p, was in zip(params, state))
+
+
+class BackwardWatch:
+    """Calls `finished()` once at the end of every backward pass that goes
+    through an output of a watched forward pass (see the module doc), and
+    `started()` when such a pass reaches the model's outputs."""
+
+    def __init__(self, started: Callable[[], None], finished: Callable[[], None]) -> None:
+        self._started = started
+        self._finished = finished
+        self.running = False
+        self.active = _ENGINE is not None and hasattr(_ENGINE, "queue_callback")
+
+    def watch(self, roots: list[Any]) -> None:
+        """Hooks the grad_fns of a forward pass's outputs."""
+        if not self.active:
+            return
+        for fn in roots:
+            fn.register_prehook(self._on_output_grad)
+
+    def reset(self) -> None:
+        """A new forward pass begins: a backward pass that raised never finished."""
+        self.running = False
+
+    def _on_output_grad(self, grad_outputs: Any) -> None:
+        if self.running:
+            return
+        self.running = True
+        self._started()
+        _ENGINE.queue_callback(self._requeue)
+
+    def _requeue(self) -> None:
+        _ENGINE.queue_callback(self._done)
+
+    def _done(self) -> None:
+        self.running = False
+        self._finished()

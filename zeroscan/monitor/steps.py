@@ -1,0 +1,125 @@
+"""Whether the optimizer steps ran, as the Monitor's rules see it.
+
+A record is a step taken (optimizer.step() or Monitor.step() ran on its
+gradients), a step skipped (its gradients were reset after backward with no
+step, and they held inf/NaN: GradScaler), or a backward pass that no step
+followed, with finite gradients, which is no step of this model (a GAN's
+generator pass through the monitored discriminator). Which records the
+per-parameter rules judge, which the history shows, the skipped-steps and
+no-step findings, and where non-finite gradients began live here.
+"""
+
+from __future__ import annotations
+
+from zeroscan.monitor.records import Param, Slot, StepRecord
+from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
+from zeroscan.verdicts import Cause, Severity
+
+
+def nonfinite_grads(params: list[Param], r: StepRecord) -> list[str]:
+    """The parameters whose gradient holds NaN or inf at step record `r`."""
+    out = []
+    for p in params:
+        g = r.row(Slot.grad(p.index))
+        if g is not None and g["nan"] + g["posinf"] + g["neginf"]:
+            out.append(p.name)
+    return out
+
+
+def skipped(params: list[Param], r: StepRecord) -> bool:
+    """A step whose optimizer.step() did not run because its gradients were
+    not finite (GradScaler). A backward pass that no step followed, with
+    finite gradients (a GAN's generator pass through the monitored
+    discriminator, say), is not a training step of this model."""
+    return r.stepped is False and bool(nonfinite_grads(params, r))
+
+
+def judged_records(params: list[Param], records: list[StepRecord]) -> list[StepRecord]:
+    """The records the per-parameter rules judge: the steps the optimizer
+    took; else the skipped ones; else whatever backward passes were seen."""
+    stepped = [r for r in records if r.stepped]
+    if stepped:
+        return stepped
+    return [r for r in records if skipped(params, r)] or records
+
+
+def history_records(params: list[Param], records: list[StepRecord]) -> list[StepRecord]:
+    """The records a report's history shows: the steps taken or skipped (a
+    backward pass that no step followed is not a step of this model); all
+    of them when there are none such."""
+    return [r for r in records if r.stepped or skipped(params, r)] or records
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+def first_nonfinite(params: list[Param], records: list[StepRecord]) -> tuple[int, list[str]] | None:
+    """The first of `records` (its position) whose gradients hold inf/NaN, and in which parameters."""
+    for k, r in enumerate(records):
+        names = nonfinite_grads(params, r)
+        if names:
+            return k, names
+    return None
+
+
+def first_nonfinite_words(records: list[StepRecord], first: tuple[int, list[str]] | None) -> str:
+    if first is None:
+        return "no gradient held inf/NaN"
+    k, names = first
+    step = records[k].step
+    earlier = " (or earlier: older steps are no longer kept)" if k == 0 and step > 0 else ""
+    return f"non-finite gradients first appeared at step {step}{earlier}, in {_names(names)}"
+
+
+def step_findings(params: list[Param], records: list[StepRecord], th: Thresholds) -> list[tuple[int, Finding]]:
+    """Whether the optimizer steps ran: skipped steps, or no step at all."""
+    closed = [r for r in records if r.stepped is not None and (r.stepped or skipped(params, r))]
+    skips = [r for r in closed if not r.stepped]
+    run = 0
+    for r in reversed(closed):
+        if r.stepped:
+            break
+        run += 1
+    first = first_nonfinite(params, records)
+    first_words = first_nonfinite_words(records, first)
+    if skips:
+        n, m = len(skips), len(closed)
+        if n == m:
+            severity, what = Severity.ERROR, (
+                f"optimizer.step() was skipped at every one of the {m} monitored steps: nothing trains"
+            )
+        elif run >= th.skip_run:
+            severity, what = Severity.WARNING, (
+                f"optimizer.step() was skipped at the last {run} monitored steps ({n} of {m} in all)"
+            )
+        else:
+            severity, what = Severity.INFO, (
+                f"optimizer.step() was skipped at {n} of {m} monitored steps (a GradScaler calibrating "
+                "its loss scale skips a few, early in training)"
+            )
+        return [(-1, Finding(GLOBAL_NAME, "grad", severity, Cause.SKIPPED_STEPS, (
+            f"{what}; the gradients of the skipped steps held inf/NaN, which makes GradScaler skip the "
+            f"step and lower its scale; {first_words}"
+        )))]
+    out: list[tuple[int, Finding]] = []
+    if records and not any(r.stepped for r in records):
+        seen = [r for r in records if r.step >= 0]
+        what = (
+            f"no optimizer step was seen after the {len(seen)} monitored backward passes recorded"
+            if seen else "no training step was seen"
+        )
+        out.append((-1, Finding(GLOBAL_NAME, "grad", Severity.WARNING, Cause.NO_STEP, (
+            f"{what}: neither optimizer.step() (of the Monitor's optimizer) nor Monitor.step() ran, so this "
+            "report shows the gradients as they are now; call optimizer.step() after backward(), or "
+            "Monitor.step() in a loop without an optimizer"
+        ))))
+    latest = nonfinite_grads(params, records[-1]) if records[-1].stepped else []
+    if first is not None and latest and (len(latest) > 1 or first[0] != len(records) - 1):
+        # Once NaN spreads, every gradient holds it: where it began is what helps.
+        out.append((-1, Finding(GLOBAL_NAME, "grad", Severity.ERROR, Cause.NONFINITE, (
+            f"{first_words}; at step {records[-1].step}, {len(latest)} gradients hold inf/NaN, and "
+            "each optimizer step taken with them poisons the weights"
+        ))))
+    return out

@@ -1,0 +1,46 @@
+"""Noticing that the model changed: a submodule or parameter assigned,
+replaced or removed after the Monitor was made (a new classification head,
+say), so that the Monitor judges the model as it is now.
+
+torch calls its global module and parameter registration hooks on every
+`module.name = ...` and register_*(); `StructureWatch` keeps those hooks and
+flags a change when the module assigned to belongs to the watched model.
+A step then costs one flag read; the model is walked again only after a
+change. `del module.name` calls no hook: report() compares the parameters
+themselves, which catches that too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
+
+class StructureWatch:
+    """`changed` turns True when a submodule or a parameter is assigned to
+    a module of `model` (until `rebuild()`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._ids = {id(m) for m in model.modules()}
+        self.changed = False
+        self._handles = [
+            module_hooks.register_module_module_registration_hook(self._on_assign),
+            module_hooks.register_module_parameter_registration_hook(self._on_assign),
+        ]
+
+    def _on_assign(self, module: nn.Module, name: str, value: Any) -> None:
+        if id(module) in self._ids:
+            self.changed = True
+
+    def rebuild(self) -> None:
+        """The model's modules as they are now; the change is taken in."""
+        self._ids = {id(m) for m in self._model.modules()}
+        self.changed = False
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
