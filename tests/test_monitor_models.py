@@ -262,6 +262,9 @@ class MoE(nn.Module):
     def __init__(self, experts: int = 8, width: int = 8) -> None:
         super().__init__()
         self.router = nn.Linear(width, experts)
+        with torch.no_grad():  # every expert as likely as the others (a random router may starve one)
+            self.router.weight.copy_(3 * torch.eye(experts, width))
+            self.router.bias.zero_()
         self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
         self.out = nn.Linear(width, 1)
 
@@ -292,8 +295,8 @@ def test_moe_experts_without_tokens_in_some_steps(g: torch.Generator) -> None:
     idle = {f.name for f in report.findings if f.cause == "conditional"}
     assert all(f.severity == Severity.INFO for f in report.findings)
     never = {f"experts.{e}.weight" for e in range(8) if not seen[e]}
-    assert not never, "an expert never got a token; the seed makes this test weaker"
-    assert idle, "no expert was idle in the last step; the seed makes this test weaker"
+    assert not never, "an expert never got a token: not the design this test is about"
+    assert idle  # 6 tokens top-1 over 8 experts: at least 2 idle at every step
 
 
 def test_mixtral_trains_without_alarms(g: torch.Generator) -> None:
