@@ -10,7 +10,7 @@ import torch
 from helpers import fresh_generator
 
 import zeroscan
-from zeroscan.words import count_noun, is_are
+from zeroscan.words import count_noun, is_are, listed
 
 
 @pytest.mark.parametrize(
@@ -83,3 +83,13 @@ def test_a_share_that_rounds_to_100_percent_is_a_count() -> None:
     x = torch.zeros(n)
     x[int(torch.randint(0, n, (), generator=g))] = 1.0
     assert zeroscan.diagnose(x).reason == f"{n - 1} of the {n} values are exactly zero (threshold 0.9)"
+
+
+@pytest.mark.parametrize("n, shown, want", [
+    (1, 3, "n0"),
+    (3, 3, "n0, n1, n2"),
+    (4, 3, "n0, n1, n2 and 1 more"),
+    (12, 10, "n0, n1, n2, n3, n4, n5, n6, n7, n8, n9 and 2 more"),
+])
+def test_listed_names_the_first_and_counts_the_rest(n: int, shown: int, want: str) -> None:
+    assert listed([f"n{k}" for k in range(n)], shown) == want

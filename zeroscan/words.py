@@ -16,6 +16,13 @@ def count_noun(n: int, singular: str, plural: str | None = None) -> str:
     return f"{n} {singular if n == 1 else (plural if plural is not None else singular + 's')}"
 
 
+def listed(names: list[str], shown: int) -> str:
+    """The first `shown` of `names`, comma-separated, and how many more there are:
+    listed(["a", "b", "c"], 2) is "a, b and 1 more"."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def is_are(n: int) -> str:
     """The verb for a subject of `n` things: "is" for 1, "are" otherwise (0 included)."""
     if isinstance(n, bool) or not isinstance(n, int):

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from zeroscan.monitor.records import Param
 from zeroscan.monitor.report import Finding
 from zeroscan.verdicts import Cause, Severity
+from zeroscan.words import listed
 
 _DATA_GETTER = torch._C.TensorBase.__dict__.get("data")
 _CUT_METHODS = {
@@ -355,6 +356,15 @@ class CauseFinder:
         ), False
 
 
+def cleared_cause(name: str) -> tuple[Cause, str]:
+    """`name` had a gradient when backward finished and none at the step."""
+    return Cause.GRAD_CLEARED, (
+        f"{name} had a gradient when backward() finished, but none at the optimizer step: "
+        "zero_grad() (or .grad = None) ran between backward() and step(); clear gradients "
+        "before the forward pass or after step()"
+    )
+
+
 def module_label(model: nn.Module, name: str) -> str:
     """A module of `model` as messages name it: its name and class."""
     module = model.get_submodule(name) if name else model
@@ -417,9 +427,8 @@ def _unregistered_in_container(
     else:
         fix = "nn.ParameterDict" if kind == "dict" else "nn.ParameterList"
         what = "parameters"
-    held = ", ".join(found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")
     return [Finding(name, "param", Severity.WARNING, Cause.PLAIN_ATTRIBUTE, (
-        f"{name} is a plain Python {kind} on {owner} holding trainable {what} ({held}): nn.Module does not "
+        f"{name} is a plain Python {kind} on {owner} holding trainable {what} ({listed(found, 10)}): nn.Module does not "
         f"look inside a {kind}, so model.parameters(), the optimizer, state_dict() and .to(device) never "
         f"see them, and they never train; use {fix}"
     ))]

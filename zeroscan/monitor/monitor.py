@@ -16,14 +16,13 @@ from torch import nn
 
 from zeroscan.monitor import records
 from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched
-from zeroscan.monitor.causes import CauseFinder, output_grad_fns, unregistered_state
+from zeroscan.monitor.causes import CauseFinder, cleared_cause, output_grad_fns, unregistered_state
 from zeroscan.monitor.ranks import RankExchange, check_group
 from zeroscan.monitor.records import Slot, StepRecord, decode_records, renumber, softmax_gap, tensor_dict, unit_peak
 from zeroscan.monitor.report import Report, Thresholds
 from zeroscan.monitor.rules import OptimizerView, judge
 from zeroscan.monitor.steps import history_records, judged_records
 from zeroscan.monitor.structure import StructureWatch
-from zeroscan.verdicts import Cause
 
 MAX_CALLS_PER_STEP = 8  # activation calls of one module scanned per step
 RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.GELU)
@@ -284,11 +283,7 @@ class Monitor:
                 slots.append(Slot.grad(p.index))
             elif backward is not None and backward[p.index] is not None:
                 record.cleared.append(p.index)
-                record.none_causes[p.index] = (Cause.GRAD_CLEARED, (
-                    f"{p.name} had a gradient when backward() finished, but none at the optimizer step: "
-                    "zero_grad() (or .grad = None) ran between backward() and step(); clear gradients "
-                    "before the forward pass or after step()"
-                ))
+                record.none_causes[p.index] = cleared_cause(p.name)
             elif p.tensor.requires_grad:
                 missing.append(p.index)
             tensors.append(p.tensor)
@@ -340,10 +335,7 @@ class Monitor:
             self._open = None
             self._end_step(open_step.record, stepped=False)
         recorded = list(self._records)
-        if self._ranks is None:
-            decode_records(recorded)
-        else:
-            self._ranks.decode(recorded)
+        self._decode(recorded)
         if not recorded:  # this rank's own scan: no gather was started for it
             now = self._open.record if self._open is not None and self._open.record is not None else None
             if now is None:
@@ -356,6 +348,13 @@ class Monitor:
         latest = judged_records(self._params, recorded)[-1]
         shown = history_records(self._params, recorded)
         return Report(latest.step, findings, self._tensor_rows(latest), self._history(shown))
+
+    def _decode(self, recorded: list[StepRecord]) -> None:
+        """Reads the records back: this rank's rows, or the global rows across ranks."""
+        if self._ranks is None:
+            decode_records(recorded)
+        else:
+            self._ranks.decode(recorded)
 
     # ---- the model as it is now ---------------------------------------------
 
@@ -371,10 +370,8 @@ class Monitor:
             return
         # The records kept so far are read back (a rare host sync) and renumbered.
         recorded = list(self._records)
-        if self._ranks is None:
-            decode_records(recorded)
-        else:
-            self._ranks.decode(recorded)
+        self._decode(recorded)
+        if self._ranks is not None:
             self._ranks.set_params(params)
         new_index = {}
         by_id = {id(p.tensor): p.index for p in params}

@@ -14,6 +14,7 @@ from __future__ import annotations
 from zeroscan.monitor.records import Param, Slot, StepRecord
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
 from zeroscan.verdicts import Cause, Severity
+from zeroscan.words import listed
 
 
 def nonfinite_grads(params: list[Param], r: StepRecord) -> list[str]:
@@ -50,11 +51,6 @@ def history_records(params: list[Param], records: list[StepRecord]) -> list[Step
     return [r for r in records if r.stepped or skipped(params, r)] or records
 
 
-def _names(names: list[str], shown: int = 3) -> str:
-    more = len(names) - shown
-    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
-
-
 def first_nonfinite(params: list[Param], records: list[StepRecord]) -> tuple[int, list[str]] | None:
     """The first of `records` (its position) whose gradients hold inf/NaN, and in which parameters."""
     for k, r in enumerate(records):
@@ -70,7 +66,7 @@ def first_nonfinite_words(records: list[StepRecord], first: tuple[int, list[str]
     k, names = first
     step = records[k].step
     earlier = " (or earlier: older steps are no longer kept)" if k == 0 and step > 0 else ""
-    return f"non-finite gradients first appeared at step {step}{earlier}, in {_names(names)}"
+    return f"non-finite gradients first appeared at step {step}{earlier}, in {listed(names, 3)}"
 
 
 def step_findings(params: list[Param], records: list[StepRecord], th: Thresholds) -> list[tuple[int, Finding]]:
