@@ -89,9 +89,11 @@ struct Tally {
   // only the latter is kept (NaN keys, above all others, lose any min).
   key_t lo_nonzero = key_t(~key_t(0));  // min nonzero key
   key_t hi = 0;                         // max non-NaN key
-  double s1 = 0.0, s2 = 0.0;            // sums of d and d^2, d = x - shift
+  double s1 = 0.0, s2 = 0.0;            // sums of d and d^2, d = x * scale - shift
 
-  ZS_HD void add(S x, const Limits& lim, double shift) {
+  // The moments are of x * scale (1, or kDownscale for float64 values
+  // whose sums overflowed, stats_record.h).
+  ZS_HD void add(S x, const Limits& lim, double shift, double scale = 1.0) {
     const key_t key = F::key(x);
     const bool sign = F::negative_sign(x);
     const bool nonzero = key != 0;
@@ -108,7 +110,7 @@ struct Tally {
     lo_nonzero = nonzero & (key < lo_nonzero) ? key : lo_nonzero;
     hi = num & (key > hi) ? key : hi;
     // A non-finite value adds nothing: it is selected away, never summed.
-    const double d = static_cast<double>(F::value(x)) - shift;
+    const double d = static_cast<double>(F::value(x)) * scale - shift;
     const double kept = fin ? d : 0.0;
     s1 += kept;
     s2 += kept * kept;

@@ -70,6 +70,34 @@ ZS_HD Partial empty_partial() {
   return p;
 }
 
+// The largest finite double, and whether v is finite (NaN and infinities
+// are not), by its bits: the same test on the host and the device.
+constexpr double kMaxDouble = 0x1.fffffffffffffp1023;
+ZS_HD bool finite_double(double v) {
+  uint64_t bits;
+  memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x7fffffffffffffffull) < 0x7ff0000000000000ull;
+}
+
+// float64 values far beyond 1e150, summed about a shift, can overflow the
+// sums: (x - shift)^2 above ~1.8e308, or x - shift itself when the values
+// lie near both ends of the range. Inputs that are not finite never enter
+// the sums, so an overflow always shows as a sum that is not finite; the
+// scans then sum the same values again as y = x * kDownscale, exactly (but
+// for values below 2^-482, whose lost bits weigh nothing beside the values
+// near 1e150 that overflowed), and no sum of fewer than 2^53 such values or
+// their squares can overflow: |y| < 2^484. upscale_moments scales the
+// result back.
+constexpr double kDownscale = 0x1p-540;
+constexpr double kUpscale = 0x1p540;
+
+// A mean, held within the float64 range: the mean of finite values is
+// finite, but rounding can carry one within an ulp of the largest double
+// past it. NaN passes.
+ZS_HD double within_range(double mean) {
+  return mean > kMaxDouble ? kMaxDouble : mean < -kMaxDouble ? -kMaxDouble : mean;
+}
+
 // Builds the moment part of a partial from sums of shifted values.
 // Shifting by a value close to the mean (`shift`) is what keeps the variance
 // of `1000 + 1e-3 * randn` accurate: the raw second moment would cancel
@@ -83,9 +111,17 @@ ZS_HD void set_moments(Partial& p, int64_t n_finite, double shift, double s1,
   }
   const double n = static_cast<double>(n_finite);
   const double d = s1 / n;
-  p.mean = shift + d;
+  p.mean = within_range(shift + d);
   const double m2 = s2 - s1 * d;
   p.m2 = m2 > 0.0 ? m2 : 0.0;
+}
+
+// The moments of a partial whose sums were of its values times kDownscale,
+// made those of the values themselves. m2 overflows to inf when it exceeds
+// the float64 range, and only then.
+ZS_HD void upscale_moments(Partial& p) {
+  p.mean = within_range(p.mean * kUpscale);
+  p.m2 = p.m2 * kUpscale * kUpscale;
 }
 
 ZS_HD double min_d(double a, double b) { return b < a ? b : a; }
@@ -118,8 +154,14 @@ ZS_HD void combine(Partial& a, const Partial& b) {
   const double n = static_cast<double>(na + nb);
   const double delta = b.mean - a.mean;
   const double wb = static_cast<double>(nb) / n;
-  a.mean += delta * wb;
-  a.m2 += b.m2 + delta * delta * static_cast<double>(na) * wb;
+  // A delta that overflows (means near both ends of the float64 range)
+  // takes the weighted mean of the two, of opposite signs, which cannot
+  // overflow; otherwise a.mean + delta * wb lies between the two means and
+  // is exactly a.mean when they are equal. na * wb >= 1/2: delta is
+  // multiplied by it before it is squared, so the m2 term overflows only
+  // when it exceeds the float64 range, as it does when delta overflows.
+  a.mean = finite_double(delta) ? a.mean + delta * wb : a.mean * (1.0 - wb) + b.mean * wb;
+  a.m2 += b.m2 + delta * (static_cast<double>(na) * wb) * delta;
 }
 
 // Combines partials 0..n-1 in the one fixed pairwise tree that every backend

@@ -85,7 +85,7 @@ def finish_row(counts: list[int], floats: list[float]) -> Row:
     row["max_abs"] = raw["max_abs"] if non_nan else math.nan
     row["mean"] = mean if finite else math.nan
     row["std"] = math.sqrt(m2 / (finite - 1)) if finite >= 2 else math.nan
-    row["norm"] = _norm(finite, mean, m2, raw["max_abs"])
+    row["norm"] = _norm(finite, mean, m2)
     row["sum"] = mean * finite if finite else 0.0
     return row
 
@@ -103,14 +103,21 @@ def decode(buffer: torch.Tensor) -> list[Row]:
     return [finish_row(c, f) for c, f in zip(counts, floats)]
 
 
-def _norm(finite: int, mean: float, m2: float, max_abs: float) -> float:
-    """sqrt(sum x^2) = sqrt(m2 + n mean^2), scaled by max |x| so that n mean^2
-    does not overflow for float64 data near the top of its range."""
+def _norm(finite: int, mean: float, m2: float) -> float:
+    """sqrt(sum x^2) = sqrt(m2 + n mean^2), as the hypotenuse of sqrt(m2) and
+    sqrt(n) |mean| scaled by the larger, so that n mean^2 never overflows:
+    float64 data near the top of its range has a finite norm whenever its m2
+    is finite and its norm within range (max |x| can be inf, from an infinity
+    that the moments leave out, so it cannot scale them). Plain operations,
+    not math.hypot, so that numpy gives the same bits (monitor/table.py)."""
     if finite == 0:
         return 0.0
-    scale = max_abs if 0.0 < max_abs < math.inf else 1.0
-    m = mean / scale
-    return scale * math.sqrt(m2 / scale / scale + finite * m * m)
+    a, b = math.sqrt(m2), math.sqrt(finite) * abs(mean)
+    s = max(a, b)
+    if s == 0.0 or s == math.inf:
+        return s
+    ra, rb = a / s, b / s
+    return s * math.sqrt(ra * ra + rb * rb)
 
 
 def empty_rows(n: int, device: torch.device | str = "cpu") -> torch.Tensor:

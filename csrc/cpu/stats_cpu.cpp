@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <xmmintrin.h>
@@ -110,9 +111,28 @@ bool cancels(const Tally<S, int64_t>& t) {
   return t.finite > 1 && t.s1 * t.s1 > 0.75 * t.s2 * static_cast<double>(t.finite);
 }
 
+// The moments of float64 positions [begin, end) whose sums overflowed, into
+// `p`: their values times kDownscale summed again, one at a time, in two
+// passes, the second about the mean the first gives. Only data far beyond
+// 1e150 comes here, so the passes cost little.
+void downscaled_moments(const Layout& l, const double* data, int64_t begin, int64_t end,
+                        const Limits& lim, Partial& p) {
+  auto tally_about = [&](double shift) {
+    Tally<double, int64_t> tally;
+    for_each_run(l, begin, end, [&](int64_t off, int64_t len, int64_t stride) {
+      for (int64_t k = 0; k < len; ++k) tally.add(data[off + k * stride], lim, shift, kDownscale);
+    });
+    return tally;
+  };
+  const double mean = tally_about(0.0).s1 / static_cast<double>(p.finite());
+  const Tally<double, int64_t> about_mean = tally_about(mean);
+  set_moments(p, p.finite(), mean, about_mean.s1, about_mean.s2);
+  upscale_moments(p);
+}
+
 // Positions [begin, end) of one tensor, reduced to a Partial. A chunk whose
 // sums cancel is scanned once more, shifted by its mean, unless they were
-// exact.
+// exact; one whose sums overflowed, downscaled.
 template <typename S>
 Partial scan_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
                    const Limits& lim) {
@@ -122,7 +142,14 @@ Partial scan_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
     shift = as_shift<S>(shift + tally.s1 / static_cast<double>(tally.finite));
     tally = tally_chunk(l, data, begin, end, lim, shift);
   }
-  return tally.finish(shift);
+  Partial p = tally.finish(shift);
+  if constexpr (std::is_same_v<S, double>) {
+    // Only float64 values reach far enough to overflow the sums.
+    if (!(finite_double(tally.s1) && finite_double(tally.s2))) {
+      downscaled_moments(l, data, begin, end, lim, p);
+    }
+  }
+  return p;
 }
 
 // Combines partials[0..n) in a fixed pairwise order.

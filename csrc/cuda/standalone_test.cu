@@ -124,6 +124,14 @@ enum class Mix {
   kAllSubnormal,    // nothing but subnormal values (floating types)
   kSomeSubnormal,   // normal values, 0.1% subnormal (floating types)
   kSomeNonfinite,   // normal values, 0.01% NaN and +-inf (floating types)
+  kOutliers,        // 1 + 1e-3 * randn with blocks of 64 far outliers, one
+                    // at the start: shifts taken from unrepresentative values
+  kNearMax,         // +-(0.5..1) * the largest value, in runs of one sign,
+                    // among ordinary and tiny values (floating types)
+  kConstantHuge,    // every value 0.75 * the largest, one sign
+  kOneHuge,         // ordinary values and, first, one of +-0.9 * sqrt(largest):
+                    // for float64 its square alone nearly fills the range, and
+                    // the sums of squares about it (its thread's shift) overflow
 };
 
 const char* mix_name(Mix m) {
@@ -138,6 +146,10 @@ const char* mix_name(Mix m) {
     case Mix::kAllSubnormal: return "all_subnormal";
     case Mix::kSomeSubnormal: return "some_subnormal";
     case Mix::kSomeNonfinite: return "some_nonfinite";
+    case Mix::kOutliers: return "outliers";
+    case Mix::kNearMax: return "near_max";
+    case Mix::kConstantHuge: return "constant_huge";
+    case Mix::kOneHuge: return "one_huge";
   }
   return "?";
 }
@@ -259,6 +271,22 @@ constexpr bool is_float_type() {
          std::is_same_v<T, e4m3_t> || std::is_same_v<T, e5m2_t>;
 }
 
+// The largest finite value of a floating type, from its patterns (or
+// numeric_limits for the 4- and 8-byte ones).
+template <typename T>
+double largest() {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    return std::numeric_limits<T>::max();
+  } else {
+    double top = 0.0;
+    for (uint32_t b = 0; b < (1u << (8 * sizeof(T))); ++b) {
+      const double v = host_value(Traits<T>::from_bits(b));
+      if (std::isfinite(v) && v > top) top = v;
+    }
+    return top;
+  }
+}
+
 // Whether make_values<T> can produce `mix`: the subnormal and non-finite
 // mixes need a floating type, and 1000 + 1e-3 * randn a range beyond 1000
 // (float8_e4m3fn stops at 448; bool has no room for a spread).
@@ -268,6 +296,10 @@ bool mix_applies(Mix mix) {
     case Mix::kAllSubnormal:
     case Mix::kSomeSubnormal:
     case Mix::kSomeNonfinite:
+    case Mix::kOutliers:
+    case Mix::kNearMax:
+    case Mix::kConstantHuge:
+    case Mix::kOneHuge:
       return is_float_type<T>();
     case Mix::kBits:
       return is_float_type<T>() && sizeof(T) <= 4;
@@ -305,8 +337,35 @@ std::vector<T> make_values(int64_t n, Mix mix, Rng& rng) {
       }
     };
     auto zero = [&]() { return Tr::from(rng.uniform() < 0.5 ? 0.0 : -0.0); };
+    const double top = largest<T>();
+    // kOutliers: an offset each type resolves (float8 coarsely), and
+    // outliers far off it but within range.
+    const double outlier = sizeof(T) == 1 ? top / 2 : 1e4;
+    const double spread = sizeof(T) == 1 ? 0.1 : 1e-3;
+    bool in_outliers = false;
+    double run_sign = 1.0;
     for (int64_t i = 0; i < n; ++i) {
       switch (mix) {
+        case Mix::kOutliers:
+          if (i % 64 == 0) in_outliers = i == 0 || rng.uniform() < 0.02;
+          out[i] = Tr::from(in_outliers ? outlier * (1.0 + spread * rng.normal())
+                                        : 1.0 + spread * rng.normal());
+          continue;
+        case Mix::kNearMax: {
+          if (i % 1000 == 0) run_sign = rng.uniform() < 0.5 ? 1.0 : -1.0;
+          const double pick = rng.uniform();
+          out[i] = Tr::from(pick < 0.1   ? rng.normal()
+                            : pick < 0.2 ? Tr::eps() * rng.normal()
+                                         : run_sign * top * (0.5 + 0.5 * rng.uniform()));
+          continue;
+        }
+        case Mix::kConstantHuge:
+          out[i] = Tr::from(0.75 * top);
+          continue;
+        case Mix::kOneHuge:
+          out[i] = i == 0 ? Tr::from((rng.uniform() < 0.5 ? -0.9 : 0.9) * std::sqrt(top))
+                          : normal_value();
+          continue;
         case Mix::kBits:
           out[i] = Tr::from_bits(rng.bits());
           continue;
@@ -472,6 +531,19 @@ void reference_of(Case& c) {
   w = Partial{};
   w.min_abs = w.min_abs_nonzero = INFINITY;
   w.max_abs = -INFINITY;
+  // The sums are of the values scaled by 2^-k, k >= 0 the least for which
+  // no sum of them overflows, and the squares of 2^-k2 times them, k2 the
+  // least for which no sum of squared deviations does (the scalings are
+  // exact: values small enough to lose bits weigh nothing beside the large
+  // ones that call for them).
+  double top = 0.0;
+  for_each_element(c, [&](int64_t off) {
+    const double a = std::fabs(host_value(base[off]));
+    if (std::isfinite(a) && a > top) top = a;
+  });
+  const int exponent = top > 0.0 ? std::ilogb(top) : 0;
+  const int k = std::max(0, exponent + 64 - 1020);
+  const int k2 = std::max(0, exponent - 450);
   // Neumaier's compensated sum: the mean to within an ulp or so.
   double sum = 0.0, compensation = 0.0, sum_abs = 0.0;
   int64_t finite = 0;
@@ -493,23 +565,27 @@ void reference_of(Case& c) {
     if (v != 0.0) w.min_abs_nonzero = std::min(w.min_abs_nonzero, a);
     w.max_abs = std::max(w.max_abs, a);
     if (std::isinf(v)) return;
-    const double t = sum + v;
-    compensation += std::fabs(sum) >= std::fabs(v) ? (sum - t) + v
-                                                   : (v - t) + sum;
+    const double y = std::ldexp(v, -k);
+    const double t = sum + y;
+    compensation += std::fabs(sum) >= std::fabs(y) ? (sum - t) + y
+                                                   : (y - t) + sum;
     sum = t;
-    sum_abs += a;
+    sum_abs += std::ldexp(a, -k);
     finite += 1;
   });
-  c.exact_mean = finite > 0 ? (sum + compensation) / finite : 0.0;
-  c.mean_abs = finite > 0 ? sum_abs / finite : 0.0;
-  // Second pass: squared deviations from the (nearly exact) mean.
+  c.exact_mean = finite > 0 ? std::ldexp((sum + compensation) / finite, k) : 0.0;
+  c.mean_abs = finite > 0 ? std::ldexp(sum_abs / finite, k) : 0.0;
+  // Second pass: squared deviations from the (nearly exact) mean, scaled
+  // back by 2^k2 twice: inf when m2 lies beyond the float64 range.
+  const double scaled_mean = std::ldexp(c.exact_mean, -k2);
   double m2 = 0.0;
   for_each_element(c, [&](int64_t off) {
     const double v = host_value(base[off]);
-    if (std::isfinite(v)) m2 += (v - c.exact_mean) * (v - c.exact_mean);
+    const double d = std::ldexp(v, -k2) - scaled_mean;
+    if (std::isfinite(v)) m2 += d * d;
   });
   w.mean = c.exact_mean;
-  w.m2 = m2;
+  w.m2 = std::ldexp(std::ldexp(m2, k2), k2);
 }
 
 template <typename T>
@@ -540,9 +616,7 @@ void emulate_launch(const Batch& b, EmulatedCall& call) {
     const TensorTiles& t = b.t[span.tensor];
     Partial p = empty_partial();
     for (int tid = 0; tid < kThreads; ++tid) {
-      ThreadStats<T> st;
-      scan_share<T, kStrided>(b, span, tid, st, lim);
-      combine(p, st.finish());
+      combine(p, thread_partial<T, kStrided>(b, span, tid, lim));
     }
     int64_t* row = call.out.data() + static_cast<int64_t>(t.row) * kNumFields;
     if (span.tiles == 1) {
@@ -827,10 +901,14 @@ void check_row(const Case& c, const int64_t* row) {
   // whatever the dtype.
   // The reference sums millions of squared deviations in one sequential
   // double sum, whose own rounding reaches ~1e-11 with integer extremes.
+  // m2 is inf when it lies beyond the float64 range, and only then.
   const double m2_rtol = 1e-9;
-  if (std::fabs(got.m2 - want.m2) > m2_rtol * want.m2 + 1e-300) {
-    fail(c, "m2", got.m2, want.m2);
-  }
+  const bool m2_ok = std::isinf(want.m2) || std::isinf(got.m2)
+                         ? got.m2 == want.m2
+                         : std::fabs(got.m2 - want.m2) <= m2_rtol * want.m2 + 1e-300;
+  if (!m2_ok) fail(c, "m2", got.m2, want.m2);
+  // The mean of finite values is finite.
+  if (want.finite() > 0 && !std::isfinite(got.mean)) fail(c, "mean", got.mean, c.exact_mean);
 }
 
 // ---- The exhaustive widening check ----------------------------------------
@@ -929,13 +1007,16 @@ int run(uint64_t seed, bool large, bool emulate) {
   const std::vector<Mix> all_mixes = {
       Mix::kNormal,      Mix::kSpecials,     Mix::kBits,
       Mix::kHalfZeros,   Mix::kMostlyZeros,  Mix::kAllZeros,
-      Mix::kAllSubnormal, Mix::kSomeSubnormal, Mix::kSomeNonfinite};
+      Mix::kAllSubnormal, Mix::kSomeSubnormal, Mix::kSomeNonfinite,
+      Mix::kOutliers,    Mix::kNearMax,      Mix::kConstantHuge,
+      Mix::kOneHuge};
   struct Big {
     int64_t n;
     std::vector<Mix> mixes;
   };
   const std::vector<Big> big_sizes = {
-      {1000003, {Mix::kNormal, Mix::kSpecials, Mix::kSomeNonfinite}},
+      {1000003, {Mix::kNormal, Mix::kSpecials, Mix::kSomeNonfinite, Mix::kOutliers,
+                 Mix::kNearMax, Mix::kOneHuge}},
       {int64_t(1) << 20, {Mix::kHalfZeros, Mix::kSomeSubnormal}},
       {5000000, {Mix::kNormal, Mix::kMostlyZeros}}};
   for (int t = 0; t < static_cast<int>(types.size()); ++t) {

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../classify.h"
 #include "../dtypes.h"
@@ -271,16 +272,19 @@ ZS_HDI T element(const uint4& v, int k) {
 // the element is added, so the first finite value adds d = 0 and every later
 // one is summed about it. Non-finite values add nothing to the sums (the
 // Tally selects them away), whatever the shift was while they went by; a
-// thread that sees no finite value reports no moments.
+// thread that sees no finite value reports no moments. The moments are of
+// the values times `scale`: 1, or kDownscale where float64 sums overflowed
+// (see thread_partial).
 template <typename T>
 struct ThreadStats {
   Tally<T, uint32_t> tally;
   double shift = 0.0;
+  double scale = 1.0;
 
   ZS_HDI void add(T x, const Limits& lim) {
-    const double v = static_cast<double>(Format<T>::value(x));
+    const double v = static_cast<double>(Format<T>::value(x)) * scale;
     shift = tally.finite == 0 ? v : shift;
-    tally.add(x, lim, shift);
+    tally.add(x, lim, shift, scale);
   }
   ZS_HDI Partial finish() const { return tally.finish(shift); }
 };
@@ -439,6 +443,36 @@ ZS_HDI void scan_share(const Batch& b, const TileSpan& span, int tid,
   }
 }
 
+// Thread `tid`'s partial of launch tile `span` of batch `b`. A float64
+// thread whose sums overflowed (values far beyond 1e150, see kDownscale)
+// walks its share once more, the same elements in the same order, summing
+// them times kDownscale: a second turn of the same loop, so that the rare
+// second walk adds no registers to the scan. No other type reaches so far.
+template <typename T, bool kStrided, typename Batch>
+ZS_HDI Partial thread_partial(const Batch& b, const TileSpan& span, int tid,
+                              const Limits& lim) {
+  if constexpr (std::is_same_v<T, double>) {
+    double scale = 1.0;
+#pragma unroll 1
+    for (;;) {
+      ThreadStats<T> st;
+      st.scale = scale;
+      scan_share<T, kStrided>(b, span, tid, st, lim);
+      Partial p = st.finish();
+      if (scale != 1.0) {
+        upscale_moments(p);
+        return p;
+      }
+      if (finite_double(st.tally.s1) && finite_double(st.tally.s2)) return p;
+      scale = kDownscale;
+    }
+  } else {
+    ThreadStats<T> st;
+    scan_share<T, kStrided>(b, span, tid, st, lim);
+    return st.finish();
+  }
+}
+
 // Grid-stride loop over the launch's tiles. See the file comment.
 template <typename T, bool kStrided, typename Batch>
 __device__ __forceinline__ void scan_tiles(const Batch& b) {
@@ -455,9 +489,8 @@ __device__ __forceinline__ void scan_tiles(const Batch& b) {
     const TensorTiles& t = b.t[span.tensor];
     const int tiles = span.tiles;
 
-    ThreadStats<T> st;
-    scan_share<T, kStrided>(b, span, tid, st, lim);
-    Partial p = Reduce(temp).Reduce(st.finish(), CombineOp());
+    Partial p = Reduce(temp).Reduce(thread_partial<T, kStrided>(b, span, tid, lim),
+                                    CombineOp());
     int64_t* row = h.out + static_cast<int64_t>(t.row) * kNumFields;
 
     if (tiles == 1) {
