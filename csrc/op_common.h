@@ -101,7 +101,8 @@ inline void check_input(const char* op, ArgName what, const at::Tensor& x) {
                   ? "); scan x.abs() for magnitudes or torch.view_as_real(x) "
                     "for the real and imaginary parts"
                   : "); supported: float32, float64, float16, bfloat16, "
-                    "float8_e4m3fn, float8_e5m2, bool and integer types");
+                    "float8_e4m3fn, float8_e5m2, bool, uint8, int8, int16, "
+                    "int32 and int64");
   TORCH_CHECK(x.dim() <= kMaxDims, op, ": ", what, " has ", x.dim(),
               " dimensions; at most ", kMaxDims, " are supported");
 }

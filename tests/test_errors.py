@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import re
+import warnings
+
 import pytest
 import torch
 
 import zeroscan
+from helpers import fresh_generator, make_values
+from zeroscan import reference_stats
 
 
 def test_none_explains_missing_gradients() -> None:
@@ -43,12 +49,119 @@ def test_complex_is_refused_with_a_way_out() -> None:
         zeroscan.stats_many([torch.ones(2), torch.randn(3, dtype=torch.complex128)])
 
 
-@pytest.mark.parametrize("tol", [-1e-3, float("nan")])
+@pytest.mark.parametrize("tol", [-1e-3, float("nan"), -float("inf")])
 def test_bad_tol(tol: float) -> None:
     with pytest.raises(ValueError, match="tol must be a non-negative number"):
         zeroscan.stats(torch.ones(3), tol=tol)
     with pytest.raises(RuntimeError, match="tol must be a non-negative number"):
         torch.ops.zeroscan.stats(torch.ones(3), tol)  # the native check too
+
+
+@pytest.mark.parametrize("tol", [10**400, -(10**400), 10**5000], ids=["1e400", "-1e400", "1e5000"])
+def test_tol_beyond_the_float_range(tol: int) -> None:
+    for call in (lambda: zeroscan.stats(torch.ones(3), tol=tol), lambda: zeroscan.stats_many([torch.ones(3)], tol=tol)):
+        with pytest.raises(ValueError, match=r"tol must be a non-negative number within the float range, got an integer of \d+ bits"):
+            call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_negative_zero_tol_is_zero(dtype: torch.dtype) -> None:
+    x = make_values(4096, dtype, fresh_generator(), every=10)  # zeros, subnormals, near-zero, NaN and inf planted
+    s = zeroscan.stats(x, tol=-0.0)
+    assert s.tol == 0.0 and math.copysign(1.0, s.tol) == 1.0
+    assert s.near_zero == reference_stats(x, tol=0.0)["near_zero"] == 0
+    assert zeroscan.stats_many([x], tol=-0.0)[0].tol.hex() == "0x0.0p+0"
+
+
+UNREAD_DTYPES = [getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                 if hasattr(torch, n)]
+
+
+@pytest.mark.parametrize("dtype", UNREAD_DTYPES, ids=str)
+def test_unsupported_dtype_names_x_and_a_true_list(dtype: torch.dtype) -> None:
+    with pytest.raises(RuntimeError, match=r"zeroscan.stats: x has unsupported dtype") as info:
+        zeroscan.stats(torch.zeros(3, dtype=dtype))
+    listed = str(info.value).split("supported: ", 1)[1].replace(" and ", ", ").split(", ")
+    assert len(listed) >= 12
+    for name in listed:  # every dtype the message offers is one zeroscan scans
+        assert zeroscan.stats(torch.ones(3, dtype=getattr(torch, name))).numel == 3
+    with pytest.raises(RuntimeError, match=r"\[1\] has unsupported dtype"):
+        zeroscan.stats_many([torch.ones(2), torch.zeros(3, dtype=dtype)])
+
+
+def quantized_per_tensor() -> torch.Tensor:
+    return torch.quantize_per_tensor(torch.randn(6), 0.1, 0, torch.qint8)
+
+
+def quantized_per_channel() -> torch.Tensor:
+    return torch.quantize_per_channel(torch.randn(3, 4), torch.rand(3) + 0.1, torch.zeros(3, dtype=torch.long), 0,
+                                      torch.quint8)
+
+
+def nested_strided() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+
+
+def nested_jagged() -> torch.Tensor:
+    return torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged)
+
+
+ODD_KINDS = {"quantized per tensor": (quantized_per_tensor, "quantized tensor (qint8)"),
+             "quantized per channel": (quantized_per_channel, "quantized tensor (quint8)"),
+             "nested": (nested_strided, "nested tensor"),
+             "nested jagged": (nested_jagged, "nested tensor")}
+
+
+@pytest.mark.parametrize("kind", ODD_KINDS)
+def test_quantized_and_nested_are_named(kind: str) -> None:
+    make, words = ODD_KINDS[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # quantized tensors are deprecated in torch
+        odd = make()
+    calls = {
+        "zeroscan.stats: x": lambda: zeroscan.stats(odd),
+        "zeroscan.stats_many: tensors[1]": lambda: zeroscan.stats_many([torch.ones(2), odd]),
+        "zeroscan.scan_buffers: tensors[1]": lambda: zeroscan.scan_buffers([torch.ones(2), odd]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=rf"^{re.escape(name)} is a {re.escape(words)}; scan ") as info:
+            call()
+        assert "\n" not in str(info.value)
+
+
+def test_fields_read_under_grad_and_jvp_are_right() -> None:
+    x = torch.randn(64, generator=fresh_generator(), dtype=torch.float64)
+    want = reference_stats(x)
+    seen: list[float] = []
+
+    def f(y: torch.Tensor) -> torch.Tensor:
+        s = zeroscan.stats(y)
+        seen.append(s.mean)
+        return (y * s.std).sum()
+
+    grad = torch.func.grad(f)(x)
+    torch.func.jvp(f, (x,), (torch.ones_like(x),))
+    assert seen == [pytest.approx(want["mean"], rel=1e-12, abs=1e-15)] * 2
+    assert torch.allclose(grad, torch.full_like(x, want["std"]), rtol=1e-12)  # the stats are constants to autograd
+
+
+def test_vmap_over_the_scanned_tensor_is_refused_by_name() -> None:
+    batch = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match=r"zeroscan.stats: x is batched by torch.func.vmap.*stats_many"):
+        torch.func.vmap(lambda y: y * zeroscan.stats(y).max_abs)(batch)
+    with pytest.raises(RuntimeError, match=r"zeroscan.stats_many: tensors\[1\] is batched by torch.func.vmap"):
+        torch.func.vmap(lambda y: y * zeroscan.stats_many([batch, y])[1].max_abs)(batch)
+
+
+def test_vmap_over_something_else_scans_as_usual() -> None:
+    x = torch.randn(16, generator=fresh_generator())
+    want = zeroscan.stats(x).max_abs
+    out = torch.func.vmap(lambda y: y * zeroscan.stats(x).max_abs)(torch.ones(3, 2))
+    assert torch.equal(out, torch.full((3, 2), want))
+    out = torch.func.vmap(lambda y: y * zeroscan.stats_many([x, x])[1].max_abs)(torch.ones(3, 2))
+    assert torch.equal(out, torch.full((3, 2), want))
 
 
 def test_tol_type() -> None:

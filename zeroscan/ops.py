@@ -14,6 +14,8 @@ a sparse gradient rather than refuse it) and the one DTensor detector.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -69,6 +71,32 @@ def _combine_rows_fake(rows: torch.Tensor) -> torch.Tensor:
     return rows.new_empty((rows.shape[1], NUM_FIELDS))
 
 
+# Under torch.func.vmap a scan would have to give one Stats per slice, but a
+# Stats field is one Python number: vmap cannot batch it. So a batched input
+# is refused by name; an input vmap does not batch is scanned as usual.
+VMAP_HINT = (
+    "a Stats field is a Python number, which torch.func.vmap cannot batch; call zeroscan "
+    "outside vmap (zeroscan.stats_many(list(x.unbind(0))) gives one Stats per slice)"
+)
+
+
+@torch.library.register_vmap("zeroscan::stats")
+def _stats_vmap(info: object, in_dims: tuple[int | None, ...], x: torch.Tensor, tol: float | None = None) -> tuple[torch.Tensor, int | None]:
+    if in_dims[0] is not None:
+        raise RuntimeError(f"zeroscan.stats: x is batched by torch.func.vmap; {VMAP_HINT}")
+    return torch.ops.zeroscan.stats.default(x, tol), None
+
+
+@torch.library.register_vmap("zeroscan::stats_many")
+def _stats_many_vmap(
+    info: object, in_dims: tuple[object, ...], xs: list[torch.Tensor], tol: float | None = None
+) -> tuple[torch.Tensor, int | None]:
+    batched = [i for i, d in enumerate(in_dims[0]) if d is not None]  # type: ignore[union-attr]
+    if batched:
+        raise RuntimeError(f"zeroscan.stats_many: tensors[{batched[0]}] is batched by torch.func.vmap; {VMAP_HINT}")
+    return torch.ops.zeroscan.stats_many.default(xs, tol), None
+
+
 def is_dtensor(x: object) -> bool:
     """Whether x is a torch.distributed DTensor (checked without importing
     torch.distributed.tensor: no DTensor exists before it is imported, and
@@ -91,6 +119,13 @@ def unreadable(x: torch.Tensor, *, collective: bool = False) -> str | None:
         return "is an uninitialized (lazy) parameter and holds no data yet"
     if is_dtensor(x) and not collective:
         return f"is a DTensor; {DTENSOR_HINT}"
+    if x.is_quantized:
+        return (
+            f"is a quantized tensor ({str(x.dtype).removeprefix('torch.')}); scan x.int_repr() "
+            "for its stored integers or x.dequantize() for its values"
+        )
+    if x.is_nested:
+        return "is a nested tensor; scan each of x.unbind() (or x.values(), the entries of a jagged one)"
     if x.layout != torch.strided:
         return (
             f"is a {x.layout} tensor; zeroscan scans dense tensors "
@@ -107,8 +142,15 @@ def check_tensor(
     accepted (see unreadable). Dtype and rank are checked by the native op
     itself, with messages of the same form."""
     if type(x) is torch.Tensor and x.layout == torch.strided and not x.is_meta:
-        return x  # the common case, decided without the checks below
-    name = what if index is None else f"{what}[{index}]"
+        # The common case, decided without the checks below. Quantized and
+        # nested tensors pass it too: the dispatcher, which has no kernel for
+        # them, refuses them, and refused() then names them.
+        return x
+    return require_readable(op, what if index is None else f"{what}[{index}]", x, collective=collective)
+
+
+def require_readable(op: str, name: str, x: object, *, collective: bool = False) -> torch.Tensor:
+    """check_tensor without its shortcut: x, or the error naming `name`."""
     if x is None:
         raise TypeError(f"{op}: {name} is None, not a tensor; {NONE_HINT}")
     if not isinstance(x, torch.Tensor):
@@ -119,11 +161,23 @@ def check_tensor(
     return x
 
 
+def refused(op: str, named: Sequence[tuple[str, object]], error: NotImplementedError) -> NoReturn:
+    """Raises the error naming the first of the (name, tensor) pairs that the
+    native op could not be dispatched for, or `error` itself when every
+    tensor is readable."""
+    for name, x in named:
+        require_readable(op, name, x)
+    raise error
+
+
 def scannable_form(x: torch.Tensor) -> tuple[torch.Tensor | None, str]:
     """What the Monitor scans of x: x itself, or the form that the error of
     check_tensor asks for where it keeps every stored value (a sparse
     tensor's values, a complex tensor's real view, a flat view of a tensor of
-    more than MAX_DIMS dimensions); else None and why not."""
+    more than MAX_DIMS dimensions); else None and why not (a phrase that
+    follows the tensor's name), also for a dtype the native scan does not
+    read (uint16/32/64, the float8 fnuz variants, quantized dtypes): a
+    caller skips that tensor alone instead of failing a whole stats_many."""
     if x.layout == torch.sparse_coo and not x.is_meta:
         x = x._values()  # no coalescing: a gradient's stored entries as they are
     elif x.layout != torch.strided and not x.is_meta:
@@ -136,17 +190,27 @@ def scannable_form(x: torch.Tensor) -> tuple[torch.Tensor | None, str]:
         return None, why
     if x.is_complex():
         x = torch.view_as_real(x)
+    if x.dtype not in SCANNABLE_DTYPES:
+        return None, f"has dtype {str(x.dtype).removeprefix('torch.')}, which zeroscan does not scan"
     if x.dim() > MAX_DIMS:
         x = x.reshape(-1)
     return x, ""
 
 
 def check_tol(op: str, tol: object) -> float | None:
+    """`tol` as a float, or None for each dtype's default: a non-negative
+    number (inf calls every nonzero value near zero); -0.0 is returned as
+    +0.0, the same threshold."""
     if tol is None:
         return None
     if isinstance(tol, bool) or not isinstance(tol, (int, float)):
         raise TypeError(f"{op}: tol must be a number or None, got {type(tol).__name__}")
-    tol = float(tol)
-    if not tol >= 0.0:
-        raise ValueError(f"{op}: tol must be a non-negative number, got {tol}")
-    return tol
+    try:
+        value = float(tol)
+    except OverflowError:  # an int beyond the float range, such as 10**400
+        raise ValueError(
+            f"{op}: tol must be a non-negative number within the float range, got an integer of {tol.bit_length()} bits"
+        ) from None
+    if not value >= 0.0:
+        raise ValueError(f"{op}: tol must be a non-negative number, got {value}")
+    return value + 0.0  # -0.0 + 0.0 is +0.0

@@ -29,7 +29,7 @@ from typing import Generic, TypeVar, overload
 import numpy
 import torch
 
-from zeroscan.ops import check_tensor, check_tol
+from zeroscan.ops import check_tensor, check_tol, refused, require_readable
 from zeroscan.record import COUNT_FIELDS, Column, Row, row_from_words
 
 class Readout:
@@ -260,7 +260,10 @@ def stats(x: torch.Tensor, *, tol: float | None = None) -> Stats:
     """
     x = check_tensor("zeroscan.stats", "x", x)
     tol = check_tol("zeroscan.stats", tol)
-    buffer = torch.ops.zeroscan.stats.default(x, tol)
+    try:
+        buffer = torch.ops.zeroscan.stats.default(x, tol)
+    except NotImplementedError as e:  # a quantized or nested tensor
+        refused("zeroscan.stats", [("x", x)], e)
     return Stats(Readout(buffer), 0, meta_of(x), tol)
 
 
@@ -291,7 +294,7 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
         device = buffer.device
         metas = [(x.dtype, x.shape, device) for x in xs]
         return StatsBatch.lazy(len(xs), lambda row: Stats(readout, row, metas[row], tol))
-    xs = [check_tensor(op, "tensors", x, i) for i, x in enumerate(xs)]
+    xs = [require_readable(op, f"tensors[{i}]", x) for i, x in enumerate(xs)]
     items: list[Stats | None] = [None] * len(xs)
     for indices in device_groups(xs):
         readout = Readout(torch.ops.zeroscan.stats_many.default([xs[i] for i in indices], tol))
@@ -324,4 +327,7 @@ def scan_buffers(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor")
     tol = check_tol(op, tol)
     xs = [check_tensor(op, "tensors", t, i) for i, t in enumerate(tensors)]
-    return [torch.ops.zeroscan.stats_many.default([xs[i] for i in g], tol) for g in device_groups(xs)]
+    try:
+        return [torch.ops.zeroscan.stats_many.default([xs[i] for i in g], tol) for g in device_groups(xs)]
+    except NotImplementedError as e:  # a quantized or nested tensor
+        refused(op, [(f"tensors[{i}]", x) for i, x in enumerate(xs)], e)
