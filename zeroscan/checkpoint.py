@@ -8,8 +8,12 @@ Two formats are read:
   dotted names (``model.layer.0.weight``, ``optimizer.state.3.exp_avg``);
   leaves that are not tensors (an epoch number, a config string) are left out.
 * .safetensors files, read by zeroscan.safetensors_io without the
-  safetensors package: each tensor is memory-mapped on its own when asked
-  for, so a file larger than memory is never read whole.
+  safetensors package: tensor() gives views of one mapping of the whole
+  file, so a file larger than memory is never read whole.
+
+scan_checkpoint reads no mapping: it reads tensor bytes with read calls
+(zeroscan.checkpoint_reads), so a file truncated under it is an error, not a
+SIGBUS.
 
 Every problem with the file itself raises CheckpointError with a one-line
 message naming the file. scan_checkpoint diagnoses every tensor of a
@@ -18,21 +22,33 @@ checkpoint; zeroscan.checkpoint_diff compares two.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-import pickle
-import re
-import zipfile
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from zeroscan.ops import SCANNABLE_DTYPES
+from zeroscan.checkpoint_reads import (
+    BatchScanner,
+    FileChangedError,
+    FileTensor,
+    TensorFile,
+    contiguous_file_tensor,
+    locate_in_zip,
+    scan_form,
+)
+from zeroscan.ops import SCANNABLE_DTYPES, unreadable
+from zeroscan.stats import Stats
+from zeroscan.torch_io import TorchFileError, load_torch_file
 from zeroscan.safetensors_io import (
     SafetensorsError,
     looks_like_safetensors,
+    map_safetensors_file,
     map_safetensors_slot,
     read_safetensors_header,
 )
@@ -70,7 +86,9 @@ def scannable(dtype: torch.dtype) -> bool:
 
 class Checkpoint:
     """An opened checkpoint: its tensor entries in file order, and each
-    tensor on demand. Use as a context manager, or call close()."""
+    tensor on demand. Use as a context manager, or call close(), which
+    releases the file: one descriptor and at most one mapping, however many
+    tensors it holds."""
 
     def __init__(
         self,
@@ -80,6 +98,9 @@ class Checkpoint:
         get: Callable[[str], torch.Tensor],
         close: Callable[[], None] | None = None,
         metadata: dict[str, str] | None = None,
+        *,
+        file: TensorFile | None = None,
+        located: dict[str, FileTensor] | None = None,
     ) -> None:
         self.path = path
         self.format = format  # "torch", "torch-legacy" or "safetensors"
@@ -88,6 +109,52 @@ class Checkpoint:
         self._get = get
         self._close = close
         self.metadata = metadata or {}  # a safetensors file's __metadata__
+        self._file = file
+        self._located = located
+
+    def file(self) -> TensorFile:
+        """The open file that scans read tensor bytes from (opened on first use)."""
+        if self._file is None:
+            try:
+                self._file = TensorFile(self.path)
+            except OSError as e:
+                raise CheckpointError(f"{self.path}: cannot read ({e.strerror or e})") from None
+        return self._file
+
+    def located(self) -> dict[str, FileTensor]:
+        """Where each tensor that a scan reads from the file lies in it, by
+        name (zeroscan.checkpoint_reads). The others are scanned as tensor()
+        gives them: a legacy torch file's, which torch.load read whole, and
+        those with no data in the file (meta, sparse)."""
+        if self._located is None:
+            self._located = {}
+            if self.format == "torch":
+                self._located = locate_in_zip(self.file(), {e.name: self._get(e.name) for e in self.entries})
+        return self._located
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor `name` as tensor() gives it, but read into memory with
+        read calls where the file gives its place (located()), so that a file
+        truncated meanwhile is a CheckpointError naming it, never a SIGBUS. It
+        holds the bytes the tensor views: an expanded view's few, a whole
+        tensor's all. The others are tensor() itself."""
+        where = self.located().get(name)
+        if where is None:
+            return self.tensor(name)
+        buffer = torch.empty(where.nbytes, dtype=torch.uint8)
+        file = self.file()
+        try:
+            got = file.read_into(memoryview(buffer.numpy()), where.offset)
+            if got < where.nbytes:
+                size = os.fstat(file.raw.fileno()).st_size
+                raise FileChangedError(
+                    f"{self.path}: changed while it was being read (now {size:,} bytes; "
+                    f"tensor {name!r} needs bytes {where.offset:,}..{where.end:,})"
+                )
+            file.check_unchanged()
+        except FileChangedError as e:
+            raise CheckpointError(str(e)) from None
+        return buffer.view(where.dtype).as_strided(where.shape, where.stride)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -105,7 +172,9 @@ class Checkpoint:
             raise KeyError(f"{self.path}: no tensor named {name!r}") from None
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The tensor `name`, memory-mapped where the format allows."""
+        """The tensor `name`, memory-mapped where the format allows (a mapped
+        tensor dies with SIGBUS if the file is truncated meanwhile;
+        scan_checkpoint reads with read calls instead)."""
         self.entry(name)
         return self._get(name)
 
@@ -122,6 +191,9 @@ class Checkpoint:
         if self._close is not None:
             self._close()
             self._close = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -137,12 +209,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Opens a torch.save file or a .safetensors file (recognised by content,
     not by name). Raises CheckpointError with a one-line reason."""
     p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file")
-    if p.is_dir():
-        raise CheckpointError(f"{p}: is a directory, not a checkpoint file")
+    size = regular_file_size(p)
     try:
-        size = p.stat().st_size
         with open(p, "rb") as f:
             head = f.read(9)
     except OSError as e:
@@ -154,62 +222,56 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return open_torch(p)
 
 
-def load_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint by flattened name (memory-mapped where possible)."""
-    with open_checkpoint(path) as ckpt:
-        return dict(ckpt.tensors())
+SPECIAL_FILE_KINDS = (
+    (stat.S_ISFIFO, "FIFO (named pipe)"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+)
 
 
-# --- torch.save files -------------------------------------------------------
+def regular_file_size(p: Path) -> int:
+    """p's size, after refusing anything but a regular file. It is decided by
+    stat() alone, before anything opens p: open() on a FIFO waits for a writer
+    forever, a device such as /dev/zero never ends, and opening some devices
+    acts on them (a tape rewinds)."""
+    try:
+        st = p.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointError(f"{p}: no such file") from None
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read ({e.strerror or e})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{p}: is a directory, not a checkpoint file")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in SPECIAL_FILE_KINDS if test(st.st_mode)), "special file")
+        raise CheckpointError(f"{p}: is a {kind}, not a regular file; zeroscan reads checkpoint files only")
+    return st.st_size
 
 
-def flatten(obj: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(dotted name, tensor) for every tensor in nested dicts, lists and tuples."""
-    if isinstance(obj, torch.Tensor):
-        yield (prefix or "tensor"), obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from flatten(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from flatten(value, f"{prefix}.{i}" if prefix else str(i))
+# --- torch.save files (zeroscan.torch_io) ----------------------------------
 
 
 def open_torch(p: Path) -> Checkpoint:
-    zipped = zipfile.is_zipfile(p)
     try:
-        obj = torch.load(p, map_location="cpu", weights_only=True, mmap=zipped)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL (\S+) was not an allowed global", str(e))
-        if found:
-            raise CheckpointError(
-                f"{p}: the pickle holds a {found.group(1)} object, not only tensors and plain containers; "
-                "zeroscan loads with weights_only=True and never runs pickled code "
-                "(save the state_dict alone to scan it)"
-            ) from None
-        detail = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
-        why = detail.group(1).strip() if detail else one_line(e)
-        raise CheckpointError(f"{p}: not a PyTorch checkpoint or a safetensors file ({why})") from None
-    except Exception as e:  # torch.load raises many types for a file that is not its own
-        raise CheckpointError(f"{p}: not a PyTorch checkpoint or a safetensors file ({one_line(e)})") from None
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in flatten(obj):
-        unique, n = name, 1
-        while unique in tensors:  # a key "a.b" beside a nested {"a": {"b": ...}}
-            n += 1
-            unique = f"{name}#{n}"
-        tensors[unique] = t
-    entries = [
-        TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
-        for name, t in tensors.items()
-    ]
+        tensors, zipped = load_torch_file(p)
+    except TorchFileError as e:
+        raise CheckpointError(str(e)) from None
+    entries = [TensorEntry(name, dtype_name(t.dtype), shape_of(t), stored_bytes(t)) for name, t in tensors.items()]
     return Checkpoint(p, "torch" if zipped else "torch-legacy", entries, tensors.__getitem__, tensors.clear)
 
 
-def one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    msg = text[0] if text else ""
-    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+def shape_of(t: torch.Tensor) -> tuple[int, ...]:
+    """t's shape; () for a nested tensor, whose components each have their own."""
+    return () if t.is_nested else tuple(t.shape)
+
+
+def stored_bytes(t: torch.Tensor) -> int:
+    """The bytes of t that the file holds: an expanded view of one value is
+    2**62 elements in a file of a few bytes, and progress counts what is read."""
+    if t.is_nested or t.layout != torch.strided:
+        return 0  # skipped by the scan: nothing of it is read
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
 
 
 # --- safetensors files -------------------------------------------------------
@@ -217,28 +279,54 @@ def one_line(e: BaseException) -> str:
 
 def open_safetensors(p: Path) -> Checkpoint:
     """A .safetensors file as a Checkpoint. The format's own errors become
-    CheckpointError, the one error every caller of open_checkpoint handles."""
+    CheckpointError, the one error every caller of open_checkpoint handles.
+
+    The file is opened first and the header then parsed by path: the same
+    size, time and inode afterwards show that the header describes the file
+    the tensors will be read from."""
+    try:
+        file = TensorFile(p)
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read ({e.strerror or e})") from None
     try:
         slots, metadata = read_safetensors_header(p)
+        now, then = p.stat(), file.opened
+        if (now.st_ino, now.st_dev, now.st_size, now.st_mtime_ns) != (
+            then.st_ino, then.st_dev, then.st_size, then.st_mtime_ns
+        ):
+            raise CheckpointError(f"{p}: changed while it was being opened; open it again once it is written")
     except SafetensorsError as e:
+        file.close()
         raise CheckpointError(str(e)) from None
+    except BaseException:
+        file.close()
+        raise
     entries = []
+    located = {}
     for name, slot in slots.items():
         label = dtype_name(slot.dtype) if slot.dtype is not None else slot.file_dtype
         entries.append(TensorEntry(name, label, slot.shape, slot.nbytes))
+        if slot.dtype is not None:
+            located[name] = contiguous_file_tensor(slot.start, slot.dtype, slot.shape)
+    mapping: list[np.memmap] = []  # the whole file, mapped when a tensor is first asked for
 
     def get(name: str) -> torch.Tensor:
         try:
-            return map_safetensors_slot(p, name, slots[name])
+            if not mapping:
+                mapping.append(map_safetensors_file(file.raw))
+            return map_safetensors_slot(mapping[0], p, name, slots[name])
         except SafetensorsError as e:
             raise CheckpointError(str(e)) from None
+        except (OSError, ValueError) as e:  # mmap refuses an empty or vanished file
+            raise CheckpointError(f"{p}: cannot map ({e})") from None
 
-    return Checkpoint(p, "safetensors", entries, get, metadata=metadata)
+    return Checkpoint(p, "safetensors", entries, get, mapping.clear, metadata, file=file, located=located)
 
 
 # --- scanning ---------------------------------------------------------------
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
+MAX_SCAN_THREADS = 8  # threads that read and scan batches (the scan is bound by memory well before)
 
 
 @dataclass
@@ -267,75 +355,87 @@ def scan_checkpoint(
     """Scans every tensor of a checkpoint and diagnoses each (zeroscan.diagnose_stats)
     in its role (zeroscan.roles): a zero bias or BatchNorm running mean is OK,
     an all-zero weight matrix a warning, a NaN an error in any role; other
-    findings on integer and bool tensors are at most "info".
+    findings on integer and bool tensors are at most "info". Tensors with no
+    data to scan (a dtype zeroscan does not read, meta, sparse) are listed in
+    `skipped` with the reason.
 
     Tensors are scanned a batch at a time (up to `batch_bytes`, one native
-    stats_many call per batch) straight from the memory-mapped file, so the
-    pages a scan touches are file pages the kernel can drop again, never a
-    copy of the checkpoint. `progress(done, total)` is called in bytes after
-    each batch.
+    stats_many call per batch), read with read calls into one buffer of
+    `batch_bytes` that the scan reuses, never memory-mapped: a file truncated
+    during the scan (a training job re-saving it) raises CheckpointError
+    rather than killing the process with SIGBUS. A tensor larger than
+    `batch_bytes` is scanned in pieces whose results are merged exactly
+    (counts, min/max) and as the native scan merges its own chunks (moments).
+    `progress(done, total)` is called in bytes after each batch.
     """
     from zeroscan.diagnosis import Severity, diagnose_stats
     from zeroscan.roles import judge_in_role, tensor_role
-    from zeroscan.stats import stats_many
 
     with open_checkpoint(path) as ckpt:
         total = ckpt.nbytes
         rows: list[dict[str, object]] = []
         skipped: list[dict[str, object]] = []
-        batch: list[tuple[TensorEntry, torch.Tensor]] = []
         done = 0
 
-        def flush() -> None:
+        def on_result(name: str, s: Stats) -> None:
+            entry = ckpt.entry(name)
+            d = diagnose_stats(s, mostly_zero=mostly_zero)
+            role = tensor_role(entry.name, entry.shape)
+            severity, reason = judge_in_role(role, d.verdict.cause, d.severity, d.reason)
+            if not s.dtype.is_floating_point and severity > Severity.INFO:
+                # indices and masks (token_type_ids, attention_mask): all zero is normal
+                reason = f"{reason} (an integer tensor: a counter, index or mask, so only info)"
+                severity = Severity.INFO
+            rows.append(scan_row(entry, s.to_dict(), d.verdict.value, role.value, severity.name.lower(), reason))
+
+        def on_step(nbytes: int) -> None:
             nonlocal done
-            if not batch:
-                return
-            results = stats_many([t for _, t in batch], tol=tol)
-            for (entry, t), s in zip(batch, results):
-                d = diagnose_stats(s, mostly_zero=mostly_zero)
-                role = tensor_role(entry.name, entry.shape)
-                severity, reason = judge_in_role(role, d.verdict.cause, d.severity, d.reason)
-                if not t.is_floating_point() and severity > Severity.INFO:
-                    # indices and masks (token_type_ids, attention_mask): all zero is normal
-                    reason = f"{reason} (an integer tensor: a counter, index or mask, so only info)"
-                    severity = Severity.INFO
-                rows.append(scan_row(entry, s.to_dict(), d.verdict.value, role.value, severity.name.lower(), reason))
-                done += entry.nbytes
-            batch.clear()
+            done += nbytes
             if progress is not None:
                 progress(done, total)
 
-        size = 0
-        for entry in ckpt.entries:
-            reason = unscannable_reason(entry)
-            if reason is not None:
+        located = ckpt.located()
+        threads = min(torch.get_num_threads(), MAX_SCAN_THREADS)
+        scanner = BatchScanner(ckpt.file() if located else None, batch_bytes, tol, on_result, on_step, threads)
+        try:
+            for entry in ckpt.entries:
+                reason = unscannable_reason(entry)
+                if reason is None:
+                    where = located.get(entry.name)
+                    if where is not None:
+                        scanner.add_file_tensor(entry.name, where, entry.nbytes)
+                        continue
+                    t = ckpt.tensor(entry.name)
+                    why = unreadable(t)
+                    if why is None:
+                        scanner.add_tensor(entry.name, scan_form(t), entry.nbytes)
+                        continue
+                    reason = f"the tensor {why}"
                 skipped.append({"name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape), "reason": reason})
                 done += entry.nbytes
-                continue
-            t = ckpt.tensor(entry.name)
-            if t.dtype in COMPLEX_DTYPES:
-                t = torch.view_as_real(t)
-            if t.device.type == "meta":
-                skipped.append({"name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape),
-                                "reason": "a meta tensor: the checkpoint holds no data for it"})
-                continue
-            batch.append((entry, t))
-            size += entry.nbytes
-            if size >= batch_bytes or len(batch) >= 1024:
-                flush()
-                size = 0
-        flush()
+            scanner.flush()
+        except FileChangedError as e:
+            raise CheckpointError(str(e)) from None
+        finally:
+            scanner.close()  # before the file closes: no batch may read it after
         if progress is not None:
             progress(total, total)
         return CheckpointScan(str(path), ckpt.format, total, rows, skipped)
 
 
 def unscannable_reason(entry: TensorEntry) -> str | None:
-    dtype = getattr(torch, entry.dtype, None)
+    return dtype_skip_reason(entry.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def dtype_skip_reason(dtype_label: str) -> str | None:
+    """Why tensors of this dtype (a TensorEntry's label) are not scanned;
+    decided once per dtype, as a file of many tensors has few dtypes."""
+    dtype = getattr(torch, dtype_label, None)
     if not isinstance(dtype, torch.dtype):
-        return f"dtype {entry.dtype} has no torch equivalent here"
+        return f"dtype {dtype_label} has no torch equivalent here"
     if not scannable(dtype):
-        return f"dtype {entry.dtype} is not scanned (zeroscan reads floating, integer and bool tensors)"
+        return f"dtype {dtype_label} is not scanned (zeroscan reads floating, integer and bool tensors)"
     return None
 
 
