@@ -215,8 +215,12 @@ def test_tol_and_mostly_zero(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert doc["tol"] == 1e-2
     assert rows[0]["near_zero"] == 200 and rows[0]["verdict"] == "underflow"
     assert rows[1]["verdict"] != "mostly_zero"
-    for bad in (["--tol", "-1"], ["--tol", "x"], ["--mostly-zero", "0"], ["--mostly-zero", "2"]):
-        assert run(capsys, "scan", str(path), *bad)[0] == 2
+    for bad in (["--tol", "-1"], ["--tol", "x"], ["--tol", "nan"], ["--tol", "-inf"],
+                ["--mostly-zero", "0"], ["--mostly-zero", "2"]):
+        code, _, err = run(capsys, "scan", str(path), *bad)
+        assert code == 2 and "internal error" not in err and f"argument {bad[0]}" in err
+    _, doc = scan_json(capsys, str(path), "--tol", "-0")
+    assert math.copysign(1.0, doc["tol"]) == 1.0 and doc["files"][0]["tensors"][0]["near_zero"] == 0
 
 
 def test_nested_containers_lists_and_legacy_format(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -141,3 +141,21 @@ def test_missing_matplotlib_says_how_to_install(monkeypatch: pytest.MonkeyPatch,
         plot.plot_report({"step": 0, "findings": [], "tensors": []}, tmp_path / "x.png")
     with pytest.raises(ImportError, match="pip install matplotlib"):
         plot.plot_scan([], tmp_path / "x.png")
+
+
+@pytest.mark.parametrize(("given", "written"), [("flow", "flow.png"), ("flow.", "flow.png"), ("flow.SVG", "flow.SVG")])
+@pytest.mark.parametrize("draw", ["report", "scan"])
+def test_plot_returns_the_file_it_wrote(tmp_path: Path, given: str, written: str, draw: str) -> None:
+    if draw == "report":
+        path = plot.plot_report({"step": 0, "findings": [], "tensors": []}, tmp_path / given)
+    else:
+        path = plot.plot_scan([], tmp_path / given)
+    assert path == str(tmp_path / written)
+    assert [p.name for p in tmp_path.iterdir()] == [written]
+
+
+@pytest.mark.parametrize("draw", [plot.plot_report, plot.plot_scan])
+def test_plot_refuses_a_format_matplotlib_cannot_write(tmp_path: Path, draw: Any) -> None:
+    with pytest.raises(ValueError, match=r"x\.xyz: matplotlib cannot write \.xyz files; it writes .*\.png"):
+        draw({"step": 0, "findings": [], "tensors": []} if draw is plot.plot_report else [], tmp_path / "x.xyz")
+    assert not any(tmp_path.iterdir())

@@ -43,7 +43,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from zeroscan.cli_format import Progress, Style, fmt_bytes, fmt_count, fmt_num, fmt_percent, fmt_shape, render_table
+from zeroscan.cli_format import (
+    Progress,
+    Style,
+    fmt_bytes,
+    fmt_count,
+    fmt_num,
+    fmt_percent,
+    fmt_shape,
+    printable,
+    render_table,
+)
 from zeroscan.report_data import json_safe
 from zeroscan.words import count_noun, is_are
 
@@ -138,6 +148,7 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
         return cmd_diff(args, out)
     if args.trained_from_first:
         raise UsageError("--trained-from-first says how the two files of --diff relate; add --diff")
+    plot_path = checked_plot_path(args.plot) if args.plot else None
     style = Style(out)
     files = []
     for path in args.paths:
@@ -152,14 +163,14 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
     all_rows = [r for f in files for r in f.rows]
     counts = count_findings(all_rows)
     worst = worst_of(all_rows)
-    if args.plot:
+    if plot_path:
         from zeroscan.plot import plot_scan
 
         plot_rows = [
             dict(r, name=f"{Path(f.path).name}:{r['name']}") if len(files) > 1 else r for f in files for r in f.rows
         ]
         title = Path(files[0].path).name if len(files) == 1 else f"{len(files)} checkpoints"
-        plot_scan(plot_rows, args.plot, title=title)
+        plot_path = plot_scan(plot_rows, plot_path, title=title)
 
     if args.json:
         doc = {
@@ -191,8 +202,8 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
             if i:
                 out.write("\n")
             write_scan_text(f, args, style, out)
-        if args.plot:
-            out.write(f"plot written to {args.plot}\n")
+        if plot_path:
+            out.write(f"plot written to {printable(plot_path)}\n")
     return exit_status(worst, args.fail_on)
 
 
@@ -205,7 +216,7 @@ def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO)
     nbytes = f.nbytes
     counts = count_findings(f.rows)
     size = f"{f.format}, {count_noun(len(f.rows), 'tensor')}, {fmt_bytes(nbytes)}"
-    out.write(style(f"{f.path}", "bold") + f"  ({size})\n")
+    out.write(style(printable(f.path), "bold") + f"  ({size})\n")
     if rows:
         out.write("\n".join(scan_table(rows, style)) + "\n")
     elif args.only_findings:
@@ -214,9 +225,10 @@ def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO)
     if findings:
         out.write("\nfindings:\n")
         for r in findings:
-            out.write(f"  {style(r['severity'].upper(), r['severity'])} {r['name']}: {r['verdict']}: {r['reason']}\n")
+            what = printable(f"{r['name']}: {r['verdict']}: {r['reason']}")
+            out.write(f"  {style(r['severity'].upper(), r['severity'])} {what}\n")
     for s in f.skipped:
-        out.write(f"  skipped {s['name']} ({s['dtype']}): {s['reason']}\n")
+        out.write("  skipped " + printable(f"{s['name']} ({s['dtype']}): {s['reason']}") + "\n")
     out.write(f"\n{count_noun(len(f.rows), 'tensor')} scanned, {findings_words(counts)}\n")
 
 
@@ -261,7 +273,7 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n")
     else:
         style = Style(out)
-        out.write(style(f"{a} -> {b}", "bold") + "\n")
+        out.write(style(printable(f"{a} -> {b}"), "bold") + "\n")
         headers = ["name", "dtype", "shape", "status", "changed", "max |a-b|", "note"]
         cells, colors = [], []
         for r in shown_rows:
@@ -293,7 +305,32 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     from zeroscan.demo import run_demo
 
-    return run_demo(out=out, plot=args.plot)
+    return run_demo(out=out, plot=checked_plot_path(args.plot) if args.plot else None)
+
+
+def checked_plot_path(path: str) -> str:
+    """The file `--plot path` will write (.png appended when it has no
+    extension), checked before any work: matplotlib is installed, writes that
+    format, and the folder exists and can be written. UsageError otherwise."""
+    from zeroscan.plot import plot_destination
+
+    try:
+        target, _ = plot_destination(path)
+    except ValueError as e:
+        raise UsageError(f"--plot {e}") from None
+    folder = os.path.dirname(target) or "."
+    problem = (
+        "is a directory" if os.path.isdir(target)
+        else "no such directory" if not os.path.exists(folder)
+        else "not a directory" if not os.path.isdir(folder)
+        else "directory not writable" if not os.access(folder, os.W_OK)
+        else None
+    )  # fmt: skip
+    if problem == "is a directory":
+        raise UsageError(f"--plot {printable(target)}: is a directory")
+    if problem:
+        raise UsageError(f"--plot {printable(target)}: {printable(folder)}: {problem}")
+    return target
 
 
 # --- the parser and main ------------------------------------------------------------------
@@ -322,7 +359,7 @@ def probability(text: str) -> float:
 
 
 def tolerance(text: str) -> float:
-    return number(text, lambda v: v >= 0.0, "a non-negative number")
+    return number(text, lambda v: v >= 0.0, "a non-negative number") + 0.0  # -0 is 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -358,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument("--trained-from-first", action="store_true",
                       help="with --diff: the second file was trained from the first, so a floating-point "
                            "tensor left bit-identical while others changed was never updated (a warning)")
-    scan.add_argument("--plot", metavar="PNG", help="also draw the scan to this image (needs matplotlib)")
+    scan.add_argument("--plot", metavar="PNG", help="also draw the scan to this image, in the format its "
+                      "extension names (.png when it has none; needs matplotlib)")
     scan.add_argument("--tol", type=tolerance, default=None,
                       help="near-zero threshold (default: each dtype's machine epsilon)")
     scan.add_argument("--mostly-zero", type=probability, default=0.9,
@@ -376,13 +414,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line `argv` (default sys.argv[1:]) and returns the exit status."""
+    if sys.stdout is None:  # `zeroscan ... >&-`: no report can be written, so do no work
+        return fail("stdout is closed: nothing to write the report to")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error already printed
         return int(e.code) if isinstance(e.code, int) else EXIT_ERROR
     if args.command is None:
-        parser.print_help(sys.stderr)
+        parser.print_help(sys.stderr)  # argparse writes nothing when stderr is closed
         return EXIT_ERROR
     from zeroscan.checkpoint import CheckpointError
 
@@ -400,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         return fail(f"{where}{e.strerror or e}")
     except KeyboardInterrupt:
-        sys.stderr.write("zeroscan: interrupted\n")
+        say("zeroscan: interrupted")
         return EXIT_INTERRUPTED
     except Exception as e:
         if os.environ.get("ZEROSCAN_DEBUG"):
@@ -411,5 +451,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def fail(message: str) -> int:
-    sys.stderr.write(f"zeroscan: error: {message}\n")
+    say(f"zeroscan: error: {printable(message)}")
     return EXIT_ERROR
+
+
+def say(line: str) -> None:
+    """One line on stderr, unless stderr is closed (`2>&-`)."""
+    if sys.stderr is not None:
+        sys.stderr.write(line + "\n")

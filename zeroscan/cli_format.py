@@ -1,17 +1,64 @@
 """How the `zeroscan` command draws on a terminal: numbers, byte sizes and
 shapes in a few characters, aligned tables, ANSI colours (only on a terminal
-and not under NO_COLOR), and bytes-scanned progress on stderr."""
+and not under NO_COLOR), and bytes-scanned progress on stderr.
+
+Text that comes from a file (tensor names, dtype strings) or from the user
+(file names) goes through printable() before it reaches a terminal, so a
+name holding an escape sequence, a newline or a bidi override is shown, not
+obeyed."""
 
 from __future__ import annotations
 
 import math
 import os
 import sys
+import unicodedata
 from collections.abc import Sequence
 from typing import Any, TextIO
 
 LARGE_TTY_BYTES = 64 << 20  # a progress bar on a terminal from this size
 LARGE_LOG_BYTES = 1 << 30  # progress lines in a log (stderr not a terminal) from this size
+
+
+# --- text from files ---------------------------------------------------------------
+
+# Control characters (C0, DEL, C1), format characters (bidi overrides and
+# isolates, zero-width joiners), line and paragraph separators, and lone
+# surrogates (undecodable bytes of a file name).
+UNPRINTABLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: object) -> str:
+    """str(text) safe to write to a terminal: every character that could move
+    the cursor, forge a line or reorder one is written as its escape, as
+    repr() writes it (\\x1b, \\n, \\u202e); an undecodable byte of a file
+    name as \\xNN."""
+    text = str(text)
+    if text.isprintable():  # the common case: nothing to escape
+        return text
+    return "".join(escape(ch) if unicodedata.category(ch) in UNPRINTABLE_CATEGORIES else ch for ch in text)
+
+
+def escape(ch: str) -> str:
+    code = ord(ch)
+    if ch in SHORT_ESCAPES:
+        return SHORT_ESCAPES[ch]
+    if 0xDC80 <= code <= 0xDCFF:  # os.fsdecode's stand-in for the byte code - 0xDC00
+        return f"\\x{code - 0xDC00:02x}"
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def display_width(text: str) -> int:
+    """Terminal columns of printable text: wide (East Asian) characters take
+    two, combining marks none."""
+    if text.isascii():
+        return len(text)
+    return sum(
+        0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1 for ch in text
+    )
 
 
 # --- numbers, tables, colours ----------------------------------------------------
@@ -78,17 +125,19 @@ class Style:
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int], colors: Sequence[str | None],
                  style: Style, color_col: int) -> list[str]:
-    """The table as lines: columns padded to their widest cell (those in `right`
-    right-aligned), the header bold, and column `color_col` of each row in that
-    row's colour."""
-    widths = [len(h) for h in headers]
+    """The table as lines: every cell made printable(), columns padded to their
+    widest cell (those in `right` right-aligned), the header bold, and column
+    `color_col` of each row in that row's colour."""
+    rows = [[printable(c) for c in row] for row in rows]
+    widths = [display_width(h) for h in headers]
     for row in rows:
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+        widths = [max(w, display_width(c)) for w, c in zip(widths, row)]
 
     def line(cells: Sequence[str], color: str | None) -> str:
         parts = []
         for i, (c, w) in enumerate(zip(cells, widths)):
-            cell = c.rjust(w) if i in right else c.ljust(w)
+            pad = " " * (w - display_width(c))
+            cell = pad + c if i in right else c + pad
             if i == color_col and color:
                 cell = style(cell, color)
             parts.append(cell)
@@ -108,12 +157,12 @@ class Progress:
     (a log)."""
 
     def __init__(self, label: str, total: int, enabled: bool | None, stream: TextIO | None = None) -> None:
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
+        self.stream: TextIO = stream or sys.stderr  # None when stderr is closed: no progress
+        self.tty = self.stream is not None and self.stream.isatty()
         if enabled is None:
             enabled = total >= (LARGE_TTY_BYTES if self.tty else LARGE_LOG_BYTES)
-        self.enabled = enabled and total > 0
-        self.label = label
+        self.enabled = enabled and total > 0 and self.stream is not None
+        self.label = printable(label)
         self.total = total
         self.last_decile = -1
         self.bar: Any = None

@@ -19,6 +19,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from zeroscan.cli_format import printable
 from zeroscan.diagnosis import Diagnosis, Verdict, diagnose
 
 WIDTH = 100
@@ -145,8 +146,8 @@ def model_cases(tour: Tour, g: torch.Generator, plot: str | None) -> None:
     )
     show_findings(tour, report, "detached")
     if plot:
-        report.plot(plot)
-        tour.say(f"(gradient flow of this model drawn to {plot})", indent=3)
+        written = report.plot(plot)
+        tour.say(f"(gradient flow of this model drawn to {printable(written)})", indent=3)
 
     tour.title("A parameter missing from the optimizer: SGD built without head.bias")
     model = Net(detach=False)

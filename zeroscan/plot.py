@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from zeroscan.cli_format import printable
 from zeroscan.report_data import report_dict
 
 SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
@@ -41,6 +42,33 @@ def require_matplotlib() -> Any:
             "zeroscan's plots need matplotlib, which is not installed: pip install matplotlib"
         ) from None
     return Figure
+
+
+def plot_formats() -> dict[str, str]:
+    """The file formats matplotlib writes: extension -> description."""
+    require_matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return dict(FigureCanvasBase.get_supported_filetypes())
+
+
+def plot_destination(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """(the file a plot to `path` is written to, its format), chosen as
+    matplotlib's savefig chooses them: by the extension, and .png appended
+    when there is none. ValueError, one line, for an extension matplotlib
+    cannot write."""
+    require_matplotlib()
+    text = os.fspath(path)
+    ext = os.path.splitext(text)[1][1:].lower()
+    if not ext:
+        return text.rstrip(".") + ".png", "png"
+    formats = plot_formats()
+    if ext not in formats:
+        raise ValueError(
+            f"{printable(text)}: matplotlib cannot write .{printable(ext)} files; "
+            f"it writes {', '.join('.' + f for f in sorted(formats))}"
+        )
+    return text, ext
 
 
 # --- small helpers -----------------------------------------------------------
@@ -91,7 +119,8 @@ def _style_names(ax: Any, names: Sequence[str], severities: Sequence[str], heigh
 
 
 def _short(name: str, limit: int = 48) -> str:
-    return name if len(name) <= limit else "…" + name[-(limit - 1) :]
+    short = name if len(name) <= limit else "…" + name[-(limit - 1) :]
+    return printable(short)  # a newline or bidi override in a file's tensor name would garble the axis
 
 
 def _bar_colors(severities: Sequence[str], plain: str) -> list[str]:
@@ -128,8 +157,10 @@ def _legend(fig: Any, present: set[str], extra: Sequence[tuple[str, str]] = ()) 
 
 def plot_report(report: object, path: str | os.PathLike[str], *, dpi: int = 110) -> str:
     """Draws the gradient flow of a Monitor report (a Report or its to_dict())
-    to `path` (any format matplotlib writes: .png, .svg, .pdf) and returns it."""
+    to `path` (any format matplotlib writes: .png, .svg, .pdf; .png appended
+    when it has no extension) and returns the path written."""
     Figure = require_matplotlib()
+    target, fmt = plot_destination(path)
     data = report_dict(report)
     tensors = list(data.get("tensors", []))
     # Every parameter in model order; one with a weight row but no gradient
@@ -174,8 +205,8 @@ def plot_report(report: object, path: str | os.PathLike[str], *, dpi: int = 110)
     if with_history and _report_heatmaps(fig, axes[1], history, names, worst, height / rows):
         extra.append((EXACT_ZERO_CELL, "norm exactly 0 (heat map)"))
     _legend(fig, set(severities), extra)
-    fig.savefig(path)
-    return str(path)
+    fig.savefig(target, format=fmt)
+    return target
 
 
 def _report_bars(
@@ -300,8 +331,10 @@ def plot_scan(
 ) -> str:
     """Draws a checkpoint scan (the JSON rows of `zeroscan scan`, in file
     order): zero %, underflow % and the |x| range per tensor, with tensors
-    that have findings named in colour. Returns `path`."""
+    that have findings named in colour. Returns the path written (`path`,
+    with .png appended when it has no extension)."""
     Figure = require_matplotlib()
+    target, fmt = plot_destination(path)
     rows = list(rows)
     names = [str(r["name"]) for r in rows]
     severities = [str(r.get("severity", "ok")) for r in rows]
@@ -316,8 +349,8 @@ def plot_scan(
         for ax in axes:
             ax.text(0.5, 0.5, "no tensors", ha="center", va="center", transform=ax.transAxes)
             ax.set_axis_off()
-        fig.savefig(path)
-        return str(path)
+        fig.savefig(target, format=fmt)
+        return target
 
     y = list(range(len(rows)))
     numel = [max(int(r.get("numel") or 0), 1) for r in rows]
@@ -359,5 +392,5 @@ def plot_scan(
     ax.set_title("|x| range (smallest non-zero … largest, log)", fontsize=9)
     ax.grid(axis="x", alpha=0.3)
     _legend(fig, set(severities), [(SUBNORMAL_COLOR, "subnormal"), (NEAR_ZERO_COLOR, "near zero (normal)")])
-    fig.savefig(path)
-    return str(path)
+    fig.savefig(target, format=fmt)
+    return target
