@@ -394,9 +394,10 @@ def test_one_scan_per_step_and_no_readback(monkeypatch: pytest.MonkeyPatch) -> N
     def no_decode(*args: Any) -> Any:
         raise AssertionError("the Monitor read results back during training")
 
-    real_decode = monitor_records.decode
+    monitor_py = sys.modules["zeroscan.monitor.monitor"]  # where the Monitor reads records back
+    real_decode = monitor_py.decode_records
     monkeypatch.setattr(monitor_records, "native_many", counting)
-    monkeypatch.setattr(monitor_records, "decode", no_decode)
+    monkeypatch.setattr(monitor_py, "decode_records", no_decode)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
     g = fresh_generator()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -413,7 +414,7 @@ def test_one_scan_per_step_and_no_readback(monkeypatch: pytest.MonkeyPatch) -> N
     for r in records:
         assert [buffer.shape for _, buffer in r.groups] == [(4, 16), (8, 16)] and r.rows is None
         assert all(buffer.dtype == torch.int64 for _, buffer in r.groups)
-    monkeypatch.setattr(monitor_records, "decode", real_decode)
+    monkeypatch.setattr(monitor_py, "decode_records", real_decode)
     report = mon.report()
     mon.close()
     assert report.history["steps"] == [7, 8, 9, 10, 11]

@@ -27,7 +27,13 @@ What one monitored step costs: two zeroscan stats_many calls per device, one
 over the gradients when backward ends and one over every gradient and
 weight at the optimizer step. Their int64 result buffers stay on the device
 in a bounded ring (`history` steps); nothing is read, so there is no host
-sync, until `report()` copies the ring once per device and judges it.
+sync, until `report()` copies the ring once per device (the CPU's is read
+where it is) and judges it, column-wise with numpy (table.py, series.py):
+10k parameters x 64 steps take well under a second.
+A tensor the native scan cannot read (a frozen parameter of dtype uint16,
+float8_e4m3fnuz or a quantized one, say: zeroscan.ops.scannable_form) is
+left out, with one INFO "not_scanned" finding naming it and its dtype; the
+rest of the model is scanned as always.
 
 Why a gradient is None is the cause analysis of causes.py (a walk of the
 autograd graph from the outputs, and a probe of one forward pass, only when

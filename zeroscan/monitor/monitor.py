@@ -18,9 +18,10 @@ from zeroscan.monitor import records
 from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched
 from zeroscan.monitor.causes import CauseFinder, cleared_cause, output_grad_fns, unregistered_state
 from zeroscan.monitor.ranks import RankExchange, check_group
-from zeroscan.monitor.records import Slot, StepRecord, decode_records, renumber, softmax_gap, tensor_dict, unit_peak
+from zeroscan.monitor.records import StepRecord, decode_records, grad_row, renumber, softmax_gap, unit_peak, weight_row
 from zeroscan.monitor.report import Report, Thresholds
 from zeroscan.monitor.rules import OptimizerView, judge
+from zeroscan.monitor.series import history, tensor_rows
 from zeroscan.monitor.steps import history_records, judged_records
 from zeroscan.monitor.structure import StructureWatch
 
@@ -219,7 +220,7 @@ class Monitor:
         if self._monitored():  # the gradients as backward left them: a skipped step keeps these
             record = StepRecord(self._count)
             record.stepped = None
-            grads = [(p.tensor.grad, Slot.grad(p.index)) for p in self._params if p.tensor.grad is not None]
+            grads = [(p.tensor.grad, grad_row(p.index)) for p in self._params if p.tensor.grad is not None]
             self._scan_into(record, [g for g, _ in grads], [s for _, s in grads])
             record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
         self._open = OpenStep(record, grad_state(self._params))
@@ -275,19 +276,19 @@ class Monitor:
         `record`; never reads it. `backward`: the gradients as the step's
         backward pass left them, where the Monitor saw it end."""
         tensors: list[torch.Tensor] = []
-        slots: list[Slot] = []
+        slots: list[int] = []  # Slot rows
         missing = []
         for p in self._params:
             if p.tensor.grad is not None:
                 tensors.append(p.tensor.grad)
-                slots.append(Slot.grad(p.index))
+                slots.append(grad_row(p.index))
             elif backward is not None and backward[p.index] is not None:
                 record.cleared.append(p.index)
                 record.none_causes[p.index] = cleared_cause(p.name)
             elif p.tensor.requires_grad:
                 missing.append(p.index)
             tensors.append(p.tensor)
-            slots.append(Slot.weight(p.index))
+            slots.append(weight_row(p.index))
         record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
         self._scan_into(record, tensors, slots)
         record.activations = self._acts
@@ -296,27 +297,30 @@ class Monitor:
             seen = (backward is not None) if self._watch.active else None
             record.none_causes.update(self._causes.explain(missing, loss, seen))
 
-    def _scan_into(self, record: StepRecord, tensors: list[torch.Tensor], slots: list[Slot]) -> None:
+    def _scan_into(self, record: StepRecord, tensors: list[torch.Tensor], slots: list[int]) -> None:
+        """Scans `tensors` (at Slot rows `slots`) into `record`."""
         with torch.no_grad():
             if self._ranks is None:
-                record.groups += self._run(tensors, slots, record.notes)
+                record.groups += self._run(tensors, slots, record)
             else:
                 local, sharded, uncounted = self._ranks.local_parts(tensors, slots)
-                record.groups += self._run(local, slots, record.notes)
+                record.groups += self._run(local, slots, record)
                 record.sharded += sharded
                 record.uncounted += uncounted
 
     def _run(
-        self, tensors: list[torch.Tensor], slots: list[Slot], notes: list[tuple[str, str]]
-    ) -> list[tuple[list[Slot], torch.Tensor]]:
+        self, tensors: list[torch.Tensor], slots: list[int], record: StepRecord
+    ) -> list[tuple[list[int], torch.Tensor]]:
         if not tensors:
             return []
         if self._fast:
             try:
                 return [(slots, records.native_many(tensors))]
             except (RuntimeError, ValueError, TypeError):
-                self._fast = False  # several devices, or a tensor that needs preparing
-        return records.scan_by_device(tensors, slots, self._params, notes)
+                # Several devices, or a tensor that needs preparing or cannot be scanned
+                # (scan_by_device leaves that one out): from now on, one scan per device.
+                self._fast = False
+        return records.scan_by_device(tensors, slots, self._params, record)
 
     # ---- reporting -------------------------------------------------------
 
@@ -347,7 +351,7 @@ class Monitor:
         findings = judge(self._params, recorded, self.thresholds, self._optimizer_view(), unregistered_state(self.model))
         latest = judged_records(self._params, recorded)[-1]
         shown = history_records(self._params, recorded)
-        return Report(latest.step, findings, self._tensor_rows(latest), self._history(shown))
+        return Report(latest.step, findings, tensor_rows(self._params, latest), history(self._params, shown))
 
     def _decode(self, recorded: list[StepRecord]) -> None:
         """Reads the records back: this rank's rows, or the global rows across ranks."""
@@ -404,38 +408,3 @@ class Monitor:
                 if i is not None and i not in view:
                     view[i] = group.get("lr")
         return view
-
-    def _tensor_rows(self, rec: StepRecord | None) -> list[dict[str, Any]]:
-        if rec is None:
-            return []
-        out = []
-        for p in self._params:
-            for slot in (Slot.grad(p.index), Slot.weight(p.index)):
-                row = rec.row(slot)
-                if row is not None:
-                    out.append(tensor_dict(p.name, slot.kind, row))
-        for act in rec.acts or []:
-            out.append(tensor_dict(act.name, "activation", act.output))
-        return out
-
-    def _history(self, recorded: list[StepRecord]) -> dict[str, Any]:
-        present = [p for p in self._params if any(r.row(Slot.grad(p.index)) is not None for r in recorded)]
-        grad_norm, zero_fraction, underflow = [], [], []
-        for r in recorded:
-            gn, zf, uf = [], [], []
-            for p in present:
-                g = r.row(Slot.grad(p.index))
-                n = int(g["numel"]) if g is not None else 0
-                gn.append(float(g["norm"]) if g is not None else float("nan"))
-                zf.append(float("nan") if g is None else int(g["zeros"]) / n if n else 0.0)
-                uf.append(float("nan") if g is None else int(g["subnormal"]) / n if n else 0.0)
-            grad_norm.append(gn)
-            zero_fraction.append(zf)
-            underflow.append(uf)
-        return {
-            "steps": [r.step for r in recorded],
-            "names": [p.name for p in present],
-            "grad_norm": grad_norm,
-            "zero_fraction": zero_fraction,
-            "underflow_fraction": underflow,
-        }

@@ -22,13 +22,15 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from zeroscan import distributed as zdist
 from zeroscan.monitor.records import (
-    Param, ScannedRow, Slot, StepRecord, decode_records, nonfinite_words, slot_rows,
+    Param, Slot, StepRecord, decode_records, nonfinite_words, slot_rows,
 )
+from zeroscan.monitor.table import RowTable
 from zeroscan.monitor.report import Finding
 from zeroscan.ops import is_dtensor
 from zeroscan.record import NONFINITE, NUM_FIELDS, Column, decode, empty_rows
@@ -64,15 +66,17 @@ class RankExchange:
         self._layouts.clear()
 
     def local_parts(
-        self, tensors: list[torch.Tensor], slots: list[Slot]
+        self, tensors: list[torch.Tensor], slots: list[int]
     ) -> tuple[list[torch.Tensor], list[Slot], list[Slot]]:
-        """What this rank scans of each tensor (a DTensor's local shard), the
-        sharded slots, and those of them whose shard another rank contributes."""
+        """What this rank scans of each tensor (at Slot rows `slots`; a
+        DTensor's local shard), the sharded slots, and those of them whose
+        shard another rank contributes."""
         local = list(tensors)
         sharded: list[Slot] = []
         uncounted: list[Slot] = []
-        for k, (t, slot) in enumerate(zip(tensors, slots)):
+        for k, (t, row) in enumerate(zip(tensors, slots)):
             if is_dtensor(t):
+                slot = Slot.at_row(row)
                 part = zdist.local_part(t)
                 local[k] = part.tensor
                 if part.mode == zdist.MODE_SHARDED:
@@ -84,7 +88,7 @@ class RankExchange:
     def start(
         self,
         step: int,
-        groups: list[tuple[list[Slot], torch.Tensor]],
+        groups: list[tuple[list[int], torch.Tensor]],
         sharded: list[Slot],
         uncounted: list[Slot],
         cleared: list[int],
@@ -113,7 +117,7 @@ class RankExchange:
     def _layout(
         self,
         device: torch.device,
-        groups: list[tuple[list[Slot], torch.Tensor]],
+        groups: list[tuple[list[int], torch.Tensor]],
         sharded: list[Slot],
         uncounted: list[Slot],
         absent: list[Slot],
@@ -123,17 +127,17 @@ class RankExchange:
         its rows go. Built once per layout, so a step copies nothing from the host."""
         n = slot_rows(len(self._params))
         template = empty_rows(n + 1)
-        gone = set(absent)
-        present = [s.row for slots, _ in groups for s in slots if s not in gone]
+        gone = {s.row for s in absent}
+        present = [row for slots, _ in groups for row in slots if row not in gone]
         template[present, PRESENT_COL] = 1
         template[[s.row for s in sharded], SHARDED_COL] = 1
         template[n, 1] = len(self._params)
         template[n, 2] = self._names_crc
-        skip = set(uncounted) | gone  # a replica of a shard that another rank contributes
+        skip = {s.row for s in uncounted} | gone  # a replica of a shard that another rank contributes
         copies = []
         for slots, _ in groups:
-            keep = [k for k, s in enumerate(slots) if s not in skip]
-            dest = torch.tensor([slots[k].row for k in keep], dtype=torch.int64, device=device)
+            keep = [k for k, row in enumerate(slots) if row not in skip]
+            dest = torch.tensor([slots[k] for k in keep], dtype=torch.int64, device=device)
             src = None if len(keep) == len(slots) else torch.tensor(keep, dtype=torch.int64, device=device)
             copies.append((dest, src))
         return template.to(device), copies
@@ -161,7 +165,7 @@ class RankExchange:
 
     def _global_rows(
         self, rec: StepRecord, gathered: zdist.GatheredRows, host: torch.Tensor
-    ) -> tuple[dict[Slot, ScannedRow], dict[Slot, Finding], dict[Slot, tuple[int, ...]]]:
+    ) -> tuple[RowTable, dict[Slot, Finding], dict[Slot, tuple[int, ...]]]:
         """The global rows of one step from its host summary (see _summarize),
         the findings about ranks that disagree, and the ranks whose shards hold
         non-finite values."""
@@ -185,12 +189,10 @@ class RankExchange:
                 f"zeroscan.Monitor.report: {', '.join(bad[:4])} is a sharded DTensor on some ranks and a "
                 "plain tensor on others; every rank must wrap the model the same way"
             )
-        fields = decode(glob)
-        raw = glob.tolist()
-        rows: dict[Slot, ScannedRow] = {}
-        for c, f in enumerate(flags):
-            if (f[ANY_PRESENT] if f[IS_SHARDED] else raw[c][PRESENT_COL]):
-                rows[Slot.at_row(c)] = (fields[c], tuple(raw[c]))
+        words = glob.numpy()
+        present = np.array([
+            bool(f[ANY_PRESENT] if f[IS_SHARDED] else words[c, PRESENT_COL]) for c, f in enumerate(flags)
+        ], dtype=bool)
         differ = [c for c, f in enumerate(flags) if not f[IS_SHARDED] and not f[AGREE]]
         missing = [c for c, f in enumerate(flags) if f[IS_SHARDED] and f[ALL_PRESENT] != f[ANY_PRESENT]]
         poisoned = [c for c, f in enumerate(flags) if f[IS_SHARDED] and f[NONFINITE_FLAG]]
@@ -198,7 +200,7 @@ class RankExchange:
         shard_ranks: dict[Slot, tuple[int, ...]] = {}
         picked = sorted(set(differ + missing + poisoned))
         if not picked:
-            return rows, rank_findings, shard_ranks
+            return RowTable.dense(words, present), rank_findings, shard_ranks
         per_rank = gathered.rows[:, picked].cpu()  # [W, k, 16]: only the tensors in question
         column = {c: k for k, c in enumerate(picked)}
         if differ:
@@ -207,10 +209,8 @@ class RankExchange:
                 block = per_rank[:, column[m.index]]
                 reference = block[ranks.index(m.reference_ranks[0])]
                 slot = Slot.at_row(m.index)
-                if int(reference[PRESENT_COL]):
-                    rows[slot] = (decode(reference.unsqueeze(0))[0], tuple(reference.tolist()))
-                else:
-                    rows.pop(slot, None)
+                words[m.index] = reference.numpy()  # a row of the host copy: written in place
+                present[m.index] = bool(int(reference[PRESENT_COL]))
                 rank_findings[slot] = self._mismatch_finding(m, block, ranks)
         for c in missing:
             lacking = tuple(r for k, r in enumerate(ranks) if not int(per_rank[k, column[c], PRESENT_COL]))
@@ -224,7 +224,7 @@ class RankExchange:
         for c in poisoned:
             block = decode(per_rank[:, column[c]])
             shard_ranks[Slot.at_row(c)] = tuple(r for r, f in zip(ranks, block) if f["nan"] + f["posinf"] + f["neginf"])
-        return rows, rank_findings, shard_ranks
+        return RowTable.dense(words, present), rank_findings, shard_ranks
 
     def _mismatch_finding(self, m: zdist.ReplicaMismatch, block: torch.Tensor, ranks: tuple[int, ...]) -> Finding:
         """A "replica_mismatch" finding; block: int64 [W, 16], every rank's row."""

@@ -1,9 +1,10 @@
 """What one monitored step leaves behind, and reading it back.
 
-A `Slot` is one scanned tensor of a parameter: its gradient or its weight.
-A `Param` is a parameter as the Monitor knows it. A `StepRecord` holds one
-monitored step's raw result buffers, still on their devices, until
-report() decodes them (one copy per device) into rows keyed by Slot.
+A `Slot` is one scanned tensor of a parameter: its gradient or its weight,
+numbered by `Slot.row` (2 per parameter). A `Param` is a parameter as the
+Monitor knows it. A `StepRecord` holds one monitored step's raw result
+buffers, still on their devices, until report() reads them back (one copy
+per device, none on the CPU) into a RowTable (table.py).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
 from zeroscan import distributed as zdist
+from zeroscan.monitor.table import RowTable
 from zeroscan.ops import scannable_form
 from zeroscan.record import NUM_FIELDS, Row, decode
 
@@ -50,7 +53,13 @@ def slot_rows(params: int) -> int:
     return 2 * params
 
 
-ScannedRow = tuple[Row, tuple[int, ...]]  # a decoded result row and its raw int64 words
+def grad_row(param: int) -> int:
+    """Slot.grad(param).row, without making the Slot (the step path makes thousands)."""
+    return 2 * param
+
+
+def weight_row(param: int) -> int:
+    return 2 * param + 1
 
 
 @dataclass
@@ -72,13 +81,26 @@ class Activation(NamedTuple):
     unit: Row
 
 
+class Unscanned(NamedTuple):
+    """A tensor the native scan cannot read (zeroscan.ops.scannable_form), left out of a step."""
+
+    name: str  # the parameter's
+    kind: SlotKind
+    dtype: str
+    why: str  # a phrase that follows the tensor's name
+
+    @property
+    def label(self) -> str:
+        return self.name if self.kind == "weight" else f"the gradient of {self.name}"
+
+
 class StepRecord:
     """One monitored step: raw result buffers (still on their devices) and
     what the Python side knew at that step."""
 
     __slots__ = (
-        "step", "stepped", "groups", "requires_grad", "none_causes", "activations", "notes", "rows", "acts",
-        "gather", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared", "before_step",
+        "step", "stepped", "groups", "requires_grad", "none_causes", "activations", "notes", "unscanned", "rows",
+        "acts", "gather", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared",
     )
 
     def __init__(self, step: int) -> None:
@@ -87,14 +109,17 @@ class StepRecord:
         # gradients were reset after a backward pass without a step (a GradScaler skip,
         # or a backward pass that no step follows); None: the step is still open.
         self.stepped: bool | None = True
-        # Per device: slots, int64 [N, 16]. Groups scanned later (a gradient changed
-        # between the end of backward and the step) come later and win.
-        self.groups: list[tuple[list[Slot], torch.Tensor]] = []
+        # Per device: Slot rows (Slot.row), int64 [N, 16]. Groups scanned later (a
+        # gradient changed between the end of backward and the step) come later and win.
+        self.groups: list[tuple[list[int], torch.Tensor]] = []
         self.requires_grad: tuple[bool, ...] = ()
         self.none_causes: dict[int, tuple[str, str]] = {}  # param -> (cause, message)
         self.activations: list[tuple[str, str, torch.Tensor]] = []  # name, "relu"|"softmax", [2, 16]
         self.notes: list[tuple[str, str]] = []  # (name, why it was not scanned)
-        self.rows: dict[Slot, ScannedRow] | None = None  # set when decoded
+        self.unscanned: list[Unscanned] = []  # tensors of a dtype (or form) the scan cannot read
+        # Set when decoded: the rows by Slot row; a gradient's row that the step's scan
+        # replaced (or that zero_grad() cleared before the step) is its row `before`.
+        self.rows: RowTable | None = None
         self.acts: list[Activation] | None = None
         # Across ranks: the pending all_gather of this step's packed rows (dropped once
         # decoded), findings about ranks that disagree, and for slots whose merged
@@ -105,14 +130,16 @@ class StepRecord:
         self.sharded: list[Slot] = []  # across ranks: slots scanned through a local shard
         self.uncounted: list[Slot] = []  # ... whose shard another rank contributes
         # Parameters whose gradient existed when backward ended but was gone at the
-        # step (zero_grad() in between), and the rows that the step's scan replaced.
+        # step (zero_grad() in between).
         self.cleared: list[int] = []
-        self.before_step: dict[Slot, Row] = {}
 
     def row(self, slot: Slot) -> Row | None:
         """The decoded fields of `slot` at this step, or None if not scanned."""
-        scanned = (self.rows or {}).get(slot)
-        return scanned[0] if scanned is not None else None
+        return None if self.rows is None else self.rows.row(slot.row)
+
+    def before_step(self, slot: Slot) -> Row | None:
+        """The row of `slot` that the step's own scan replaced (or that was cleared), if any."""
+        return None if self.rows is None else self.rows.row(slot.row, before=True)
 
 
 def collect_params(model: nn.Module) -> list[Param]:
@@ -142,27 +169,35 @@ def native_many(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def scan_by_device(
-    tensors: list[torch.Tensor], slots: list[Slot], params: list[Param], notes: list[tuple[str, str]]
-) -> list[tuple[list[Slot], torch.Tensor]]:
-    """One native scan per device of what can be scanned of `tensors` (see
-    zeroscan.ops.scannable_form); a note in `notes` for each that cannot."""
-    by_device: dict[torch.device, tuple[list[Slot], list[torch.Tensor]]] = {}
-    for t, slot in zip(tensors, slots):
+    tensors: list[torch.Tensor], slots: list[int], params: list[Param], record: StepRecord
+) -> list[tuple[list[int], torch.Tensor]]:
+    """One native scan per device of what can be scanned of `tensors` (at
+    Slot rows `slots`; see zeroscan.ops.scannable_form): a tensor that
+    cannot be scanned goes to record.unscanned, and the rest is scanned."""
+    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+    for t, row in zip(tensors, slots):
         ready, why = scannable_form(t)
         if ready is None:
-            notes.append((f"{params[slot.param].name}:{slot.kind}", f"not scanned: it {why}"))
+            slot = Slot.at_row(row)
+            record.unscanned.append(Unscanned(params[slot.param].name, slot.kind, dtype_name(t.dtype), why))
             continue
         entry = by_device.setdefault(ready.device, ([], []))
-        entry[0].append(slot)
+        entry[0].append(row)
         entry[1].append(ready)
     groups = []
     for group_slots, group in by_device.values():
         try:
             groups.append((group_slots, native_many(group)))
         except (RuntimeError, ValueError, TypeError) as err:
-            for slot in group_slots:
-                notes.append((f"{params[slot.param].name}:{slot.kind}", f"not scanned: {err}"))
+            for row in group_slots:
+                record.notes.append((slot_label(params, row), f"not scanned: {err}"))
     return groups
+
+
+def slot_label(params: list[Param], row: int) -> str:
+    """How a note names the tensor at Slot row `row`: the parameter, with ":grad" or ":weight"."""
+    slot = Slot.at_row(row)
+    return f"{params[slot.param].name}:{slot.kind}"
 
 
 def unit_peak(out: torch.Tensor, *, nonneg: bool) -> torch.Tensor:
@@ -186,7 +221,8 @@ def softmax_gap(out: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
 
 def decode_records(records: list[StepRecord], *, own_rows: bool = True) -> None:
-    """Host-decodes every record not decoded yet: one copy per device.
+    """Reads back every record not decoded yet: one copy per device (none for
+    the CPU, whose buffers are read where they are) into a RowTable per record.
     own_rows=False decodes the activations only (the rows come from elsewhere)."""
     pending: list[tuple[StepRecord, str, int, torch.Tensor]] = []
     for r in records:
@@ -198,42 +234,31 @@ def decode_records(records: list[StepRecord], *, own_rows: bool = True) -> None:
     by_device: dict[torch.device, list[tuple[StepRecord, str, int, torch.Tensor]]] = {}
     for item in pending:
         by_device.setdefault(item[3].device, []).append(item)
-    decoded: dict[tuple[int, str, int], tuple[list[Row], list[list[int]]]] = {}
-    for items in by_device.values():
-        host = torch.cat([buf.reshape(-1, NUM_FIELDS) for *_, buf in items]).to("cpu")
-        fields = decode(host)
-        raw = host.tolist()
-        start = 0
-        for r, what, k, buf in items:
-            n = buf.reshape(-1, NUM_FIELDS).shape[0]
-            decoded[(id(r), what, k)] = (fields[start:start + n], raw[start:start + n])
-            start += n
+    host: dict[tuple[int, str, int], np.ndarray] = {}
+    for device, items in by_device.items():
+        buffers = [buf.detach().reshape(-1, NUM_FIELDS) for *_, buf in items]
+        if device.type != "cpu":
+            copied = torch.cat(buffers).to("cpu")
+            buffers = list(copied.split([b.shape[0] for b in buffers]))
+        for (r, what, k, _), buf in zip(items, buffers):
+            host[(id(r), what, k)] = buf.numpy()
     for r in records:
         if r.rows is not None:
             continue
-        rows: dict[Slot, ScannedRow] = {}
+        groups = []
         for k, (slots, _) in enumerate(r.groups if own_rows else []):
-            fields, raw = decoded[(id(r), "group", k)]
-            for slot, f, w in zip(slots, fields, raw):
-                if slot in rows:
-                    r.before_step[slot] = rows[slot][0]
-                rows[slot] = (f, tuple(w))
+            rows = np.array(slots, dtype=np.int64)
+            words = host[(id(r), "group", k)]
+            kept = rows >= 0  # a Slot row of a parameter gone from the model is -1 or -2
+            groups.append((rows, words) if kept.all() else (rows[kept], words[kept]))
         acts = []
         for k, (name, tag, _) in enumerate(r.activations):
-            fields, _ = decoded[(id(r), "act", k)]
-            acts.append(Activation(name, tag, fields[0], fields[1]))
-        r.rows = rows
+            output, unit = decode(torch.from_numpy(host[(id(r), "act", k)]))
+            acts.append(Activation(name, tag, output, unit))
+        r.rows = RowTable(groups)
         r.acts = acts
-        drop_cleared(r)
-
-
-def drop_cleared(r: StepRecord) -> None:
-    """The gradients cleared between backward and the step are not the step's:
-    their rows at the end of backward move to before_step."""
-    for i in r.cleared:
-        scanned = (r.rows or {}).pop(Slot.grad(i), None)
-        if scanned is not None:
-            r.before_step[Slot.grad(i)] = scanned[0]
+        for i in r.cleared:  # gone before the step: not the step's gradients
+            r.rows.clear(grad_row(i))
 
 
 def renumber(r: StepRecord, new_index: dict[int, int], requires_grad: tuple[bool, ...]) -> None:
@@ -247,10 +272,15 @@ def renumber(r: StepRecord, new_index: dict[int, int], requires_grad: tuple[bool
     def keyed(d: dict[Slot, Any]) -> dict[Slot, Any]:
         return {slot(s): v for s, v in d.items() if s.param in new_index}
 
-    r.groups = [([slot(s) for s in slots], buffer) for slots, buffer in r.groups]
+    def row(old: int) -> int:
+        return slot(Slot.at_row(old)).row
+
+    r.groups = [([row(s) for s in slots], buffer) for slots, buffer in r.groups]
     if r.rows is not None:
-        r.rows = keyed(r.rows)
-    r.before_step = keyed(r.before_step)
+        new_row = np.full(2 * (max(new_index, default=-1) + 1), -1, dtype=np.int64)
+        for i, j in new_index.items():
+            new_row[2 * i : 2 * i + 2] = (2 * j, 2 * j + 1)
+        r.rows = r.rows.renumbered(new_row, 2 * len(requires_grad))
     r.rank_findings = keyed(r.rank_findings)
     r.shard_ranks = keyed(r.shard_ranks)
     r.sharded = [slot(s) for s in r.sharded]
@@ -259,21 +289,6 @@ def renumber(r: StepRecord, new_index: dict[int, int], requires_grad: tuple[bool
     r.cleared = [new_index[i] for i in r.cleared if i in new_index]
     old = {new_index[i]: v for i, v in enumerate(r.requires_grad) if i in new_index}
     r.requires_grad = tuple(old.get(j, v) for j, v in enumerate(requires_grad))
-
-
-def unchanged_for(records: list[StepRecord], param: int) -> int:
-    """How many of the latest records hold a bit-identical scan of the weight of `param`."""
-    slot = Slot.weight(param)
-    last = (records[-1].rows or {}).get(slot) if records else None
-    if last is None:
-        return 0
-    count = 0
-    for r in reversed(records):
-        row = (r.rows or {}).get(slot)
-        if row is None or row[1] != last[1]:
-            break
-        count += 1
-    return count
 
 
 def tensor_dict(name: str, kind: str, f: Row) -> dict[str, Any]:

@@ -10,14 +10,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
-from zeroscan.monitor.records import Activation, Param, Slot, StepRecord, dtype_name, nonfinite_words, unchanged_for
+from zeroscan.monitor.records import Activation, Param, Slot, StepRecord, Unscanned, dtype_name, nonfinite_words
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
+from zeroscan.monitor.series import COUNT_COLUMNS, Series
 from zeroscan.monitor.steps import judged_records, step_findings
-from zeroscan.record import Row
+from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
+from zeroscan.record import Column, Row
 from zeroscan.verdicts import Cause, Severity
-from zeroscan.words import is_are
+from zeroscan.words import count_noun, is_are, listed
 
 WEIGHT_RMS_FLOOR = 1e-2  # see Thresholds.exploding
 
@@ -38,24 +41,23 @@ def judge(
     unregistered state) rank after the parameters' own."""
     found: list[tuple[int, Finding]] = [(len(params), f) for f in model_findings]
     basis = judged_records(params, records)
-    found += _optimizer_findings(params, basis, optimizer)
+    series = Series(basis, len(params))
+    found += _optimizer_findings(params, series, optimizer)
     if records:
         found += step_findings(params, records, thresholds)
-        found += _latest_findings(params, basis, thresholds, optimizer)
-        found += _history_findings(params, basis, thresholds)
+        found += _latest_findings(params, series, thresholds, optimizer)
+        found += _history_findings(params, series, thresholds)
     found.sort(key=lambda of: (-int(of[1].severity), of[0]))
     return [f for _, f in found]
 
 
-def _optimizer_findings(
-    params: list[Param], records: list[StepRecord], optimizer: OptimizerView
-) -> list[tuple[int, Finding]]:
+def _optimizer_findings(params: list[Param], series: Series, optimizer: OptimizerView) -> list[tuple[int, Finding]]:
     if optimizer is None:
         return []
     out = []
     for p in params:
         if p.tensor.requires_grad and p.index not in optimizer:
-            unchanged = unchanged_for(records, p.index)
+            unchanged = series.unchanged_for(p.index)
             since = f"; its value has not changed for {unchanged} monitored steps" if unchanged > 1 else ""
             out.append((p.index, Finding(p.name, "param", Severity.WARNING, Cause.NOT_IN_OPTIMIZER, (
                 f"{p.name} requires grad but is in none of the optimizer's param groups, so "
@@ -66,13 +68,15 @@ def _optimizer_findings(
 
 
 def _latest_findings(
-    params: list[Param], records: list[StepRecord], th: Thresholds, optimizer: OptimizerView
+    params: list[Param], series: Series, th: Thresholds, optimizer: OptimizerView
 ) -> list[tuple[int, Finding]]:
+    records = series.records
     rec = records[-1]
     out: list[tuple[int, Finding]] = []
     dead = [a.name for a in rec.acts or [] if a.tag == "relu" and a.unit["numel"] and a.unit["zeros"] == a.unit["numel"]]
-    underflowing = any(int(g["subnormal"]) > 0 for p in params if (g := rec.row(Slot.grad(p.index))) is not None)
-    whole = _all_zero_finding(params, rec) if rec.stepped is not False else None
+    subnormal = rec.rows.gather(series.grad_rows, [Column.SUBNORMAL])[0] if rec.rows is not None else None
+    underflowing = subnormal is not None and bool((subnormal > 0).any())
+    whole = _all_zero_finding(series) if rec.stepped is not False else None
     if whole is not None:
         out.append((-1, whole))
     for p in params:
@@ -95,19 +99,19 @@ def _latest_findings(
             ))))
             continue
         if grad is None:
-            out.append((i, _none_finding(p, rec, records)))
+            out.append((i, _none_finding(p, series)))
             continue
         if rec.stepped is False:  # skipped: scaled, non-finite gradients (see the skipped_steps finding)
             continue
         if whole is not None:
             continue
-        finding = _grad_finding(p, grad, w, dead, records, underflowing, th)
+        finding = _grad_finding(p, grad, w, dead, series, underflowing, th)
         if finding is not None:
             if finding.cause == Cause.NONFINITE:
                 finding = in_shards(finding, rec.shard_ranks.get(Slot.grad(i)))
             out.append((i, finding))
         elif optimizer is None or i in optimizer:
-            finding = _update_finding(p, records, th, optimizer)
+            finding = _update_finding(p, series, th, optimizer)
             if finding is not None:
                 out.append((i, finding))
     base = len(params)
@@ -117,12 +121,42 @@ def _latest_findings(
             out.append((base + k, finding))
     for k, (name, why) in enumerate(rec.notes):
         out.append((base + k, Finding(name, "param", Severity.INFO, Cause.NOT_SCANNED, why)))
+    if rec.unscanned:
+        out.append((base + len(rec.notes), _unscanned_finding(rec.unscanned)))
     return out
 
 
-def _none_finding(p: Param, rec: StepRecord, records: list[StepRecord]) -> Finding:
+SCANNED_DTYPES = tuple(dtype_name(d) for d in FLOAT_DTYPES + INT_DTYPES)
+
+
+def _unscanned_finding(unscanned: list[Unscanned]) -> Finding:
+    """One finding for every tensor of the step that the native scan cannot
+    read (zeroscan.ops.scannable_form): each is named with its dtype."""
+    seen = list({(u.name, u.kind): u for u in unscanned}.values())  # a gradient refused twice in a step
+    odd_dtype = any(u.dtype not in SCANNED_DTYPES and not u.dtype.startswith("complex") for u in seen)
+    scans = (
+        f" (zeroscan scans {', '.join(SCANNED_DTYPES)}, and complex tensors as real pairs)" if odd_dtype else ""
+    )
+    if len(seen) == 1:
+        u = seen[0]
+        return Finding(u.name, u.kind, Severity.INFO, Cause.NOT_SCANNED, (
+            f"{u.label} {u.why}, so it is left out of this report; every other tensor is scanned{scans}"
+        ))
+    first_with: dict[str, str] = {}
+    for u in seen:
+        first_with.setdefault(u.why, u.label)
+    reasons = "; ".join(f"{label} {why}" for why, label in list(first_with.items())[:3])
+    return Finding(GLOBAL_NAME, "param", Severity.INFO, Cause.NOT_SCANNED, (
+        f"{count_noun(len(seen), 'tensor')} {is_are(len(seen))} left out of this report, every other tensor is "
+        f"scanned: {listed([f'{u.label} ({u.dtype})' for u in seen], 6)}; {reasons}{scans}"
+    ))
+
+
+def _none_finding(p: Param, series: Series) -> Finding:
     """A parameter that requires grad has no gradient at the latest step."""
-    had = sum(1 for r in records[:-1] if r.row(Slot.grad(p.index)) is not None)
+    records = series.records
+    rec = records[-1]
+    had = series.had_grad(p.index)
     if had:
         return Finding(p.name, "grad", Severity.INFO, Cause.CONDITIONAL, (
             f"{p.name} has no gradient at step {rec.step}, but had one at {had} of the "
@@ -134,13 +168,18 @@ def _none_finding(p: Param, rec: StepRecord, records: list[StepRecord]) -> Findi
     return Finding(p.name, "grad", severity, Cause(cause), message)
 
 
-def _all_zero_finding(params: list[Param], rec: StepRecord) -> Finding | None:
+def _all_zero_finding(series: Series) -> Finding | None:
     """One model-wide finding when every gradient of the step is exactly zero."""
-    grads = [(p, g) for p in params if (g := rec.row(Slot.grad(p.index))) is not None and int(g["numel"])]
-    if len(grads) < 2 or any(int(g["zeros"]) != int(g["numel"]) for _, g in grads):
+    rec = series.records[-1]
+    if rec.rows is None:
         return None
-    before = [rec.before_step.get(Slot.grad(p.index)) for p, _ in grads]
-    if any(b is not None and int(b["zeros"]) != int(b["numel"]) for b in before):
+    counts, present = rec.rows.gather(series.grad_rows, COUNT_COLUMNS)  # numel, zeros
+    rows = series.grad_rows[present & (counts[:, 0] > 0)]
+    counts = counts[present & (counts[:, 0] > 0)]
+    if len(rows) < 2 or (counts[:, 1] != counts[:, 0]).any():
+        return None
+    before, had = rec.rows.gather(rows, COUNT_COLUMNS, before=True)
+    if (had & (before[:, 1] != before[:, 0])).any():
         why = (
             "they were nonzero when backward() finished and were zeroed before the optimizer step: "
             "clip_grad_norm_ with max_norm=0, or an in-place change of .grad (mul_(0), zero_()) "
@@ -152,20 +191,9 @@ def _all_zero_finding(params: list[Param], rec: StepRecord) -> Finding | None:
             "a loss multiplied by 0, a loss scale of 0, or a batch whose targets are all masked out"
         )
     return Finding(GLOBAL_NAME, "grad", Severity.WARNING, Cause.EXACT_ZERO, (
-        f"every gradient of the model ({len(grads)} tensors) is exactly zero at step {rec.step}: {why}; "
+        f"every gradient of the model ({len(rows)} tensors) is exactly zero at step {rec.step}: {why}; "
         "nothing trains at this step"
     ))
-
-
-def _zero_streak(p: Param, records: list[StepRecord]) -> int:
-    """Monitored steps in a row, up to the latest, where p's gradient is all zero."""
-    streak = 0
-    for r in reversed(records):
-        g = r.row(Slot.grad(p.index))
-        if g is None or int(g["zeros"]) != int(g["numel"]):
-            break
-        streak += 1
-    return streak
 
 
 def _grad_finding(
@@ -173,7 +201,7 @@ def _grad_finding(
     g: Row,
     w: Row | None,
     dead: list[str],
-    records: list[StepRecord],
+    series: Series,
     underflowing: bool,
     th: Thresholds,
 ) -> Finding | None:
@@ -206,14 +234,14 @@ def _grad_finding(
                 "a dead ReLU, a mask or torch.where that selects none of these elements, "
                 "a multiplication by zero, or a loss that is constant in this parameter"
             )
-        streak = _zero_streak(p, records)
-        if streak >= th.zero_window or (streak >= 2 and unchanged_for(records, p.index) >= streak):
+        streak = series.zero_streak(p.index)
+        if streak >= th.zero_window or (streak >= 2 and series.unchanged_for(p.index) >= streak):
             return Finding(name, "grad", Severity.WARNING, Cause.EXACT_ZERO, (
                 f"every entry of the gradient of {name} is exactly zero, at the last {streak} monitored "
                 f"steps: {why}; it does not train"
             ))
         return Finding(name, "grad", Severity.INFO, Cause.EXACT_ZERO, (
-            f"every entry of the gradient of {name} is exactly zero at step {records[-1].step}: {why}. "
+            f"every entry of the gradient of {name} is exactly zero at step {series.records[-1].step}: {why}. "
             "A parameter that starts at zero by design does this at its first step (LoRA's A while B = 0, "
             f"the blocks of zero_init_residual); a warning if it lasts {th.zero_window} monitored steps"
         ))
@@ -233,7 +261,7 @@ def _grad_finding(
             "scale the loss (torch.amp.GradScaler) or use bfloat16"
         ))
     if zeros / n >= th.mostly_zero and not p.embedding:
-        counts = [int(row["zeros"]) for r in records if (row := r.row(Slot.grad(p.index))) is not None]
+        counts = series.zero_counts(p.index)
         fixed = len(counts) >= 2 and len(set(counts)) == 1
         why = (
             f"the same {zeros} entries at each of the last {len(counts)} monitored steps: a fixed mask, "
@@ -267,23 +295,20 @@ def _grad_finding(
     return None
 
 
-def _update_finding(
-    p: Param, records: list[StepRecord], th: Thresholds, optimizer: OptimizerView
-) -> Finding | None:
-    if len(records) < 2:
+def _update_finding(p: Param, series: Series, th: Thresholds, optimizer: OptimizerView) -> Finding | None:
+    if not series.weight_same_last(p.index):  # also: fewer than 2 steps, or a weight not scanned at both
         return None
-    prev, last = records[-2], records[-1]
-    weight = Slot.weight(p.index)
+    prev, last = series.records[-2], series.records[-1]
     g = prev.row(Slot.grad(p.index))
-    w0, w1 = (prev.rows or {}).get(weight), (last.rows or {}).get(weight)
-    if g is None or w0 is None or w1 is None or w0[1] != w1[1]:
+    if g is None:
         return None
     if not (float(g["norm"]) > 0 and g["nan"] + g["posinf"] + g["neginf"] == 0):
         return None
-    if int(w1[0]["numel"]) == 0:
+    w = last.row(Slot.weight(p.index))
+    if w is None or int(w["numel"]) == 0:
         return None
-    unchanged = unchanged_for(records, p.index)
-    reasons = _no_update_reasons(p, w1[0], g, optimizer)
+    unchanged = series.unchanged_for(p.index)
+    reasons = _no_update_reasons(p, w, g, optimizer)
     if unchanged >= th.frozen_window:
         return Finding(p.name, "weight", Severity.WARNING, Cause.FROZEN_IN_TIME, (
             f"{p.name} has not changed for {unchanged} monitored steps although its gradient is "
@@ -346,23 +371,19 @@ def _activation_finding(act: Activation, th: Thresholds) -> Finding | None:
     return None
 
 
-def _history_findings(params: list[Param], records: list[StepRecord], th: Thresholds) -> list[tuple[int, Finding]]:
-    window = records[-th.drift_window:]
+def _history_findings(params: list[Param], series: Series, th: Thresholds) -> list[tuple[int, Finding]]:
+    window = series.records[-th.drift_window:]
     if len(window) < th.drift_window:
         return []
     out: list[tuple[int, Finding]] = []
-    norms: list[list[float]] = []
+    recent = Series(window, len(params))
+    norms = recent.grad_norms()  # [W, P], NaN where a gradient is missing
     totals: list[float] = []
-    for r in window:
-        per = []
+    for per in norms.tolist():
         total = 0.0
-        for p in params:
-            g = r.row(Slot.grad(p.index))
-            v = float(g["norm"]) if g is not None else math.nan
-            per.append(v)
-            if g is not None:
+        for v in per:  # in parameter order, as a running sum: the same float as always
+            if v == v:
                 total += v * v
-        norms.append(per)
         totals.append(math.sqrt(total))
     steps = f"{window[0].step}..{window[-1].step}"
     if _drifts(totals, th.drift_factor):
@@ -372,28 +393,37 @@ def _history_findings(params: list[Param], records: list[StepRecord], th: Thresh
             "a decaying scale or learning signal); if the loss is not improving, loosen the clipping"
         ))))
     else:
-        for p in params:
-            series = [row[p.index] for row in norms]
-            if _drifts(series, th.drift_factor):
-                out.append((p.index, Finding(p.name, "grad", Severity.WARNING, Cause.NORM_DRIFT, (
-                    f"the gradient norm of {p.name} fell from {series[0]:.3g} to {series[-1]:.3g} over "
-                    f"monitored steps {steps}, falling almost every step"
-                ))))
-    for p in params:
-        if p.embedding:
-            continue
-        series = []
-        for r in window:
-            g = r.row(Slot.grad(p.index))
-            if g is not None and g["numel"]:
-                series.append(int(g["zeros"]) / int(g["numel"]))
-        if len(series) == len(window) and _rises(series):
-            out.append((p.index, Finding(p.name, "grad", Severity.WARNING, Cause.ZERO_FRACTION_RISING, (
-                f"the exact-zero fraction of the gradient of {p.name} rose from {100 * series[0]:.3g}% "
-                f"to {100 * series[-1]:.3g}% over monitored steps {steps}: units are dying "
-                "(ReLU) or a mask is closing"
+        for i in np.flatnonzero(_drifting(norms, th.drift_factor)).tolist():
+            first, last = float(norms[0, i]), float(norms[-1, i])
+            out.append((i, Finding(params[i].name, "grad", Severity.WARNING, Cause.NORM_DRIFT, (
+                f"the gradient norm of {params[i].name} fell from {first:.3g} to {last:.3g} over "
+                f"monitored steps {steps}, falling almost every step"
             ))))
+    fractions, valid = recent.zero_fractions()
+    embedding = np.array([p.embedding for p in params], dtype=bool)
+    for i in np.flatnonzero(valid.all(axis=0) & ~embedding & _rising(fractions)).tolist():
+        first, last = float(fractions[0, i]), float(fractions[-1, i])
+        out.append((i, Finding(params[i].name, "grad", Severity.WARNING, Cause.ZERO_FRACTION_RISING, (
+            f"the exact-zero fraction of the gradient of {params[i].name} rose from {100 * first:.3g}% "
+            f"to {100 * last:.3g}% over monitored steps {steps}: units are dying "
+            "(ReLU) or a mask is closing"
+        ))))
     return out
+
+
+def _drifting(norms: np.ndarray, factor: float) -> np.ndarray:
+    """_drifts for every column of float64 [W, P] at once: bool [P]."""
+    with np.errstate(all="ignore"):
+        usable = (np.isfinite(norms) & (norms > 0)).all(axis=0)
+        falls = (norms[1:] < norms[:-1]).sum(axis=0)
+        return usable & (falls >= 0.9 * (len(norms) - 1)) & (norms[0] / norms[-1] >= factor)
+
+
+def _rising(fractions: np.ndarray) -> np.ndarray:
+    """_rises for every column of float64 [W, P] at once: bool [P]."""
+    ups = (fractions[1:] >= fractions[:-1]).sum(axis=0)
+    last = fractions[-1]
+    return (last >= 0.5) & (last - fractions[0] >= 0.25) & (ups >= 0.8 * (len(fractions) - 1))
 
 
 def _drifts(series: list[float], factor: float) -> bool:
@@ -401,11 +431,6 @@ def _drifts(series: list[float], factor: float) -> bool:
         return False
     falls = sum(1 for a, b in zip(series, series[1:]) if b < a)
     return falls >= 0.9 * (len(series) - 1) and series[0] / series[-1] >= factor
-
-
-def _rises(series: list[float]) -> bool:
-    ups = sum(1 for a, b in zip(series, series[1:]) if b >= a)
-    return series[-1] >= 0.5 and series[-1] - series[0] >= 0.25 and ups >= 0.8 * (len(series) - 1)
 
 
 def in_shards(finding: Finding, ranks: tuple[int, ...] | None) -> Finding:

@@ -11,20 +11,19 @@ no-step findings, and where non-finite gradients began live here.
 
 from __future__ import annotations
 
-from zeroscan.monitor.records import Param, Slot, StepRecord
+import numpy as np
+
+from zeroscan.monitor.records import Param, StepRecord
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
 from zeroscan.verdicts import Cause, Severity
-from zeroscan.words import listed
+from zeroscan.words import count_noun, listed
 
 
 def nonfinite_grads(params: list[Param], r: StepRecord) -> list[str]:
     """The parameters whose gradient holds NaN or inf at step record `r`."""
-    out = []
-    for p in params:
-        g = r.row(Slot.grad(p.index))
-        if g is not None and g["nan"] + g["posinf"] + g["neginf"]:
-            out.append(p.name)
-    return out
+    if r.rows is None:
+        return []
+    return [params[i].name for i in np.flatnonzero(r.rows.nonfinite_grads(len(params))).tolist()]
 
 
 def skipped(params: list[Param], r: StepRecord) -> bool:
@@ -115,7 +114,8 @@ def step_findings(params: list[Param], records: list[StepRecord], th: Thresholds
     if first is not None and latest and (len(latest) > 1 or first[0] != len(records) - 1):
         # Once NaN spreads, every gradient holds it: where it began is what helps.
         out.append((-1, Finding(GLOBAL_NAME, "grad", Severity.ERROR, Cause.NONFINITE, (
-            f"{first_words}; at step {records[-1].step}, {len(latest)} gradients hold inf/NaN, and "
+            f"{first_words}; at step {records[-1].step}, {count_noun(len(latest), 'gradient')} "
+            f"{'holds' if len(latest) == 1 else 'hold'} inf/NaN, and "
             "each optimizer step taken with them poisons the weights"
         ))))
     return out
