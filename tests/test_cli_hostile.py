@@ -64,9 +64,21 @@ def changed_bits(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.contiguous().view(ints) != b.contiguous().view(ints)).sum())
 
 
+def dequantized(q: torch.Tensor) -> torch.Tensor:
+    """q's values in float64 (torch's dequantize() rounds them to float32, the diff does not)."""
+    ints = q.int_repr().double()
+    if q.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return (ints - q.q_zero_point()) * q.q_scale()
+    shape = [1] * q.dim()
+    shape[q.q_per_channel_axis()] = -1
+    scales = q.q_per_channel_scales().double().view(shape)
+    zero_points = q.q_per_channel_zero_points().double().view(shape)
+    return (ints - zero_points) * scales
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.is_quantized:
-        a, b = a.dequantize(), b.dequantize()
+        a, b = dequantized(a), dequantized(b)
     return float((a.double() - b.double()).abs().max())
 
 
