@@ -59,9 +59,11 @@ def test_bad_tol(tol: float) -> None:
 
 @pytest.mark.parametrize("tol", [10**400, -(10**400), 10**5000], ids=["1e400", "-1e400", "1e5000"])
 def test_tol_beyond_the_float_range(tol: int) -> None:
-    for call in (lambda: zeroscan.stats(torch.ones(3), tol=tol), lambda: zeroscan.stats_many([torch.ones(3)], tol=tol)):
-        with pytest.raises(ValueError, match=r"tol must be a non-negative number within the float range, got an integer of \d+ bits"):
-            call()
+    want = r"tol must be a non-negative number within the float range, got an integer of \d+ bits"
+    with pytest.raises(ValueError, match=want):
+        zeroscan.stats(torch.ones(3), tol=tol)
+    with pytest.raises(ValueError, match=want):
+        zeroscan.stats_many([torch.ones(3)], tol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

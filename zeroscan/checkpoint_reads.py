@@ -252,7 +252,8 @@ def locate_in_zip(file: TensorFile, tensors: dict[str, torch.Tensor]) -> dict[st
     located = {}
     for name, t in dense.items():
         shape, stride = tuple(t.shape), tuple(t.stride())
-        located[name] = FileTensor(t.data_ptr() - base, t.dtype, shape, stride, span_bytes(shape, stride, t.element_size()))
+        nbytes = span_bytes(shape, stride, t.element_size())
+        located[name] = FileTensor(t.data_ptr() - base, t.dtype, shape, stride, nbytes)
     return located
 
 

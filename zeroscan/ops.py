@@ -81,7 +81,9 @@ VMAP_HINT = (
 
 
 @torch.library.register_vmap("zeroscan::stats")
-def _stats_vmap(info: object, in_dims: tuple[int | None, ...], x: torch.Tensor, tol: float | None = None) -> tuple[torch.Tensor, int | None]:
+def _stats_vmap(
+    info: object, in_dims: tuple[int | None, ...], x: torch.Tensor, tol: float | None = None
+) -> tuple[torch.Tensor, int | None]:
     if in_dims[0] is not None:
         raise RuntimeError(f"zeroscan.stats: x is batched by torch.func.vmap; {VMAP_HINT}")
     return torch.ops.zeroscan.stats.default(x, tol), None
