@@ -54,20 +54,24 @@ def run_python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 # --- a file truncated while it is scanned ----------------------------------------
 
-TRUNCATE_DURING_SCAN = """
+TRUNCATE_DURING = """
     import os, sys
     from zeroscan.checkpoint import CheckpointError, scan_checkpoint
+    from zeroscan.checkpoint_diff import diff_checkpoints
 
-    path = sys.argv[1]
+    paths = sys.argv[1:]  # one file: scanned; two: diffed, and the second is truncated
     calls = []
 
     def progress(done, total):
         calls.append(done)
-        if len(calls) == 1:  # after the first batch: the rest of the file is gone
-            os.truncate(path, os.path.getsize(path) // 3)
+        if len(calls) == 1:  # after the first batch or tensor: the rest of the file is gone
+            os.truncate(paths[-1], os.path.getsize(paths[-1]) // 3)
 
     try:
-        scan_checkpoint(path, progress=progress, batch_bytes=64 << 10)
+        if len(paths) == 1:
+            scan_checkpoint(paths[0], progress=progress, batch_bytes=64 << 10)
+        else:
+            diff_checkpoints(*paths, progress=progress)
     except CheckpointError as e:
         print("ERROR", e)
     else:
@@ -80,32 +84,10 @@ def test_a_file_truncated_during_the_scan_is_an_error_not_a_crash(tmp_path: Path
     g = fresh_generator()
     path = tmp_path / f"model.{fmt}"
     save(fmt, path, {f"layers.{i}.weight": torch.randn(512, 512, generator=g) for i in range(8)})
-    done = run_python(TRUNCATE_DURING_SCAN, str(path))
+    done = run_python(TRUNCATE_DURING, str(path))
     assert done.returncode == 0, f"the scan died (return code {done.returncode}): {done.stderr[-2000:]}"
     lines = done.stdout.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"ERROR {path}: changed while it was being scanned (now "), lines
-
-
-TRUNCATE_DURING_DIFF = """
-    import os, sys
-    from zeroscan.checkpoint import CheckpointError
-    from zeroscan.checkpoint_diff import diff_checkpoints
-
-    a, b = sys.argv[1], sys.argv[2]
-    calls = []
-
-    def progress(done, total):
-        calls.append(done)
-        if len(calls) == 1:  # after the first tensor: the rest of the second file is gone
-            os.truncate(b, os.path.getsize(b) // 3)
-
-    try:
-        diff_checkpoints(a, b, progress=progress)
-    except CheckpointError as e:
-        print("ERROR", e)
-    else:
-        print("NO ERROR after", len(calls), "progress calls")
-"""
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -115,7 +97,7 @@ def test_a_file_truncated_during_a_diff_is_an_error_not_a_crash(tmp_path: Path, 
     tensors = {f"layers.{i}.weight": torch.randn(512, 512, generator=g) for i in range(8)}
     save(fmt, a, tensors)
     save(fmt, b, {k: v + 1 for k, v in tensors.items()})
-    done = run_python(TRUNCATE_DURING_DIFF, str(a), str(b))
+    done = run_python(TRUNCATE_DURING, str(a), str(b))
     assert done.returncode == 0, f"the diff died (return code {done.returncode}): {done.stderr[-2000:]}"
     lines = done.stdout.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"ERROR {b}: changed while it was being "), lines

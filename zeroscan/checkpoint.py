@@ -141,20 +141,10 @@ class Checkpoint:
         where = self.located().get(name)
         if where is None:
             return self.tensor(name)
-        buffer = torch.empty(where.nbytes, dtype=torch.uint8)
-        file = self.file()
         try:
-            got = file.read_into(memoryview(buffer.numpy()), where.offset)
-            if got < where.nbytes:
-                size = os.fstat(file.raw.fileno()).st_size
-                raise FileChangedError(
-                    f"{self.path}: changed while it was being read (now {size:,} bytes; "
-                    f"tensor {name!r} needs bytes {where.offset:,}..{where.end:,})"
-                )
-            file.check_unchanged()
+            return self.file().read_tensor(name, where)
         except FileChangedError as e:
             raise CheckpointError(str(e)) from None
-        return buffer.view(where.dtype).as_strided(where.shape, where.stride)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -131,13 +131,24 @@ class TensorFile:
         for start, end, at in plan.segments:
             got = self.read_into(buffer[at : at + end - start], start)
             if got < end - start:
-                name, where = plan.tensor_at(start + got)
-                size = os.fstat(self.raw.fileno()).st_size
-                raise FileChangedError(
-                    f"{self.path}: changed while it was being scanned (now {size:,} bytes; "
-                    f"tensor {name!r} needs bytes {where.offset:,}..{where.end:,})"
-                )
+                raise self.short_read(*plan.tensor_at(start + got))
         self.check_unchanged()
+
+    def read_tensor(self, name: str, where: FileTensor) -> torch.Tensor:
+        """The tensor at `where`, read into memory of its own (the bytes it
+        views: an expanded view's few), with its shape and strides."""
+        buffer = torch.empty(where.nbytes, dtype=torch.uint8)
+        if self.read_into(memoryview(buffer.numpy()), where.offset) < where.nbytes:
+            raise self.short_read(name, where)
+        self.check_unchanged()
+        return buffer.view(where.dtype).as_strided(where.shape, where.stride)
+
+    def short_read(self, name: str, where: FileTensor) -> FileChangedError:
+        size = os.fstat(self.raw.fileno()).st_size
+        return FileChangedError(
+            f"{self.path}: changed while it was being scanned (now {size:,} bytes; "
+            f"tensor {name!r} needs bytes {where.offset:,}..{where.end:,})"
+        )
 
 
 class ReadPlan:
