@@ -19,6 +19,10 @@ TORCH_LIBRARY(zeroscan, m) {
   m.def("stats(Tensor x, float? tol=None) -> Tensor");
   // xs: N tensors on one device -> int64 [N, 16].
   m.def("stats_many(Tensor[] xs, float? tol=None) -> Tensor");
+  // xs: N CPU tensors viewing a memory-mapped file -> (int64 [N, 16], bool
+  // [N]): stats_many's rows, and whether a SIGBUS (the file truncated
+  // meanwhile) hit while reading each tensor, whose row is then zeros.
+  m.def("stats_many_mapped(Tensor[] xs, float? tol=None) -> (Tensor, Tensor)");
   // rows: int64 [W, N, 16], W parts' rows of the same N tensors -> int64
   // [N, 16], each tensor's parts combined (`combine_in_tree`, stats_record.h).
   m.def("combine_rows(Tensor rows) -> Tensor");

@@ -1,8 +1,9 @@
 """The native operators: loading them, their fake kernels, and what they accept.
 
-`torch.ops.zeroscan.stats`, `stats_many` and `combine_rows` are declared once
-in csrc/zeroscan.cpp and implemented per backend in csrc/cpu and csrc/cuda.
-The fake kernels here give their output shapes to torch.compile and to
+`torch.ops.zeroscan.stats`, `stats_many`, `stats_many_mapped` and
+`combine_rows` are declared once in csrc/zeroscan.cpp and implemented per
+backend in csrc/cpu and csrc/cuda (stats_many_mapped on the CPU alone). The
+fake kernels here give their output shapes to torch.compile and to
 meta/fake tensors without running them.
 
 This is also zeroscan's one input policy: what a scan reads (`check_tensor`
@@ -63,6 +64,12 @@ def _stats_many_fake(xs: list[torch.Tensor], tol: float | None = None) -> torch.
         names = ", ".join(sorted(str(d) for d in devices))
         raise RuntimeError(f"zeroscan.stats_many: all tensors of one call must be on one device, got {names}")
     return xs[0].new_empty((len(xs), NUM_FIELDS), dtype=torch.int64)
+
+
+@torch.library.register_fake("zeroscan::stats_many_mapped")
+def _stats_many_mapped_fake(xs: list[torch.Tensor], tol: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = _stats_many_fake(xs, tol)
+    return rows, rows.new_empty((len(xs),), dtype=torch.bool)
 
 
 @torch.library.register_fake("zeroscan::combine_rows")

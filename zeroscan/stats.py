@@ -6,6 +6,10 @@ csrc/stats_record.h). Nothing is read back until a field is: the first field
 read copies the whole buffer to the host once, and later reads use that copy.
 So calling stats() never waits for the device.
 
+stats_many_mapped is stats_many for the checkpoint reader: it reads the
+tensors of a memory-mapped file in place and lists those that the file's
+truncation meanwhile made unreadable.
+
 Semantics (also in the README):
   zeros       x == 0, either sign
   subnormal   0 < |x| < torch.finfo(dtype).tiny (0 for integer dtypes)
@@ -301,6 +305,39 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
         for row, i in enumerate(indices):
             items[i] = Stats(readout, row, meta_of(xs[i]), tol)
     return StatsBatch(items)  # type: ignore[arg-type]
+
+
+def stats_many_mapped(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> tuple[StatsBatch, list[int]]:
+    """stats_many of CPU tensors that view a memory-mapped file, and the
+    indices of the tensors that could not be read.
+
+    The tensors are read where they are mapped, with no copy. Another process
+    may truncate the file meanwhile (a training job saving the checkpoint
+    again), and reading a mapped page past the file's new end raises SIGBUS,
+    which would kill the process; here it only marks the tensor being read:
+    its index is listed and its Stats holds zeros, which the caller must not
+    report (it names the tensor in an error instead). The other tensors'
+    Stats are those of stats_many, bit for bit.
+    """
+    op = "zeroscan.stats_many_mapped"
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor")
+    tol = check_tol(op, tol)
+    xs = tensors if isinstance(tensors, list) else list(tensors)
+    if not xs:
+        return StatsBatch([]), []
+    # As in stats_many, the native call checks every tensor itself; what it
+    # refuses (None, a meta, sparse or quantized tensor) is then named here.
+    try:
+        rows, faulted = torch.ops.zeroscan.stats_many_mapped.default(xs, tol)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        refused(op, [(f"tensors[{i}]", x) for i, x in enumerate(xs)], e)
+    if rows.is_meta:  # meta inputs reach the fake kernel
+        refused(op, [(f"tensors[{i}]", x) for i, x in enumerate(xs)], RuntimeError(op))
+    readout = Readout(rows)
+    metas = [(x.dtype, x.shape, rows.device) for x in xs]
+    batch = StatsBatch.lazy(len(xs), lambda row: Stats(readout, row, metas[row], tol))
+    return batch, faulted.nonzero().flatten().tolist()
 
 
 def device_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:

@@ -10,13 +10,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <xmmintrin.h>
 #endif
 
 #include "../op_common.h"
+#include "fault_guard.h"
 #include "scan_span.h"
 
 namespace zeroscan {
@@ -189,6 +193,10 @@ struct Task {
   int64_t begin, end;
 };
 
+// Everything from here to the reads is trivially destructible and allocates
+// nothing, so that a guarded scan may jump out of it (fault_guard.h); the
+// static initialisers it may run first (scan_span.h's CPU feature tests)
+// read no mapped memory, so no fault interrupts one.
 Partial scan_task(const at::Tensor& x, const Layout& l, const Limits& lim,
                   const Task& task) {
   return visit_dtype(x.scalar_type(), [&](auto tag) {
@@ -200,10 +208,24 @@ Partial scan_task(const at::Tensor& x, const Layout& l, const Limits& lim,
   });
 }
 
+// The bytes that x's elements span (x has at least one element).
+std::pair<const char*, const char*> bytes_of(const at::Tensor& x) {
+  int64_t first = 0, last = 0;  // element offsets from x's data pointer
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    const int64_t reach = (x.size(d) - 1) * x.stride(d);
+    (reach < 0 ? first : last) += reach;
+  }
+  const char* base = static_cast<const char*>(x.const_data_ptr());
+  return {base + first * x.element_size(), base + (last + 1) * x.element_size()};
+}
+
 // Scans xs (all on the CPU) into rows: int64 [N, kNumFields].
 // `as_list`: name inputs "xs[i]" in errors rather than "x".
+// `faulted`: null, or [N]: each task then runs under a SIGBUS guard
+// (fault_guard.h), and a tensor a fault hit gets true there and a row of
+// zeros; the other rows are those of an unguarded scan.
 void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
-              bool as_list, int64_t* rows) {
+              bool as_list, int64_t* rows, bool* faulted = nullptr) {
   const ExactSubnormals exact;  // the combining below too; `run` on every thread
   check_tol(op, tol);
   TORCH_CHECK(capability_cap() != Capability::kInvalid, op,
@@ -234,12 +256,26 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
 
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   std::vector<Partial> partials(n_tasks);
+  // Per task, so that each is written by the one thread that runs the task.
+  std::vector<uint8_t> task_faulted(faulted != nullptr ? n_tasks : 0);
   auto run = [&](int64_t lo, int64_t hi) {
     const ExactSubnormals exact;
     for (int64_t k = lo; k < hi; ++k) {
       const Task& task = tasks[k];
-      const Layout layout = layout_of(xs[task.tensor]);
-      partials[k] = scan_task(xs[task.tensor], layout, limits[task.tensor], task);
+      const at::Tensor& x = xs[task.tensor];
+      const Layout layout = layout_of(x);
+      const Limits& lim = limits[task.tensor];
+      if (faulted == nullptr) {
+        partials[k] = scan_task(x, layout, lim, task);
+        continue;
+      }
+      // Each task, not each thread's share, is guarded: a fault then costs
+      // only the tensor it hit, and the tasks after it still run.
+      const auto [first, last] = bytes_of(x);
+      const bool done = run_guarded(first, last, [&] {
+        partials[k] = scan_task(x, layout, lim, task);
+      });
+      task_faulted[k] = !done;
     }
   };
   // Waking other threads costs more than scanning a few small tensors, so
@@ -254,6 +290,15 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
 
   std::vector<Partial> own;
   for (int64_t t = 0; t < n; ++t) {
+    if (faulted != nullptr) {
+      faulted[t] = std::any_of(task_faulted.begin() + first_task[t],
+                               task_faulted.begin() + first_task[t + 1],
+                               [](uint8_t f) { return f != 0; });
+      if (faulted[t]) {
+        std::fill(rows + t * kNumFields, rows + (t + 1) * kNumFields, int64_t{0});
+        continue;
+      }
+    }
     own.assign(partials.begin() + first_task[t],
                partials.begin() + first_task[t + 1]);
     Partial p = combine_tree(own);
@@ -282,6 +327,40 @@ at::Tensor stats_many_cpu(at::TensorList xs, c10::optional<double> tol) {
   return out;
 }
 
+// The stats_many of CPU tensors that view a memory-mapped file, which
+// another process may truncate meanwhile.
+// xs: N tensors, all on the CPU -> (int64 [N, kNumFields], bool [N]): the rows
+// of stats_many, and whether a SIGBUS hit while reading each tensor (its row
+// is then zeros).
+std::tuple<at::Tensor, at::Tensor> stats_many_mapped_cpu(at::TensorList xs,
+                                                         c10::optional<double> tol) {
+  const char* op = "zeroscan.stats_many_mapped";
+  for (size_t t = 0; t < xs.size(); ++t) {
+    TORCH_CHECK(!xs[t].defined() || xs[t].device().is_cpu(), op, ": xs[", t,
+                "] is on ", xs[t].device(), "; it scans memory-mapped CPU tensors");
+  }
+  const int64_t n = static_cast<int64_t>(xs.size());
+  at::Tensor rows = new_result(n, c10::kCPU);
+  at::Tensor faulted = at::zeros({n}, at::TensorOptions().dtype(at::kBool));
+  scan_all(op, xs, tol, true, rows.mutable_data_ptr<int64_t>(),
+           faulted.mutable_data_ptr<bool>());
+  return {rows, faulted};
+}
+
+// stats_many_mapped's tensors on any other device: one readable line rather
+// than the dispatcher's list of backends. It is registered here, beside the
+// only kernel, because CPU-only builds leave csrc/cuda/ out and can still be
+// handed CUDA tensors by a CUDA build of torch.
+std::tuple<at::Tensor, at::Tensor> stats_many_mapped_elsewhere(
+    at::TensorList xs, c10::optional<double> /*tol*/) {
+  TORCH_CHECK(!xs.empty(), "zeroscan.stats_many_mapped: no tensors");
+  size_t t = 0;
+  while (t + 1 < xs.size() && (!xs[t].defined() || xs[t].device().is_cpu())) ++t;
+  TORCH_CHECK(false, "zeroscan.stats_many_mapped: xs[", t, "] is on ",
+              xs[t].defined() ? xs[t].device().str() : std::string("no device"),
+              "; it scans memory-mapped CPU tensors");
+}
+
 // rows: int64 [W, N, kNumFields], W ranks' rows of the same N tensors
 //   -> int64 [N, kNumFields], each tensor's rows combined in the fixed tree.
 at::Tensor combine_rows_cpu(const at::Tensor& rows) {
@@ -304,6 +383,11 @@ TORCH_LIBRARY_IMPL(zeroscan, CPU, m) {
   m.impl("stats", &stats_cpu);
   m.impl("stats_many", &stats_many_cpu);
   m.impl("combine_rows", &combine_rows_cpu);
+  m.impl("stats_many_mapped", &stats_many_mapped_cpu);
+}
+
+TORCH_LIBRARY_IMPL(zeroscan, CUDA, m) {
+  m.impl("stats_many_mapped", &stats_many_mapped_elsewhere);
 }
 
 }  // namespace cpu
