@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from timing import describe_machine, progress
 from zeroscan.checkpoint import scan_checkpoint
-from zeroscan.safetensors_io import write_safetensors
 
 
 def large_model(gib: float) -> dict[str, torch.Tensor]:
@@ -85,7 +85,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     print(describe_machine())
     if not args.skip_large:
-        for suffix, save in (("safetensors", write_safetensors), ("pt", lambda p, t: torch.save(t, p))):
+        for suffix, save in (("safetensors", lambda p, t: save_file(t, p)), ("pt", lambda p, t: torch.save(t, p))):
             path = ensure(root / f"large_{args.gib:g}gib.{suffix}", lambda: large_model(args.gib), save)
             seconds, cpu = best_seconds(path, args.repeat)
             size = os.path.getsize(path)
@@ -93,7 +93,8 @@ def main() -> None:
                   f"  (CPU {cpu:.3f} s)")
     if args.skip_tiny:
         return
-    path = ensure(root / f"tiny_{args.entries}.safetensors", lambda: tiny_model(args.entries), write_safetensors)
+    path = ensure(root / f"tiny_{args.entries}.safetensors", lambda: tiny_model(args.entries),
+                  lambda p, t: save_file(t, p))
     seconds, cpu = best_seconds(path, args.repeat)
     print(f"{args.entries} tiny entries  {seconds:.3f} s  {seconds / args.entries * 1e6:.1f} µs per entry"
           f"  (CPU {cpu / args.entries * 1e6:.1f} µs)")

@@ -4,9 +4,11 @@ check that statistics agree (with the float64 reference or another record)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import random
+import struct
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +20,7 @@ import torch
 import zeroscan
 from zeroscan.monitor import Finding, Monitor, Report, Thresholds
 from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
+from zeroscan.safetensors_io import SAFETENSORS_DTYPES
 from zeroscan.stats import Readout, meta_of
 from zeroscan.verdicts import Severity
 
@@ -197,3 +200,25 @@ def train_monitored(
             model(torch.randn(batch, 4, generator=g).to(dtype)).float().square().mean().backward()
             opt.step()
     return monitor.report()
+
+
+def safetensors_bytes(header: dict[str, object], data: bytes) -> bytes:
+    """A .safetensors file's bytes: the 8-byte header length, `header` as JSON
+    (padded with spaces to a multiple of 8 bytes, as the package pads it), then `data`."""
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def save_file_in_order(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors.torch.save_file, but with the tensors in the file in the dict's
+    order (save_file sorts them by dtype, then name), for tests that check that
+    a file's tensors are listed in file order."""
+    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    blobs = [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors.values()]
+    offset = 0
+    for (name, t), blob in zip(tensors.items(), blobs):
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+    path.write_bytes(safetensors_bytes(header, b"".join(blobs)))

@@ -17,15 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_matches_reference, fresh_generator, make_values
+from helpers import assert_matches_reference, fresh_generator, make_values, save_file_in_order
+from safetensors.torch import save_file
 
 import zeroscan
 from zeroscan.checkpoint import open_checkpoint, scan_checkpoint
-from zeroscan.checkpoint_reads import PIECE_ELEMENTS, FileChangedError, ReadPlan
+from zeroscan.checkpoint_reads import FileChangedError
 from zeroscan.ops import MAX_DIMS, scannable_form
-from zeroscan.safetensors_io import write_safetensors
 
 FORMATS = ["safetensors", "torch"]
+BIG = 1 << 18  # elements: a tensor this large is scanned in pieces when batches are small
 STATS_FIELDS = (
     "numel", "zeros", "subnormal", "near_zero", "nan", "posinf", "neginf", "negative",
     "min_abs", "min_abs_nonzero", "max_abs", "mean", "std", "norm",
@@ -34,7 +35,7 @@ STATS_FIELDS = (
 
 def save(fmt: str, path: Path, tensors: dict[str, torch.Tensor]) -> None:
     if fmt == "safetensors":
-        write_safetensors(path, {k: v.contiguous() for k, v in tensors.items()})
+        save_file_in_order(tensors, path)
     else:
         torch.save(tensors, path)
 
@@ -105,15 +106,12 @@ def test_a_file_truncated_during_a_diff_is_an_error_not_a_crash(tmp_path: Path, 
 
 def test_a_short_read_names_the_tensor_and_its_bytes(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
-    write_safetensors(path, {"a": torch.ones(1000), "b": torch.ones(1000)})
+    save_file({"a": torch.ones(1000), "b": torch.ones(1000)}, path)
     size = path.stat().st_size
     with open_checkpoint(path) as c:
-        plan = ReadPlan(1 << 20)
-        for name, where in c.located().items():
-            assert plan.add(name, where)
         os.truncate(path, size - 100)
         with pytest.raises(FileChangedError) as err:
-            c.file().read_plan(plan, memoryview(bytearray(plan.capacity)))
+            c.file().read_tensor("b", c.located()["b"])
         b = c.located()["b"]
     assert str(err.value) == (
         f"{path}: changed while it was being scanned (now {size - 100:,} bytes; "
@@ -124,7 +122,7 @@ def test_a_short_read_names_the_tensor_and_its_bytes(tmp_path: Path) -> None:
 def test_a_file_rewritten_in_place_is_an_error(tmp_path: Path) -> None:
     """Same size, new bytes: the scan would mix two files' tensors."""
     path = tmp_path / "m.safetensors"
-    write_safetensors(path, {"a": torch.ones(1000)})
+    save_file({"a": torch.ones(1000)}, path)
     with open_checkpoint(path) as c:
         file = c.file()
         os.utime(path, ns=(file.opened.st_atime_ns, file.opened.st_mtime_ns + 1_000_000_000))
@@ -151,7 +149,7 @@ MANY_TENSORS_FEW_DESCRIPTORS = """
 
 def test_a_2000_tensor_file_scans_under_a_256_descriptor_limit(tmp_path: Path) -> None:
     path = tmp_path / "many.safetensors"
-    write_safetensors(path, {f"block.{i}.weight": torch.full((4,), float(i)) for i in range(2000)})
+    save_file({f"block.{i}.weight": torch.full((4,), float(i)) for i in range(2000)}, path)
     done = run_python(MANY_TENSORS_FEW_DESCRIPTORS, str(path))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["2000", "0", "2000", str(4.0 * sum(range(2000)))]
@@ -159,7 +157,7 @@ def test_a_2000_tensor_file_scans_under_a_256_descriptor_limit(tmp_path: Path) -
 
 def test_close_releases_the_file(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
-    write_safetensors(path, {"a": torch.ones(3)})
+    save_file({"a": torch.ones(3)}, path)
     c = open_checkpoint(path)
     raw = c.file().raw
     assert float(c.tensor("a").sum()) == 3.0
@@ -221,7 +219,7 @@ def test_a_tensor_of_more_than_max_dims_is_scanned_flat(tmp_path: Path, fmt: str
 
 def mixed(g: torch.Generator) -> dict[str, torch.Tensor]:
     """Every scannable dtype, empty and 0-d tensors, a complex one, and tensors
-    of more than PIECE_ELEMENTS elements (scanned in pieces)."""
+    of more than BIG elements (scanned in pieces when batches are small)."""
     tensors: dict[str, torch.Tensor] = {}
     for dtype in zeroscan.ops.FLOAT_DTYPES + zeroscan.ops.INT_DTYPES:
         name = str(dtype).removeprefix("torch.")
@@ -230,10 +228,10 @@ def mixed(g: torch.Generator) -> dict[str, torch.Tensor]:
         tensors[f"{name}.scalar"] = make_values(1, dtype, g).reshape(())
         tensors[f"{name}.empty"] = torch.empty(0, 3, dtype=dtype)
     tensors["complex.weight"] = torch.randn(40, 3, generator=g, dtype=torch.complex64)
-    big = PIECE_ELEMENTS * 2 + int(torch.randint(1, PIECE_ELEMENTS, (), generator=g))
+    big = BIG * 2 + int(torch.randint(1, BIG, (), generator=g))
     tensors["big.float32"] = make_values(big // 7 * 7, torch.float32, g, every=5000).reshape(-1, 7)
     tensors["big.bfloat16"] = make_values(big, torch.bfloat16, g, every=5000)
-    tensors["big.complex128"] = torch.randn(PIECE_ELEMENTS // 2 + 3, generator=g, dtype=torch.complex128)
+    tensors["big.complex128"] = torch.randn(BIG // 2 + 3, generator=g, dtype=torch.complex128)
     return tensors
 
 
@@ -253,7 +251,7 @@ def check_rows(path: Path, tensors: dict[str, torch.Tensor], batch_bytes: int, e
         form, _ = scannable_form(x)
         assert form is not None
         want = zeroscan.stats(form).to_dict()
-        if exact:  # read in whole native chunks: bit for bit what one call on the tensor gives
+        if exact:  # each tensor whole in one batch: bit for bit what one call on the tensor gives
             got = {k: row[k] for k in STATS_FIELDS}
             assert json.dumps(got) == json.dumps({k: want[k] for k in STATS_FIELDS}), row["name"]
         assert_matches_reference(as_record(row), form)
@@ -264,9 +262,11 @@ def check_rows(path: Path, tensors: dict[str, torch.Tensor], batch_bytes: int, e
 def test_scan_rows_match_each_tensor_scanned_alone(tmp_path: Path, fmt: str, batch_bytes: int) -> None:
     g = fresh_generator()
     tensors = mixed(g)
+    if fmt == "safetensors":
+        del tensors["big.complex128"]  # the format has no complex128 (C64 only)
     path = tmp_path / f"mixed.{fmt}"
     save(fmt, path, tensors)
-    check_rows(path, tensors, batch_bytes, exact=batch_bytes > PIECE_ELEMENTS * 16)
+    check_rows(path, tensors, batch_bytes, exact=batch_bytes == 64 << 20)
 
 
 @pytest.mark.parametrize("batch_bytes", [64 << 20, 4096])
@@ -277,7 +277,7 @@ def test_strided_views_in_a_torch_file_are_read_from_their_storage(tmp_path: Pat
     torch.save(tensors, path)
     with open_checkpoint(path) as c:
         assert set(c.located()) == set(tensors)  # read with read calls, not through torch's mapping
-    check_rows(path, tensors, batch_bytes, exact=batch_bytes > PIECE_ELEMENTS * 16)
+    check_rows(path, tensors, batch_bytes, exact=batch_bytes == 64 << 20)
 
 
 def test_a_misaligned_safetensors_tensor_is_read_aligned(tmp_path: Path) -> None:

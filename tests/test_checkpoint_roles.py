@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fresh_generator, fresh_seed
+from helpers import fresh_generator, fresh_seed, save_file_in_order
 from models import resnet18
 from torch import nn
 
 from zeroscan.cli import main
 from zeroscan.roles import Role, judge_in_role, tensor_role
-from zeroscan.safetensors_io import write_safetensors
 from zeroscan.verdicts import Cause, Severity
 
 FORMATS = ["pt", "safetensors"]
@@ -39,7 +38,7 @@ def save(state: dict[str, torch.Tensor], path: Path, fmt: str) -> Path:
     if fmt == "pt":
         torch.save(state, path)
     else:
-        write_safetensors(path, state)
+        save_file_in_order(state, path)
     return path
 
 

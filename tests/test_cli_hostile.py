@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import fresh_generator
+from helpers import fresh_generator, save_file_in_order
 
 from zeroscan import checkpoint
 from zeroscan.cli import main
-from zeroscan.safetensors_io import write_safetensors
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -305,7 +304,7 @@ def hostile_files(tmp_path: Path) -> tuple[Path, Path]:
     tensors = {name: torch.tensor([1.0, math.nan, 2.0]) if i % 2 else torch.zeros(2, 2)
                for i, name in enumerate(HOSTILE_NAMES)}
     st, pt = tmp_path / "names.safetensors", tmp_path / "names\x1b]0;title\x07.pt"
-    write_safetensors(st, tensors)
+    save_file_in_order(tensors, st)
     torch.save(tensors, pt)
     return st, pt
 

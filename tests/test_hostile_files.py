@@ -22,9 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroscan import torch_io
+from safetensors import SafetensorError, safe_open
+
+from zeroscan import safetensors_io, torch_io
 from zeroscan.checkpoint import CheckpointError, open_checkpoint, scan_checkpoint
 from zeroscan.cli import main
+from zeroscan.safetensors_io import package_reason
 
 
 def assert_refused(capsys: pytest.CaptureFixture[str], path: Path, *words: str) -> str:
@@ -122,55 +125,91 @@ def one(dtype: str = '"F32"', shape: str = "[1]", offsets: str = "[0,4]") -> str
 
 
 NAN, ONE = struct.pack("<f", float("nan")), struct.pack("<f", 1.0)
+F64 = json.dumps("F64")
+NOT_JSON, NOT_A_HEADER = "the header is not valid JSON", "the header's JSON is not a safetensors header"
+OFFSETS = "does not start where the one before it ends"
+NOT_COVERED = "the tensors do not end where the file ends (the file is truncated, or holds bytes outside its tensors)"
 
-# label: (file bytes, words the refusal must hold, whether the safetensors package refuses it too)
+# label: (file bytes, words the refusal must hold, whether the safetensors package refuses it; where it
+# does not, the refusal is zeroscan's own)
 HOSTILE_HEADERS: dict[str, tuple[bytes, tuple[str, ...], bool]] = {
     "a NaN tensor hiding behind a healthy twin": (
-        safetensors_bytes(f'{{"w":{one()},"w":{one(offsets="[4,8]")}}}', NAN + ONE), ("'w' appears twice",), True),
+        safetensors_bytes(f'{{"w":{one()},"w":{one(offsets="[4,8]")}}}', NAN + ONE), (f"tensor 'w' {OFFSETS}",), True),
+    "a name given twice, its bytes read two ways": (  # the package keeps the last: one F64
+        safetensors_bytes(f'{{"w":{one(shape="[2]", offsets="[0,8]")},"w":{one(dtype=F64, offsets="[0,8]")}}}',
+                          NAN + ONE), ("the key 'w' appears twice in one JSON object",), False),
     "a field given twice": (
         safetensors_bytes('{"w":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}', ONE),
-        ("'dtype' appears twice",), True),
+        ("the key 'dtype' appears twice in one JSON object",), True),
     "a metadata key given twice": (
         safetensors_bytes(f'{{"__metadata__":{{"a":"1","a":"2"}},"w":{one()}}}', ONE), ("'a' appears twice",), False),
     "a dim of 2**70": (
-        safetensors_bytes(f'{{"w":{one(shape=f"[{2**70}]")}}}', ONE), ("more elements than a tensor can hold",), True),
+        safetensors_bytes(f'{{"w":{one(shape=f"[{2**70}]")}}}', ONE), (NOT_A_HEADER, "expected a non-negative integer"),
+        True),
     "dims whose product overflows before a zero": (
         safetensors_bytes(f'{{"w":{one(shape=f"[{2**40},{2**40},0]", offsets="[0,0]")}}}'),
         ("more elements than a tensor can hold",), True),
-    "true as a dim": (safetensors_bytes(f'{{"w":{one(shape="[true]")}}}', ONE), ("shape [True], not a list",), True),
+    "true as a dim": (
+        safetensors_bytes(f'{{"w":{one(shape="[true]")}}}', ONE), ("invalid type: boolean true, expected a non-neg",),
+        True),
     "false as a dim": (
-        safetensors_bytes(f'{{"w":{one(shape="[false]", offsets="[0,0]")}}}'), ("shape [False], not a list",), True),
-    "a float dim": (safetensors_bytes(f'{{"w":{one(shape="[1.0]")}}}', ONE), ("shape [1.0], not a list",), True),
+        safetensors_bytes(f'{{"w":{one(shape="[false]", offsets="[0,0]")}}}'), ("invalid type: boolean false",), True),
+    "a float dim": (safetensors_bytes(f'{{"w":{one(shape="[1.0]")}}}', ONE), ("invalid type: floating point 1.0",), True),
     "JSON nested 100k deep": (
-        safetensors_bytes('{"__metadata__":' + "[" * 100_000 + "]" * 100_000 + "}"), ("nested too deeply",), True),
+        safetensors_bytes('{"__metadata__":' + "[" * 100_000 + "]" * 100_000 + "}"),
+        (NOT_A_HEADER, "invalid type: array, expected an object"), True),
+    "JSON nested 100k deep where the package reads nothing": (
+        safetensors_bytes('{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + "[" * 100_000 + "]" * 100_000
+                          + "}}", ONE), ("nested deeper than the safetensors package reads",), True),
     "a 5000-digit integer": (
-        safetensors_bytes(f'{{"w":{one(shape="[" + "9" * 5000 + "]")}}}', ONE), (), True),  # Python >= 3.11 limits digits
-    "a negative offset": (safetensors_bytes(f'{{"w":{one(offsets="[-4,0]")}}}', ONE), ("data_offsets [-4, 0]",), True),
+        safetensors_bytes(f'{{"w":{one(shape="[" + "9" * 5000 + "]")}}}', ONE), ("number out of range",), True),
+    "a negative offset": (
+        safetensors_bytes(f'{{"w":{one(offsets="[-4,0]")}}}', ONE), ("invalid value: integer -4, expected a non-neg",),
+        True),
     "false as an offset": (
-        safetensors_bytes(f'{{"w":{one(offsets="[false,4]")}}}', ONE), ("data_offsets [False, 4]",), True),
+        safetensors_bytes(f'{{"w":{one(offsets="[false,4]")}}}', ONE), ("invalid type: boolean false",), True),
+    "three offsets": (
+        safetensors_bytes(f'{{"w":{one(offsets="[0,4,4]")}}}', ONE), ("invalid length 3, expected 2 elements",), True),
     "a torch dtype name": (
         safetensors_bytes(f'{{"w":{one(dtype=json.dumps("float32"))}}}', ONE),
-        ("dtype 'float32', which is not a safetensors dtype name (did you mean 'F32'?)",), True),
+        ("dtype 'float32' is not a safetensors dtype name (did you mean 'F32'?)",), True),
     "an fp16 spelling": (
         safetensors_bytes(f'{{"w":{one(dtype=json.dumps("fp16"), shape="[2]")}}}', ONE), ("did you mean 'F16'?",), True),
+    "a complex128 tensor, which zeroscan once wrote": (
+        safetensors_bytes(f'{{"c":{one(dtype=json.dumps("C128"), offsets="[0,16]")}}}', ONE * 4),
+        ("dtype 'C128' is not a safetensors dtype name",), True),
     "an unknown dtype name": (
-        safetensors_bytes(f'{{"w":{one(dtype=json.dumps("Q7"))}}}', ONE), ("the names are BOOL, U8",), True),
+        safetensors_bytes(f'{{"w":{one(dtype=json.dumps("Q7"))}}}', ONE), ("(the names are BOOL, F4",), True),
+    "a header that is not JSON": (safetensors_bytes("{w: F32}", ONE), (NOT_JSON, "line 1 column 2"), True),
+    "a header that is a JSON array": (safetensors_bytes("[1, 2]", ONE), ("the header is a JSON array, not an",), True),
     "a header that is not UTF-8": (
-        safetensors_bytes(b'{"w\xff":' + one().encode() + b"}", ONE), ("not UTF-8 text (byte 0xff",), True),
+        safetensors_bytes(b'{"w\xff":' + one().encode() + b"}", ONE), ("the header is not UTF-8 text",), True),
     "a lone surrogate in a name": (
-        safetensors_bytes(f'{{"\\ud800":{one()}}}', ONE), ("lone surrogate",), True),
+        safetensors_bytes(f'{{"\\ud800":{one()}}}', ONE), (NOT_JSON, "hex escape"), True),
+    "a file shorter than the header length": (b"\x10\0\0\0", (), True),
     "a header length of 2**63": (
-        safetensors_bytes(f'{{"w":{one()}}}', ONE, length=2**63), ("header length 9223372036854775808",), True),
-    "two tensors on the same bytes": (
-        safetensors_bytes(f'{{"a":{one()},"b":{one()}}}', ONE), ("'b' (data bytes 0 to 4) overlaps tensor 'a'",), True),
+        safetensors_bytes(f'{{"w":{one()}}}', ONE, length=2**63),
+        ("header length 9223372036854775808 is more than the 100,000,000 bytes",), True),
+    "a header length past the end of the file": (
+        safetensors_bytes(f'{{"w":{one()}}}', ONE, length=100), ("header length 100 does not fit a 66-byte file",), True),
+    "two tensors on the same bytes": (  # b longer than a: with equal offsets, the package names either, at random
+        safetensors_bytes(f'{{"a":{one()},"b":{one(shape="[2]", offsets="[0,8]")}}}', ONE * 2),
+        (f"tensor 'b' {OFFSETS}",), True),
     "a tensor inside another": (
         safetensors_bytes(f'{{"a":{one(shape="[2]", offsets="[0,8]")},"b":{one(offsets="[4,8]")}}}', ONE + ONE),
-        ("overlaps tensor 'a', which ends at 8",), True),
+        (f"tensor 'b' {OFFSETS}",), True),
     "a gap between tensors": (
-        safetensors_bytes(f'{{"a":{one()},"b":{one(offsets="[8,12]")}}}', ONE * 3), ("leaves a gap after tensor 'a'",),
-        True),
-    "bytes after the last tensor": (
-        safetensors_bytes(f'{{"a":{one()}}}', ONE * 3), ("the tensors cover 4 of the 12 data bytes",), True),
+        safetensors_bytes(f'{{"a":{one()},"b":{one(offsets="[8,12]")}}}', ONE * 3), (f"tensor 'b' {OFFSETS}",), True),
+    "offsets that run backwards": (
+        safetensors_bytes(f'{{"w":{one(offsets="[4,0]")}}}', ONE), (f"tensor 'w' {OFFSETS}",), True),
+    "bytes after the last tensor": (safetensors_bytes(f'{{"a":{one()}}}', ONE * 3), (NOT_COVERED,), True),
+    "a truncated file": (safetensors_bytes(f'{{"a":{one(shape="[2]", offsets="[0,8]")}}}', ONE), (NOT_COVERED,), True),
+    "a byte range the wrong size for its dtype": (
+        safetensors_bytes(f'{{"a":{one(dtype=F64)}}}', ONE),
+        ("a tensor's data_offsets span a different number of bytes than its shape needs in its dtype",), True),
+    "a 4-bit tensor that ends mid-byte": (
+        safetensors_bytes(f'{{"a":{one(dtype=json.dumps("F4"), shape="[3]", offsets="[0,2]")}}}', ONE[:2]),
+        ("a tensor of a 4- or 6-bit dtype does not end on a byte boundary",), True),
 }
 
 
@@ -179,19 +218,45 @@ def test_hostile_safetensors_headers_are_refused(capsys: pytest.CaptureFixture[s
     data, words, _ = HOSTILE_HEADERS[label]
     path = tmp_path / "hostile.safetensors"
     path.write_bytes(data)
-    assert_refused(capsys, path, "corrupt safetensors header", *words)
+    assert_refused(capsys, path, "corrupt safetensors file: ", *words)
 
 
-@pytest.mark.parametrize("label", [label for label, (_, _, theirs) in HOSTILE_HEADERS.items() if theirs])
-def test_the_safetensors_package_refuses_them_too(tmp_path: Path, label: str) -> None:
-    """zeroscan's reader agrees with the reference implementation, so these stay
-    refused if reading ever moves to the safetensors package."""
-    safe_open = pytest.importorskip("safetensors").safe_open
+@pytest.mark.parametrize("label", list(HOSTILE_HEADERS))
+def test_the_package_makes_every_refusal_but_zeroscans_own(tmp_path: Path, label: str) -> None:
+    """The refusals zeroscan makes itself are exactly those the package lets
+    through: should the package start refusing one, zeroscan's check can go."""
     path = tmp_path / "hostile.safetensors"
     path.write_bytes(HOSTILE_HEADERS[label][0])
-    with pytest.raises(Exception):  # noqa: B017 (the package raises its own SafetensorError)
-        with safe_open(str(path), "pt") as f:
+    try:
+        with safe_open(path, "pt") as f:
             [f.get_tensor(k) for k in f.keys()]
+    except SafetensorError:
+        refused = True
+    else:
+        refused = False
+    assert refused == HOSTILE_HEADERS[label][2]
+
+
+# What the package said before 0.6 (its error names), and how zeroscan words each.
+OLDER_PACKAGE_MESSAGES = {
+    'InvalidOffset("b")': f"tensor 'b' {OFFSETS}",
+    "MetadataIncompleteBuffer": NOT_COVERED,
+    "HeaderTooLarge": "header length 16 is more than the 100,000,000 bytes",
+    "HeaderTooSmall": "the file is 28 bytes, too short",
+    "InvalidHeaderLength": "header length 16 does not fit a 28-byte file",
+    "TensorInvalidInfo": "data_offsets span a different number of bytes",
+    "InvalidHeaderDeserialization": "the header is not valid safetensors JSON",
+    "InvalidHeader": "the header is not UTF-8 text",
+    "ValidationOverflow": "more elements than a tensor can hold",
+    "SomethingNew": "the safetensors package refuses it (SomethingNew)",
+}
+
+
+@pytest.mark.parametrize("message", list(OLDER_PACKAGE_MESSAGES))
+def test_older_package_messages_are_worded_too(tmp_path: Path, message: str) -> None:
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(safetensors_bytes("{}" + " " * 14, b"\0" * 4))
+    assert OLDER_PACKAGE_MESSAGES[message] in package_reason(path, f"Error while deserializing header: {message}")
 
 
 def test_legal_layouts_still_read(tmp_path: Path) -> None:
@@ -203,9 +268,52 @@ def test_legal_layouts_still_read(tmp_path: Path) -> None:
     path.write_bytes(safetensors_bytes(header, ONE + b"\0" * 3))
     with open_checkpoint(path) as c:
         assert c.names() == ["e1", "e2", "w", "packed"] and c.entry("packed").dtype == "F4"
+        assert c.tensor("w").tolist() == [1.0] and c.tensor("e2").shape == (0,)
+        with pytest.raises(CheckpointError) as refused:
+            c.tensor("packed")
+        assert str(refused.value) == f"{path}: tensor 'packed' has dtype F4, which has no torch equivalent here"
     result = scan_checkpoint(path)
     assert [r["name"] for r in result.rows] == ["e1", "e2", "w"]
     assert [s["name"] for s in result.skipped] == ["packed"]
+
+
+@pytest.mark.parametrize("change, what", [
+    (lambda h: h["w"].update(shape=[2]), "tensor 'w'"),
+    (lambda h: h.update(v=h.pop("w")), "tensor 'w'"),
+    (lambda h: h.update(__metadata__={"a": "b"}), "__metadata__"),
+], ids=["shape", "name", "metadata"])
+def test_a_header_read_otherwise_than_the_package_reads_it_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, change: Callable[[dict], None], what: str
+) -> None:
+    """Scans read the byte ranges of zeroscan's own reading of the header: it
+    must describe the tensors the package validated."""
+    loads = json.loads
+
+    def misread(text: str, **kwargs: object) -> object:
+        header = loads(text, **kwargs)
+        change(header)
+        return header
+
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(safetensors_bytes(f'{{"w":{one()}}}', ONE))
+    monkeypatch.setattr(safetensors_io.json, "loads", misread)
+    with pytest.raises(CheckpointError) as refused:
+        open_checkpoint(path)
+    assert str(refused.value) == (f"{path}: corrupt safetensors file: the safetensors package and zeroscan read "
+                                  f"its header differently ({what})")
+
+
+def test_a_file_replaced_before_its_first_tensor_is_refused(tmp_path: Path) -> None:
+    """tensor() maps the file by path when first asked: a file replaced since
+    the header was read is refused, not read as the tensors it listed."""
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(safetensors_bytes(f'{{"w":{one()}}}', ONE))
+    with open_checkpoint(path) as c:
+        path.unlink()
+        path.write_bytes(safetensors_bytes(f'{{"w":{one()}}}', NAN))
+        with pytest.raises(CheckpointError) as refused:
+            c.tensor("w")
+    assert str(refused.value) == f"{path}: changed since it was opened; open it again once it is written"
 
 
 # --- item 11: containers nested without bound, or containing themselves ---------------------

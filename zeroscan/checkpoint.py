@@ -1,19 +1,24 @@
 """Reading checkpoints tensor by tensor, without loading them whole.
 
-Two formats are read:
+A checkpoint file is one of two formats:
 
 * torch.save files, loaded with ``weights_only=True`` (no pickled code is
   ever run) and memory-mapped (``torch.load(mmap=True)``) when the file uses
   the zip format; nested dicts, lists and tuples of tensors are flattened to
   dotted names (``model.layer.0.weight``, ``optimizer.state.3.exp_avg``);
   leaves that are not tensors (an epoch number, a config string) are left out.
-* .safetensors files, read by zeroscan.safetensors_io without the
-  safetensors package: tensor() gives views of one mapping of the whole
-  file, so a file larger than memory is never read whole.
+* .safetensors files, checked and read through the safetensors package
+  (zeroscan.safetensors_io); tensor() gives the package's memory-mapped
+  tensors, so a file larger than memory is never read whole.
 
-scan_checkpoint reads no mapping: it reads tensor bytes with read calls
-(zeroscan.checkpoint_reads), so a file truncated under it is an error, not a
-SIGBUS.
+A checkpoint of several files is one too: a sharded model's folder or its
+index file (zeroscan.checkpoint_sharded) and a torch.distributed.checkpoint
+folder (zeroscan.checkpoint_dcp); zeroscan.checkpoint_paths says which
+folders are checkpoints.
+
+scan_checkpoint reads tensors where the file's mapping holds them, inside a
+native scan that turns a SIGBUS (the file truncated under it) into an error
+naming the file (zeroscan.checkpoint_reads).
 
 Every problem with the file itself raises CheckpointError with a one-line
 message naming the file. scan_checkpoint diagnoses every tensor of a
@@ -30,26 +35,26 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from zeroscan.checkpoint_reads import (
     BatchScanner,
     FileChangedError,
+    FileSource,
     FileTensor,
+    ScanSource,
     TensorFile,
+    TensorPiece,
     contiguous_file_tensor,
     locate_in_zip,
-    scan_form,
 )
 from zeroscan.ops import SCANNABLE_DTYPES, unreadable
 from zeroscan.stats import Stats
 from zeroscan.torch_io import TorchFileError, load_torch_file
 from zeroscan.safetensors_io import (
     SafetensorsError,
+    SafetensorsTensors,
     looks_like_safetensors,
-    map_safetensors_file,
-    map_safetensors_slot,
     read_safetensors_header,
 )
 
@@ -69,6 +74,7 @@ class TensorEntry:
     dtype: str  # torch's name ("float32"), or the file's own for a dtype torch lacks
     shape: tuple[int, ...]
     nbytes: int
+    shard: str = ""  # the file holding it, relative to a many-file checkpoint's folder; "" for one file
 
     @property
     def numel(self) -> int:
@@ -111,6 +117,8 @@ class Checkpoint:
         self.metadata = metadata or {}  # a safetensors file's __metadata__
         self._file = file
         self._located = located
+        self.skipped: list[dict[str, object]] = []  # problems found on opening, listed with a scan's skipped tensors
+        self.shards = 1  # files
 
     def file(self) -> TensorFile:
         """The open file that scans read tensor bytes from (opened on first use)."""
@@ -145,6 +153,27 @@ class Checkpoint:
             return self.file().read_tensor(name, where)
         except FileChangedError as e:
             raise CheckpointError(str(e)) from None
+
+    def scan_items(self, batch_bytes: int) -> Iterator[tuple[TensorEntry, ScanSource]]:
+        """Each entry, in file order, with what scan_checkpoint scans: where
+        the file holds it, the tensor itself (one torch.load read whole, or
+        one with no place in the file), or why it is not scanned."""
+        located = self.located()
+        for entry in self.entries:
+            reason = dtype_skip_reason(entry.dtype)
+            if reason is not None:
+                yield entry, reason
+                continue
+            where = located.get(entry.name)
+            if where is not None:
+                yield entry, FileSource(self.file(), where)
+                continue
+            t = self.tensor(entry.name)
+            why = unreadable(t)
+            yield entry, t if why is None else f"the tensor {why}"
+
+    def shard_of(self, name: str) -> str:
+        return self.entry(name).shard
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -196,9 +225,54 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Opens a torch.save file or a .safetensors file (recognised by content,
-    not by name). Raises CheckpointError with a one-line reason."""
+    """Opens a checkpoint: a torch.save file or a .safetensors file
+    (recognised by content, not by name); a sharded model's folder or its
+    index file (zeroscan.checkpoint_sharded); a torch.distributed.checkpoint
+    folder (zeroscan.checkpoint_dcp). Each has the same interface: entries,
+    entry(), read(), scan_items(), close(). Raises CheckpointError with a
+    one-line reason."""
+    from zeroscan.checkpoint_paths import INDEX_SUFFIX
+
     p = Path(path)
+    if p.is_dir():
+        return open_folder(p)
+    if p.name.endswith(INDEX_SUFFIX) and p.is_file():
+        from zeroscan.checkpoint_sharded import open_index
+
+        return open_index(p)  # type: ignore[return-value]
+    return open_file(p)
+
+
+def open_folder(p: Path) -> Checkpoint:
+    """A folder that is one checkpoint (zeroscan.checkpoint_paths.checkpoint_kind)."""
+    from zeroscan.checkpoint_paths import checkpoint_files, checkpoint_kind, index_files
+
+    kind = checkpoint_kind(p)
+    if kind == "dcp":
+        from zeroscan.checkpoint_dcp import open_dcp
+
+        return open_dcp(p)  # type: ignore[return-value]
+    if kind == "index":
+        from zeroscan.checkpoint_sharded import open_index
+
+        return open_index(index_files(p)[0])  # type: ignore[return-value]
+    if kind == "shards":
+        from zeroscan.checkpoint_sharded import open_shards
+
+        return open_shards(p, checkpoint_files(p))  # type: ignore[return-value]
+    if kind == "single":
+        return open_file(checkpoint_files(p)[0])
+    files = checkpoint_files(p)
+    if not files:
+        raise CheckpointError(f"{p}: is a folder holding no checkpoint (no shard index, .metadata or checkpoint file)")
+    raise CheckpointError(
+        f"{p}: is a folder of {len(files)} separate checkpoints, not one; name one of them "
+        "(`zeroscan scan` scans each of a folder's checkpoints)"
+    )
+
+
+def open_file(p: Path) -> Checkpoint:
+    """A torch.save or .safetensors file."""
     size = regular_file_size(p)
     try:
         with open(p, "rb") as f:
@@ -298,40 +372,38 @@ def open_safetensors(p: Path) -> Checkpoint:
         entries.append(TensorEntry(name, label, slot.shape, slot.nbytes))
         if slot.dtype is not None:
             located[name] = contiguous_file_tensor(slot.start, slot.dtype, slot.shape)
-    mapping: list[np.memmap] = []  # the whole file, mapped when a tensor is first asked for
+    mapped = SafetensorsTensors(p, slots, file.opened)  # the package's mapping, opened when a tensor is first asked for
 
     def get(name: str) -> torch.Tensor:
         try:
-            if not mapping:
-                mapping.append(map_safetensors_file(file.raw))
-            return map_safetensors_slot(mapping[0], p, name, slots[name])
+            return mapped.get(name)
         except SafetensorsError as e:
             raise CheckpointError(str(e)) from None
-        except (OSError, ValueError) as e:  # mmap refuses an empty or vanished file
-            raise CheckpointError(f"{p}: cannot map ({e})") from None
 
-    return Checkpoint(p, "safetensors", entries, get, mapping.clear, metadata, file=file, located=located)
+    return Checkpoint(p, "safetensors", entries, get, mapped.close, metadata, file=file, located=located)
 
 
 # --- scanning ---------------------------------------------------------------
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
-MAX_SCAN_THREADS = 8  # threads that read and scan batches (the scan is bound by memory well before)
 
 
 @dataclass
 class CheckpointScan:
     """The scan of one checkpoint: a row per tensor in file order, and the
-    tensors left out (a dtype zeroscan cannot scan) with the reason."""
+    tensors left out (a dtype zeroscan cannot scan, a tensor an index names
+    that its shard lacks) with the reason and, for problems, a severity."""
 
     path: str
     format: str
-    nbytes: int  # all tensor bytes in the file, skipped ones included
+    nbytes: int  # all tensor bytes in the checkpoint, skipped ones included
     rows: list[dict[str, object]]
     skipped: list[dict[str, object]]
+    shards: int = 1  # the files holding its tensors
 
     def to_dict(self) -> dict[str, object]:
-        return {"path": self.path, "format": self.format, "tensors": self.rows, "skipped": self.skipped}
+        return {"path": self.path, "format": self.format, "shards": self.shards, "tensors": self.rows,
+                "skipped": self.skipped}
 
 
 def scan_checkpoint(
@@ -342,21 +414,26 @@ def scan_checkpoint(
     progress: ProgressFn | None = None,
     batch_bytes: int = 64 << 20,
 ) -> CheckpointScan:
-    """Scans every tensor of a checkpoint and diagnoses each (zeroscan.diagnose_stats)
-    in its role (zeroscan.roles): a zero bias or BatchNorm running mean is OK,
-    an all-zero weight matrix a warning, a NaN an error in any role; other
-    findings on integer and bool tensors are at most "info". Tensors with no
-    data to scan (a dtype zeroscan does not read, meta, sparse) are listed in
-    `skipped` with the reason.
+    """Scans every tensor of a checkpoint (anything open_checkpoint opens: a
+    file, a sharded model, a torch.distributed.checkpoint folder) and
+    diagnoses each (zeroscan.diagnose_stats) in its role (zeroscan.roles): a
+    zero bias or BatchNorm running mean is OK, an all-zero weight matrix a
+    warning, a NaN an error in any role; other findings on integer and bool
+    tensors are at most "info". Tensors with no data to scan (a dtype
+    zeroscan does not read, meta, sparse) are listed in `skipped` with the
+    reason.
 
     Tensors are scanned a batch at a time (up to `batch_bytes`, one native
-    stats_many call per batch), read with read calls into one buffer of
-    `batch_bytes` that the scan reuses, never memory-mapped: a file truncated
-    during the scan (a training job re-saving it) raises CheckpointError
-    rather than killing the process with SIGBUS. A tensor larger than
-    `batch_bytes` is scanned in pieces whose results are merged exactly
-    (counts, min/max) and as the native scan merges its own chunks (moments).
-    `progress(done, total)` is called in bytes after each batch.
+    call per batch, spread over torch's threads) where the file's mapping
+    holds them, with the next batch's pages read ahead meanwhile, from one
+    shard to the next (zeroscan.checkpoint_reads). A file truncated during
+    the scan (a training job re-saving it) raises CheckpointError rather
+    than killing the process with SIGBUS. A tensor larger than a batch is
+    scanned in pieces whose results are merged exactly (counts, min/max)
+    and as the native scan merges its own chunks (moments). Memory beyond
+    the page cache stays within a few batches, whatever the checkpoint's
+    size. `progress(done, total)` is called in bytes, over the whole
+    checkpoint, after each batch.
     """
     from zeroscan.diagnosis import Severity, diagnose_stats
     from zeroscan.roles import judge_in_role, tensor_role
@@ -364,7 +441,7 @@ def scan_checkpoint(
     with open_checkpoint(path) as ckpt:
         total = ckpt.nbytes
         rows: list[dict[str, object]] = []
-        skipped: list[dict[str, object]] = []
+        skipped: list[dict[str, object]] = list(ckpt.skipped)
         done = 0
 
         def on_result(name: str, s: Stats) -> None:
@@ -384,33 +461,25 @@ def scan_checkpoint(
             if progress is not None:
                 progress(done, total)
 
-        located = ckpt.located()
-        threads = min(torch.get_num_threads(), MAX_SCAN_THREADS)
-        scanner = BatchScanner(ckpt.file() if located else None, batch_bytes, tol, on_result, on_step, threads)
+        scanner = BatchScanner(batch_bytes, tol, on_result, on_step)
         try:
-            for entry in ckpt.entries:
-                reason = unscannable_reason(entry)
-                if reason is None:
-                    where = located.get(entry.name)
-                    if where is not None:
-                        scanner.add_file_tensor(entry.name, where, entry.nbytes)
-                        continue
-                    t = ckpt.tensor(entry.name)
-                    why = unreadable(t)
-                    if why is None:
-                        scanner.add_tensor(entry.name, scan_form(t), entry.nbytes)
-                        continue
-                    reason = f"the tensor {why}"
-                skipped.append({"name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape), "reason": reason})
-                done += entry.nbytes
+            for entry, source in ckpt.scan_items(batch_bytes):
+                if isinstance(source, str):
+                    skipped.append({"name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape),
+                                    "shard": entry.shard, "reason": source, "severity": "info"})
+                    done += entry.nbytes
+                    continue
+                weight = source.tensor.numel() * source.tensor.element_size() if isinstance(
+                    source, TensorPiece) else entry.nbytes
+                scanner.add(entry.name, source, weight)
             scanner.flush()
         except FileChangedError as e:
             raise CheckpointError(str(e)) from None
         finally:
-            scanner.close()  # before the file closes: no batch may read it after
+            scanner.close()  # before the files close: no batch may read them after
         if progress is not None:
             progress(total, total)
-        return CheckpointScan(str(path), ckpt.format, total, rows, skipped)
+        return CheckpointScan(str(path), ckpt.format, total, rows, skipped, ckpt.shards)
 
 
 def unscannable_reason(entry: TensorEntry) -> str | None:
@@ -436,6 +505,7 @@ def scan_row(
     zeros = int(s["zeros"])  # type: ignore[call-overload]
     return {
         "name": entry.name,
+        "shard": entry.shard,
         "dtype": entry.dtype,
         "shape": list(entry.shape),
         "numel": numel,

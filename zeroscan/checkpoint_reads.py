@@ -1,50 +1,53 @@
-"""Reading a checkpoint's tensors with read calls, into small reusable buffers.
+"""Reading a checkpoint's tensors for a scan: from a memory mapping of the
+file, guarded against the file being truncated meanwhile.
 
-A memory-mapped file kills the process with SIGBUS when another process
-truncates it while its pages are being read, and a training job re-saving the
-checkpoint being scanned does exactly that. A read call reports the same event
-as a short read, which becomes an error naming the file and the tensor. So a
-scan never reads mapped tensor data: it reads a batch of tensors at a time
-with os.preadv into a buffer of its thread, views each tensor there, and
-scans the batch with one stats_many call (`BatchScanner`). A tensor larger
-than a batch is scanned in pieces whose rows are merged with combine_rows:
-counts and min/max exactly, the moments as the native scan merges its own
-chunks, which for a tensor of up to 2^26 elements gives bit for bit the
-result of one call (see PIECE_ELEMENTS).
+Scanning a tensor where the file's mapping holds it reads each byte once, at
+memory speed, with no copy. But a mapped page past the end of a file that
+another process truncated (a training job re-saving the checkpoint being
+scanned does exactly that) raises SIGBUS, which kills a process. So a scan
+reads mapped tensors only inside the native stats_many_mapped, which turns a
+SIGBUS there into a per-tensor flag, and the flag into an error naming the
+file and the tensor (`BatchScanner`). The file's size and modification time
+are checked after every batch too: a file rewritten in place without
+shrinking raises no SIGBUS, but is just as changed.
 
-The price of not mapping is one copy of every byte, from the page cache into
-the buffer; copying from a mapping under a SIGBUS guard would cost the same.
+Tensors are scanned a batch at a time, one native call per batch, which
+spreads the batch over torch's threads. The kernel is asked to read the next
+batch's pages ahead (MADV_WILLNEED) while one is scanned, and to drop a
+scanned batch's pages from this process (MADV_DONTNEED: they stay in the
+page cache), so memory beyond the page cache stays within a few batches
+whatever the checkpoint's size. A tensor larger than a batch is scanned in
+pieces whose rows are merged with combine_rows: counts and min/max exactly,
+the moments as the native scan merges its own chunks.
 
 Where each tensor lies comes from the format: a safetensors header gives its
 byte range; torch.load(mmap=True) maps a torch.save zip file without reading
 it, and a tensor's place in the file is its address in that mapping less the
 mapping's start, found by matching the storages to the zip's data records
-(`locate_in_zip`).
+(`locate_in_zip`). Reading a tensor whole for --diff (`TensorFile.read_tensor`)
+uses read calls, which report a truncated file as a short read.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
+import mmap
 import os
 import struct
 import sys
-import threading
+import warnings
 import zipfile
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from zeroscan.ops import scannable_form
-from zeroscan.stats import Readout, Stats, StatsBatch, stats_many
+from zeroscan.stats import Readout, Stats, stats_many, stats_many_mapped
 
-ALIGN = 64  # a tensor keeps its file offset's alignment in the buffer, up to this
-MAX_GAP = 4096  # bytes between two tensors that one read spans rather than making two
-MAX_BATCH_TENSORS = 1024  # tensors per stats_many call
+MAX_BATCH_TENSORS = 1024  # tensors per native call
 
 
 class FileChangedError(Exception):
@@ -89,6 +92,30 @@ def span_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -
     return (sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * itemsize
 
 
+class FileSource(NamedTuple):
+    """A tensor a scan reads from `file` at `where` (read calls, never a mapping)."""
+
+    file: TensorFile
+    where: FileTensor
+
+
+class TensorPiece(NamedTuple):
+    """Piece `index` of `count` of a tensor too large to hold whole, already in
+    memory: the pieces of one tensor come one after another, in order, and
+    together hold each of its elements once. Their Stats are merged into the
+    tensor's (combine_rows), which describe `shape`."""
+
+    tensor: torch.Tensor  # [any]: the piece's elements, in the tensor's dtype
+    index: int
+    count: int
+    shape: tuple[int, ...]  # the whole tensor's
+
+
+# What a checkpoint's scan_items() gives for each tensor: where to read it, the
+# tensor itself, one piece of it, or the reason it is not scanned.
+ScanSource = FileSource | torch.Tensor | TensorPiece | str
+
+
 # --- the file ------------------------------------------------------------------
 
 
@@ -101,8 +128,17 @@ class TensorFile:
         self.path = path
         self.raw = open(path, "rb", buffering=0)
         self.opened = os.fstat(self.raw.fileno())
+        self._mapping: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None  # [file size] uint8, the mapping
 
     def close(self) -> None:
+        self._bytes = None
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:  # a view still in use: the mapping goes when it does
+                pass
+            self._mapping = None
         self.raw.close()
 
     def check_unchanged(self) -> None:
@@ -125,14 +161,30 @@ class TensorFile:
             done += n
         return done
 
-    def read_plan(self, plan: ReadPlan, buffer: memoryview) -> None:
-        """Fills the buffer as `plan` places its tensors; a short read raises
-        FileChangedError naming the tensor whose bytes are missing."""
-        for start, end, at in plan.segments:
-            got = self.read_into(buffer[at : at + end - start], start)
-            if got < end - start:
-                raise self.short_read(*plan.tensor_at(start + got))
-        self.check_unchanged()
+    def view(self, where: FileTensor) -> torch.Tensor:
+        """The tensor at `where` (offset a multiple of its element size) as a
+        view of the file's mapping, made on first use: one read-only shared
+        mapping of the whole file, which reserves no memory. Only the native
+        stats_many_mapped may read it (a SIGBUS anywhere else kills the
+        process if the file shrinks)."""
+        if self._bytes is None:
+            self._mapping = mmap.mmap(self.raw.fileno(), 0, access=mmap.ACCESS_READ)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only memory: zeroscan never writes it
+                self._bytes = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        typed = self._bytes[where.offset : where.offset + where.nbytes].view(where.dtype)
+        return typed.as_strided(where.shape, where.stride)
+
+    def advise(self, low: int, high: int, *, will_need: bool) -> None:
+        """Asks the kernel to read bytes [low, high) of the mapping ahead, or
+        to drop them from this process once scanned (they stay in the page
+        cache): what keeps the memory a scan holds bounded."""
+        if self._mapping is None or low < 0 or high <= low:
+            return
+        start = low - low % mmap.PAGESIZE
+        end = min(high, len(self._mapping))
+        if end > start:
+            self._mapping.madvise(mmap.MADV_WILLNEED if will_need else mmap.MADV_DONTNEED, start, end - start)
 
     def read_tensor(self, name: str, where: FileTensor) -> torch.Tensor:
         """The tensor at `where`, read into memory of its own (the bytes it
@@ -149,54 +201,6 @@ class TensorFile:
             f"{self.path}: changed while it was being scanned (now {size:,} bytes; "
             f"tensor {name!r} needs bytes {where.offset:,}..{where.end:,})"
         )
-
-
-class ReadPlan:
-    """A batch of file tensors placed in a buffer of `capacity` bytes, and
-    the reads that fill it: neighbours in the file share one read."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self.segments: list[list[int]] = []  # [file start, file end, buffer position]
-        self.tensors: list[tuple[str, FileTensor, int]] = []  # name, place in the file, buffer position
-
-    def add(self, name: str, where: FileTensor) -> bool:
-        """Places `where` in the buffer; False when it does not fit."""
-        itemsize = where.dtype.itemsize
-        if self.segments:
-            start, end, pos = self.segments[-1]
-            at = pos + where.offset - start
-            if 0 <= where.offset - end <= MAX_GAP and at % itemsize == 0:
-                used = max(self.used, at + where.nbytes)
-                if used > self.capacity:
-                    return False
-                self.segments[-1][1] = max(end, where.end)
-                self.used = used
-                self.tensors.append((name, where, at))
-                return True
-        at = -(-self.used // ALIGN) * ALIGN
-        if where.offset % itemsize == 0:
-            at += where.offset % ALIGN  # aligned in the file: aligned alike in the buffer
-        if at + where.nbytes > self.capacity:
-            return False
-        self.segments.append([where.offset, where.end, at])
-        self.used = at + where.nbytes
-        self.tensors.append((name, where, at))
-        return True
-
-    def tensor_at(self, offset: int) -> tuple[str, FileTensor]:
-        """The first tensor whose bytes include file offset `offset` (or lie past it)."""
-        for name, where, _ in self.tensors:
-            if where.end > offset:
-                return name, where
-        name, where, _ = self.tensors[-1]
-        return name, where
-
-    def clear(self) -> None:
-        self.used = 0
-        self.segments.clear()
-        self.tensors.clear()
 
 
 # --- torch.save zip files --------------------------------------------------------
@@ -270,18 +274,12 @@ def locate_in_zip(file: TensorFile, tensors: dict[str, torch.Tensor]) -> dict[st
 
 # --- scanning --------------------------------------------------------------------
 
-# Elements per batch: fewer than the native scan's kParallelMin (2^19, in
-# csrc/cpu/stats_cpu.cpp), so that each stats_many call runs on the thread
-# that makes it and the batches themselves run on as many threads as torch
-# uses (the call releases the GIL), each in a buffer small enough to stay in
-# that core's cache between the read and the scan. And a power-of-two
-# multiple of the native chunk (kMinChunk, 2^16 elements): a tensor of up to
-# 2^26 elements, whose native chunks are that size, scanned in pieces of
-# PIECE_ELEMENTS merges (combine_rows, the same pairwise tree) to bit for bit
-# the result of one call on the whole tensor.
-PIECE_ELEMENTS = 1 << 18
-NATIVE_CHUNK = 1 << 16
-MAX_SCANNED_ITEMSIZE = 8  # complex tensors are scanned as their real parts
+# Elements per batch at most (with at most `batch_bytes` and
+# MAX_BATCH_TENSORS tensors): enough for the native call to spread over
+# every thread and to make its fixed cost small, few enough that two
+# batches' pages are a small part of memory.
+MAX_BATCH_ELEMENTS = 1 << 24
+NATIVE_CHUNK = 1 << 16  # the native scan's smallest chunk (kMinChunk in csrc/cpu/stats_cpu.cpp)
 
 ResultFn = Callable[[str, Stats], None]  # (the name a tensor was added with, its Stats)
 StepFn = Callable[[int], None]  # the weight of the tensors a batch finished, called after each
@@ -297,165 +295,170 @@ class Piece(NamedTuple):
 
 
 class Batch:
-    """Tensors scanned by one stats_many call: tensors of the file, placed in
-    a buffer by `plan`, and tensors already in memory."""
+    """Tensors scanned by one native call: views of one file's mapping (with
+    where each lies in the file, to name it if the file shrinks) and tensors
+    already in memory."""
 
-    def __init__(self, buffer_bytes: int) -> None:
-        self.plan = ReadPlan(buffer_bytes)
-        # name, and the tensor: its index in the plan or the tensor itself; its Piece if one
-        self.items: list[tuple[str, int | torch.Tensor, Piece | None]] = []
-        self.nbytes = 0
+    def __init__(self) -> None:
+        self.file: TensorFile | None = None
+        # name, the tensor as scanned, its place in the file (None: in memory), its Piece if one
+        self.items: list[tuple[str, torch.Tensor, FileTensor | None, Piece | None]] = []
         self.elements = 0
+        self.nbytes = 0
         self.weight = 0  # for on_step
-        self.own_buffer = False  # a tensor larger than the shared buffers, read alone
+        self.low = -1  # the file bytes its mapped views span
+        self.high = -1
 
 
 class BatchScanner:
-    """Scans tensors a batch at a time with one stats_many call per batch
-    (at most `batch_bytes` and PIECE_ELEMENTS elements): tensors of `file`
-    are read into a buffer, tensors already in memory scanned as they are.
-    Batches run on up to `threads` threads. Each tensor's Stats goes to
-    `on_result` in the order the tensors were added, and after each batch
-    `on_step` gets the weight of the tensors (or pieces) it finished."""
+    """Scans tensors a batch at a time with one native call per batch (at
+    most `batch_bytes`, MAX_BATCH_ELEMENTS and MAX_BATCH_TENSORS): tensors of
+    files are views of the file's mapping, tensors in memory are scanned as
+    they are. Each tensor's Stats goes to `on_result` in the order the
+    tensors were added, and after each batch `on_step` gets the weight of
+    the tensors (or pieces) it finished.
 
-    def __init__(
-        self,
-        file: TensorFile | None,
-        batch_bytes: int,
-        tol: float | None,
-        on_result: ResultFn,
-        on_step: StepFn,
-        threads: int = 1,
-    ) -> None:
-        self.file = file
-        self.capacity = max(ALIGN, batch_bytes)
-        # ALIGN bytes more than a batch's tensors, so that any tensor that fits
-        # a batch fits an empty plan wherever its alignment places it.
-        self.buffer_bytes = min(self.capacity, PIECE_ELEMENTS * MAX_SCANNED_ITEMSIZE) + ALIGN
+    A batch is scanned when the next one is complete, after asking the kernel
+    to read that next batch's pages ahead: on a cold page cache the disk
+    reads one batch while the threads scan the other."""
+
+    def __init__(self, batch_bytes: int, tol: float | None, on_result: ResultFn, on_step: StepFn) -> None:
+        self.capacity = max(64, batch_bytes)
         self.tol = tol
         self.on_result = on_result
         self.on_step = on_step
-        self.batch = Batch(self.buffer_bytes)
-        self._buffers = threading.local()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="zeroscan-scan") if threads > 1 else None
-        self._in_flight: collections.deque[tuple[Batch, Future[StatsBatch]]] = collections.deque()
-        self._max_in_flight = 2 * threads
+        self.batch = Batch()
+        self._pending: Batch | None = None
         self._piece_rows: list[torch.Tensor] = []
 
-    def add_tensor(self, name: str, t: torch.Tensor, weight: int) -> None:
-        """A tensor in memory, in the form the native scan reads (scan_form)."""
-        if self.batch.items and not self._fits(t.numel(), t.numel() * t.element_size()):
-            self._submit()
-        self._append(name, t, None, t.numel(), t.numel() * t.element_size(), weight)
+    def add(self, name: str, source: FileSource | torch.Tensor | TensorPiece, weight: int) -> None:
+        """A tensor to scan, as a checkpoint's scan_items() gives it (ScanSource, less the skip reasons)."""
+        if isinstance(source, FileSource):
+            self.add_file_tensor(name, source.file, source.where, weight)
+        elif isinstance(source, TensorPiece):
+            self.add_piece(name, source, weight)
+        else:
+            self._append(name, scan_form(source), None, None, weight)
 
-    def add_file_tensor(self, name: str, where: FileTensor, weight: int) -> None:
-        """A tensor of the file, read when its batch is scanned."""
-        scanned = scanned_dtype(where.dtype)
-        elements = math.prod(where.shape) * (where.dtype.itemsize // scanned.itemsize)
-        if where.nbytes + ALIGN > self.buffer_bytes or elements > PIECE_ELEMENTS:
-            self._submit()
-            if where.is_contiguous:
-                self._add_pieces(name, where, scanned, weight)
-            else:
-                self._add_alone(name, where, weight)
+    def add_piece(self, name: str, piece: TensorPiece, weight: int) -> None:
+        """One piece of a tensor in memory; its Stats are merged with the
+        other pieces' once the last is scanned."""
+        t = scan_form(piece.tensor.reshape(-1))
+        shape = piece.shape if t.dtype == piece.tensor.dtype else (*piece.shape, 2)  # complex: (re, im) pairs
+        self._append(name, t, None, Piece(piece.index, piece.count, t.dtype, torch.Size(shape)), weight)
+
+    def add_file_tensor(self, name: str, file: TensorFile, where: FileTensor, weight: int) -> None:
+        """A tensor of `file`, scanned where the file's mapping holds it."""
+        if where.nbytes == 0:
+            self._append(name, torch.empty(where.shape, dtype=where.dtype), None, None, weight)
             return
-        if not self._fits(elements, where.nbytes) or not self.batch.plan.add(name, where):
-            self._submit()
-            self.batch.plan.add(name, where)
-        self._append(name, len(self.batch.plan.tensors) - 1, None, elements, where.nbytes, weight)
+        if where.offset % where.dtype.itemsize:
+            self._add_misaligned(name, file, where, weight)
+            return
+        if where.nbytes > self.capacity and where.is_contiguous:
+            self._add_pieces(name, file, where, weight)
+            return
+        self._append(name, scan_form(file.view(where)), where, None, weight, file)
 
-    def _fits(self, elements: int, nbytes: int) -> bool:
-        b = self.batch
-        return (
-            b.elements + elements <= PIECE_ELEMENTS
-            and b.nbytes + nbytes <= self.capacity
-            and len(b.items) < MAX_BATCH_TENSORS
-        )
+    def _add_pieces(self, name: str, file: TensorFile, where: FileTensor, weight: int) -> None:
+        """A contiguous tensor larger than a batch, in flat pieces of the
+        dtype that is scanned, each a batch of its own. Pieces of whole
+        native chunks, a power of two of them, merge as the chunks of one
+        call on the whole tensor would (bit for bit up to 2^26 elements)."""
+        flat = scan_form(file.view(where)).reshape(-1)
+        itemsize = flat.element_size()
+        per_piece = max(1, min(self.capacity, MAX_BATCH_ELEMENTS * itemsize) // itemsize)
+        if per_piece >= NATIVE_CHUNK:
+            per_piece = NATIVE_CHUNK << (per_piece // NATIVE_CHUNK).bit_length() - 1
+        count = -(-flat.numel() // per_piece)
+        shape = torch.Size(where.shape if flat.dtype == where.dtype else (*where.shape, 2))
+        total = flat.numel()
+        for index, begin in enumerate(range(0, total, per_piece)):
+            end = min(begin + per_piece, total)
+            part = FileTensor(where.offset + begin * itemsize, flat.dtype, (end - begin,), (1,), (end - begin) * itemsize)
+            share = weight * end // total - weight * begin // total
+            self._append(name, flat[begin:end], part, Piece(index, count, flat.dtype, shape), share, file)
+
+    def _add_misaligned(self, name: str, file: TensorFile, where: FileTensor, weight: int) -> None:
+        """A tensor whose offset is not a multiple of its element size (a
+        hand-made file) cannot be viewed in the mapping: it is read with read
+        calls, a piece at a time when it is larger than a batch."""
+        if where.nbytes <= self.capacity or not where.is_contiguous:
+            self._append(name, scan_form(file.read_tensor(name, where)), None, None, weight)
+            return
+        itemsize = where.dtype.itemsize
+        per_piece = max(1, self.capacity // itemsize)
+        total = math.prod(where.shape)
+        count = -(-total // per_piece)
+        for index, begin in enumerate(range(0, total, per_piece)):
+            end = min(begin + per_piece, total)
+            part = contiguous_file_tensor(where.offset + begin * itemsize, where.dtype, (end - begin,))
+            piece = TensorPiece(file.read_tensor(name, part), index, count, where.shape)
+            self.add_piece(name, piece, weight * end // total - weight * begin // total)
 
     def _append(
-        self, name: str, item: int | torch.Tensor, piece: Piece | None, elements: int, nbytes: int, weight: int
+        self,
+        name: str,
+        t: torch.Tensor,
+        where: FileTensor | None,
+        piece: Piece | None,
+        weight: int,
+        file: TensorFile | None = None,
     ) -> None:
         b = self.batch
-        b.items.append((name, item, piece))
-        b.elements += elements
+        nbytes = t.numel() * t.element_size()
+        if b.items and (
+            (file is not None and b.file is not None and file is not b.file)
+            or b.elements + t.numel() > MAX_BATCH_ELEMENTS
+            or b.nbytes + nbytes > self.capacity
+            or len(b.items) >= MAX_BATCH_TENSORS
+        ):
+            self._submit()
+            b = self.batch
+        b.items.append((name, t, where, piece))
+        b.elements += t.numel()
         b.nbytes += nbytes
         b.weight += weight
-
-    def _add_pieces(self, name: str, where: FileTensor, scanned: torch.dtype, weight: int) -> None:
-        """A contiguous tensor too large for one batch, in flat pieces of the
-        dtype that is scanned, each a batch of its own."""
-        itemsize = scanned.itemsize
-        per_piece = min(PIECE_ELEMENTS, self.capacity // itemsize)
-        if per_piece >= NATIVE_CHUNK:  # whole native chunks, a power of two of them
-            per_piece = NATIVE_CHUNK << (per_piece // NATIVE_CHUNK).bit_length() - 1
-        step = max(1, per_piece) * itemsize
-        count = -(-where.nbytes // step)
-        shape = torch.Size(where.shape if scanned == where.dtype else (*where.shape, 2))
-        for index, begin in enumerate(range(0, where.nbytes, step)):
-            end = min(begin + step, where.nbytes)
-            piece = contiguous_file_tensor(where.offset + begin, scanned, ((end - begin) // itemsize,))
-            self.batch.plan.add(name, piece)
-            share = weight * end // where.nbytes - weight * begin // where.nbytes
-            self._append(name, len(self.batch.plan.tensors) - 1, Piece(index, count, scanned, shape), 0, 0, share)
-            self._submit()
-
-    def _add_alone(self, name: str, where: FileTensor, weight: int) -> None:
-        """A strided view too large for the shared buffers (torch.save keeps a
-        view's whole storage), read alone into a buffer of its own."""
-        batch = Batch(where.nbytes + ALIGN)
-        batch.own_buffer = True
-        batch.plan.add(name, where)
-        batch.items.append((name, 0, None))
-        batch.weight = weight
-        self.batch = batch
-        self._submit()
+        if where is not None and file is not None:
+            b.file = file
+            b.low = where.offset if b.low < 0 else min(b.low, where.offset)
+            b.high = max(b.high, where.end)
+        if piece is not None and piece.count > 1:
+            self._submit()  # a piece is a batch of its own
 
     def flush(self) -> None:
-        """Scans what is pending and waits for every batch."""
+        """Scans what is pending."""
         self._submit()
-        while self._in_flight:
-            self._finish_oldest()
+        self._submit()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
-            self._pool = None
+        self._pending = None
+        self.batch = Batch()
 
     def _submit(self) -> None:
-        batch = self.batch
-        if not batch.items:
-            return
-        self.batch = Batch(self.buffer_bytes)
-        if self._pool is None:
-            self._finish(batch, self._scan(batch))
-            return
-        self._in_flight.append((batch, self._pool.submit(self._scan, batch)))
-        if len(self._in_flight) >= self._max_in_flight:
-            self._finish_oldest()
+        """Asks for the current batch's pages ahead, scans the pending batch,
+        and makes the current one pending."""
+        batch, self.batch = self.batch, Batch()
+        if batch.file is not None:
+            batch.file.advise(batch.low, batch.high, will_need=True)
+        pending, self._pending = self._pending, batch if batch.items else None
+        if pending is not None:
+            self._scan(pending)
 
-    def _finish_oldest(self) -> None:
-        batch, future = self._in_flight.popleft()
-        self._finish(batch, future.result())
-
-    def _scan(self, batch: Batch) -> StatsBatch:
-        """Reads and scans one batch (on a worker thread when there are several)."""
-        views: list[torch.Tensor] = []
-        if batch.plan.tensors:
-            assert self.file is not None
-            if batch.own_buffer:
-                buffer = torch.empty(batch.plan.capacity, dtype=torch.uint8)
-            else:
-                buffer = getattr(self._buffers, "buffer", None)
-                if buffer is None:
-                    buffer = self._buffers.buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8)
-            self.file.read_plan(batch.plan, memoryview(buffer.numpy()))
-            views = view_plan(buffer, batch.plan)
-        xs = [views[item] if isinstance(item, int) else item for _, item, _ in batch.items]
-        return stats_many(xs, tol=self.tol)
-
-    def _finish(self, batch: Batch, results: StatsBatch) -> None:
-        for (name, _, piece), s in zip(batch.items, results):
-            if piece is None:
+    def _scan(self, batch: Batch) -> None:
+        xs = [t for _, t, _, _ in batch.items]
+        if batch.file is None:
+            results = stats_many(xs, tol=self.tol)
+        else:
+            results, faulted = stats_many_mapped(xs, tol=self.tol)
+            if faulted:
+                name, _, where, _ = batch.items[faulted[0]]
+                assert where is not None
+                raise batch.file.short_read(name, where)
+            batch.file.check_unchanged()
+            batch.file.advise(batch.low, batch.high, will_need=False)
+        for (name, _, _, piece), s in zip(batch.items, results):
+            if piece is None or piece.count == 1:
                 self.on_result(name, s)
                 continue
             self._piece_rows.append(s.buffer)
@@ -466,26 +469,6 @@ class BatchScanner:
                 meta = (piece.dtype, piece.shape, torch.device("cpu"))
                 self.on_result(name, Stats(Readout(merged), 0, meta, self.tol))
         self.on_step(batch.weight)
-
-
-def view_plan(buffer: torch.Tensor, plan: ReadPlan) -> list[torch.Tensor]:
-    """The tensors of `plan`, viewed in the buffer it was read into, each in
-    the form the native scan reads."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    views = []
-    for _, where, at in plan.tensors:
-        whole = typed.get(where.dtype)
-        if whole is None:
-            usable = buffer.numel() // where.dtype.itemsize * where.dtype.itemsize
-            whole = typed[where.dtype] = buffer[:usable].view(where.dtype)
-        views.append(scan_form(whole.as_strided(where.shape, where.stride, at // where.dtype.itemsize)))
-    return views
-
-
-@functools.lru_cache(maxsize=64)
-def scanned_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the native scan reads for a tensor of `dtype` (scan_form)."""
-    return scan_form(torch.empty((1,), dtype=dtype)).dtype
 
 
 def scan_form(x: torch.Tensor) -> torch.Tensor:
