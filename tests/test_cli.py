@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fresh_generator
+from helpers import fresh_generator, save_file_in_order
+from safetensors.torch import save_file
 
 import zeroscan
 from zeroscan import checkpoint
 from zeroscan.checkpoint import CheckpointError, open_checkpoint
 from zeroscan.cli import main
-from zeroscan.safetensors_io import write_safetensors
 
 ROW_KEYS = {
     "name", "dtype", "shape", "numel", "zeros", "zero_fraction", "subnormal", "near_zero", "nan", "posinf",
     "neginf", "negative", "min_abs", "min_abs_nonzero", "max_abs", "mean", "std", "norm", "verdict", "role",
-    "severity", "reason",
+    "severity", "reason", "shard",
 }  # fmt: skip
 
 
@@ -177,7 +177,9 @@ def test_counts_in_the_text_agree_in_number(
         assert text in out
 
 
-@pytest.mark.parametrize("key", ["order", "name", "numel", "zeros", "subnormal", "near-zero", "nan", "severity"])
+@pytest.mark.parametrize(
+    "key", ["worst", "order", "name", "numel", "zeros", "subnormal", "near-zero", "nan", "severity"]
+)
 def test_sort(capsys: pytest.CaptureFixture[str], ckpt: Path, tensors: dict, key: str) -> None:
     _, doc = scan_json(capsys, str(ckpt), "--sort", key)
     rows = doc["files"][0]["tensors"]
@@ -194,6 +196,8 @@ def test_sort(capsys: pytest.CaptureFixture[str], ckpt: Path, tensors: dict, key
         assert names[0] == "model.tiny.weight"
     elif key == "nan":
         assert names[0] == "model.decoder.weight"
+    elif key == "worst":  # the error, then the all-zero warning, then the underflowed one
+        assert names[:3] == ["model.decoder.weight", "model.encoder.weight", "model.tiny.weight"]
     else:
         assert rows[0]["severity"] == "error" and rows[-1]["severity"] == "ok"
     rc, out, _ = run(capsys, "scan", str(ckpt), "--sort", key)
@@ -285,7 +289,7 @@ def test_safetensors_written_here_scans_like_torch_save(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, tensors: dict
 ) -> None:
     st = tmp_path / "model.safetensors"
-    write_safetensors(st, tensors, metadata={"format": "pt"})
+    save_file(tensors, st, metadata={"format": "pt"})
     pt = tmp_path / "model.pt"
     torch.save(tensors, pt)
     _, a = scan_json(capsys, str(st))
@@ -314,7 +318,7 @@ def test_safetensors_dtypes_round_trip(tmp_path: Path, dtype: torch.dtype) -> No
          else (torch.randn(5, 3, generator=g) * 50).to(dtype))
     empty = torch.empty(0, 4, dtype=dtype)
     path = tmp_path / "x.safetensors"
-    write_safetensors(path, {"x": x, "empty": empty, "scalar": x.reshape(-1)[0].clone()})
+    save_file_in_order({"x": x, "empty": empty, "scalar": x.reshape(-1)[0].clone()}, path)
     with open_checkpoint(path) as c:
         assert c.names() == ["x", "empty", "scalar"]
         for name, want in (("x", x), ("empty", empty), ("scalar", x.reshape(-1)[0])):
@@ -332,7 +336,7 @@ def test_safetensors_package_interoperates(tmp_path: Path, tensors: dict) -> Non
         for name, x in tensors.items():
             assert torch.equal(c.tensor(name).view(torch.uint8), x.view(torch.uint8))
     ours = tmp_path / "ours.safetensors"
-    write_safetensors(ours, tensors)
+    save_file(tensors, ours)
     loaded = st.load_file(str(ours))
     for name, x in tensors.items():
         assert torch.equal(loaded[name].view(torch.uint8), x.view(torch.uint8))
@@ -357,7 +361,7 @@ def test_safetensors_tensors_are_memory_mapped(tmp_path: Path) -> None:
     it is a view of the mapped pages, not a copy."""
     x = torch.arange(1024, dtype=torch.float32)
     path = tmp_path / "m.safetensors"
-    write_safetensors(path, {"x": x})
+    save_file({"x": x}, path)
     with open_checkpoint(path) as c:
         got = c.tensor("x")
         (n,) = struct.unpack("<Q", path.read_bytes()[:8])
@@ -439,7 +443,8 @@ def test_diff(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert rows["grows"]["status"] == "reshaped" and rows["kind"]["status"] == "retyped"
     assert list(rows)[-1] == "new"
     assert doc["summary"] == {"changed": 1, "identical": 3, "added": 1, "removed": 1, "reshaped": 1,
-                              "retyped": 1, "unread": 0, "worst": "info"}
+                              "retyped": 1, "unread": 0, "became_nan": 0, "became_zero": 0, "worst": "info"}
+    assert {r["became"] for r in doc["tensors"]} == {""}
     assert doc["trained_from_first"] is False
     assert run(capsys, "scan", str(pa), str(pb), "--diff", "--fail-on", "warning")[0] == 0
     assert run(capsys, "scan", str(pa), str(pb), "--diff", "--trained-from-first", "--fail-on", "warning")[0] == 1
@@ -455,7 +460,7 @@ def test_diff(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
 def test_diff_across_formats(capsys: pytest.CaptureFixture[str], tmp_path: Path, tensors: dict) -> None:
     pa, pb = tmp_path / "a.pt", tmp_path / "b.safetensors"
     torch.save(tensors, pa)
-    write_safetensors(pb, tensors)
+    save_file(tensors, pb)
     rc, out, _ = run(capsys, "scan", str(pa), str(pb), "--diff", "--json")
     assert {r["status"] for r in json.loads(out)["tensors"]} == {"identical"}
 
@@ -478,12 +483,12 @@ class NotATensor:
 
 def corrupt_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     good = tmp_path / "good.safetensors"
-    write_safetensors(good, {"x": torch.ones(8)})
+    save_file({"x": torch.ones(8)}, good)
     raw = good.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     cases: dict[str, tuple[bytes, str]] = {
-        "truncated header": (raw[: 8 + n // 2], "corrupt safetensors header"),
-        "huge header length": (struct.pack("<Q", 1 << 40) + raw[8:], "corrupt safetensors header"),
+        "truncated header": (raw[: 8 + n // 2], "corrupt safetensors file"),
+        "huge header length": (struct.pack("<Q", 1 << 40) + raw[8:], "corrupt safetensors file"),
         "bad json": (struct.pack("<Q", n) + b"{" + b"x" * (n - 1) + raw[8 + n :], "not valid JSON"),
         "offsets past the end": (raw[:-8], "outside"),
         "size mismatch": (
@@ -507,7 +512,9 @@ def corrupt_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     torch.save({"x": torch.ones(2), "obj": NotATensor()}, pickled)
     out["needs weights_only=False"] = (pickled, "holds a test_cli.NotATensor object")
     out["missing"] = (tmp_path / "missing.pt", "no such file")
-    out["directory"] = (tmp_path, "is a directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out["a folder without checkpoints"] = (empty, "holds no checkpoint")
     return out
 
 
@@ -530,7 +537,7 @@ def test_no_traceback_from_the_process(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "zeroscan", "scan", str(bad)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
-    assert proc.stdout == "" and proc.stderr.count("\n") == 1 and "corrupt safetensors header" in proc.stderr
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1 and "corrupt safetensors file" in proc.stderr
 
 
 def test_a_zip_that_is_not_a_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -11,6 +11,11 @@ Tensors are compared as stored, never materialised: an expanded view (stride
 view compares only what it views, not the whole storage torch.save kept; a
 quantized tensor compares its stored integers and its quantization
 parameters. What cannot be compared is "unread", with the reason.
+
+A floating-point tensor that changed is also checked for what training can
+break: elements that became NaN or infinite where the first file's were
+finite (an error, counted exactly), or a tensor that became all zero (a
+warning). Both are counted in the same pass that compares the bits.
 """
 
 from __future__ import annotations
@@ -47,6 +52,12 @@ def diff_checkpoints(
     neither is NaN. A floating-point tensor left bit-identical while others
     changed is "unchanged" (info), or with `trained_from_first` (b is a's
     model after more training) a warning: the optimizer never updated it.
+
+    Every row also has "became": "nan" when elements finite in a are NaN or
+    infinite in b (severity error, the reason counting them), "zero" when b
+    is all zero and a was not (a warning), "" otherwise; and "shard", the
+    file of a many-file checkpoint holding the tensor (a's; b's for an added
+    tensor), "" for a one-file checkpoint.
     """
     if not isinstance(trained_from_first, bool):
         raise TypeError(
@@ -57,7 +68,8 @@ def diff_checkpoints(
         total = sum(e.nbytes for e in ca.entries if e.name in cb)
         done = 0
         for ea in ca.entries:
-            row: dict[str, object] = {"name": ea.name, "dtype": ea.dtype, "shape": list(ea.shape), "numel": ea.numel}
+            row: dict[str, object] = {"name": ea.name, "dtype": ea.dtype, "shape": list(ea.shape), "numel": ea.numel,
+                                      "shard": ea.shard, "became": ""}
             if ea.name not in cb:
                 row.update(status="removed", severity="info", reason=f"only in {a}")
                 rows.append(row)
@@ -85,6 +97,7 @@ def diff_checkpoints(
                         severity="ok",
                         reason=c.note,
                     )
+                    row.update(became_fields(c, c.note))
             rows.append(row)
             done += ea.nbytes
             if progress is not None:
@@ -92,7 +105,8 @@ def diff_checkpoints(
         for eb in cb.entries:
             if eb.name not in ca:
                 rows.append({"name": eb.name, "dtype": eb.dtype, "shape": list(eb.shape), "numel": eb.numel,
-                             "status": "added", "severity": "info", "reason": f"only in {b}"})
+                             "shard": eb.shard, "became": "", "status": "added", "severity": "info",
+                             "reason": f"only in {b}"})
     n_changed = sum(1 for r in rows if r["status"] == "changed")
     if n_changed:
         for r in rows:
@@ -107,6 +121,17 @@ def diff_checkpoints(
     return rows
 
 
+def became_fields(c: Comparison, note: str) -> dict[str, object]:
+    """What a changed tensor became, as a diff row's became, severity and reason."""
+    also = f"; {note}" if note else ""
+    if c.became_nonfinite:
+        return {"became": "nan", "severity": "error",
+                "reason": f"became NaN/Inf at {count_noun(c.became_nonfinite, 'element')}{also}"}
+    if c.became_zero:
+        return {"became": "zero", "severity": "warning", "reason": f"became all zero{also}"}
+    return {}
+
+
 # --- comparing two tensors ---------------------------------------------------------
 
 
@@ -117,6 +142,8 @@ class Comparison:
     changed: int  # elements whose value-defining bits differ
     max_abs_diff: float | None  # over changed elements where neither is NaN; None when there are none
     note: str = ""  # what changed besides the elements (a quantization parameter)
+    became_nonfinite: int = 0  # floating elements NaN or infinite in y where x's was finite
+    became_zero: bool = False  # a floating y all zero where x was not
 
 
 class NotCompared(Exception):
@@ -138,31 +165,61 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, chunk: int = 1 << 22) -> C
     try:
         if x.is_quantized or y.is_quantized:
             return compare_quantized(x, y, chunk)
-        changed, max_diff = compare_plain(x, y, chunk)
-        return Comparison(changed, max_diff)
+        return compare_plain(x, y, chunk)
     except RuntimeError as e:  # a dtype or layout torch cannot view as integers
         lines = str(e).strip().splitlines()
         raise NotCompared(f"cannot be compared ({lines[0] if lines else type(e).__name__})") from None
 
 
-def compare_plain(x: torch.Tensor, y: torch.Tensor, chunk: int) -> tuple[int, float | None]:
-    """(elements whose bits differ, max |x - y| over those where neither is NaN, or None)."""
+def compare_plain(x: torch.Tensor, y: torch.Tensor, chunk: int) -> Comparison:
+    """The elements whose bits differ, the max |x - y| over those where neither
+    is NaN (None when there are none) and, for a floating dtype, the elements
+    that became NaN/Inf and whether y became all zero."""
     width = x.element_size()
     ints = INT_VIEWS[width]
     per = 2 if width == 16 else 1
     numeric = not (x.dtype.is_complex or x.dtype == torch.bool)
+    watched = watches_values(x.dtype)
     changed = 0
     max_diff: float | None = None
+    became_nonfinite = 0
+    # Whether every block so far is all zero in y, and in x. Once y's is not,
+    # neither is read again: a trained tensor costs one pass over its first block.
+    y_zero = x_zero = watched
     for xs, ys, repeat in block_pairs(x, y, chunk):
         bits = xs.view(ints).reshape(-1, per) != ys.view(ints).reshape(-1, per)
         differ = bits.any(dim=1)
         n = int(differ.sum())
+        if y_zero:
+            y_zero = bool((float_values(ys) == 0).all())
+            # a block with no differing bits is all zero in x exactly when it is in y
+            x_zero = x_zero and (y_zero if n == 0 else bool((float_values(xs) == 0).all()))
         if n == 0:
             continue
         changed += n * repeat
         if numeric:
             max_diff = larger(max_diff, (xs[differ].double() - ys[differ].double()).abs())
-    return changed, max_diff
+        if watched:
+            # Only differing elements can have gone from finite to NaN/Inf.
+            was, now = float_values(xs[differ]), float_values(ys[differ])
+            became_nonfinite += int((was.isfinite() & ~now.isfinite()).sum()) * repeat
+    return Comparison(changed, max_diff, became_nonfinite=became_nonfinite, became_zero=y_zero and not x_zero)
+
+
+# Floating dtypes whose values cannot be read one by one (two 4-bit values per byte).
+PACKED_FLOATS = frozenset(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)
+
+
+def watches_values(dtype: torch.dtype) -> bool:
+    """Whether a diff checks this dtype's values for NaN/Inf and all zero."""
+    return dtype.is_floating_point and dtype not in PACKED_FLOATS
+
+
+def float_values(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a dtype that isfinite() and == 0 read right: the 8-bit
+    floats as float32 (torch has no isfinite for some, and float8_e8m0fnu's
+    == 0 holds for its smallest power of two), the others as they are."""
+    return t.float() if t.element_size() == 1 else t
 
 
 def larger(best: float | None, diffs: torch.Tensor) -> float | None:
@@ -273,8 +330,9 @@ def compare_affine(
     """(changed elements, max |dequantized difference|) of stored integers xi, yi
     under (scale, zero point) qa and qb; with different parameters every element changed."""
     if qa == qb:
-        changed, max_int = compare_plain(xi, yi, chunk)
-        return changed, None if max_int is None else max_int * qa[0]
+        ints = compare_plain(xi, yi, chunk)
+        max_int = ints.max_abs_diff
+        return ints.changed, None if max_int is None else max_int * qa[0]
     max_diff: float | None = None
     for xs, ys, _ in block_pairs(xi, yi, chunk):
         dequantized = ((xs.double() - qa[1]) * qa[0] - (ys.double() - qb[1]) * qb[0]).abs()

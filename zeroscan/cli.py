@@ -1,35 +1,67 @@
 """The `zeroscan` command: scan checkpoints, tour the verdicts.
 
-    zeroscan scan PATH...            a table per checkpoint (torch.save or .safetensors)
+    zeroscan scan PATH...            a table per checkpoint
     zeroscan scan a.pt b.pt --diff   which tensors changed, which stayed bit-identical
     zeroscan demo                    a short tour of every verdict on built-in examples
 
+A PATH is a checkpoint file (torch.save, .safetensors), a checkpoint folder
+(a sharded model with or without its index file, a torch.distributed.checkpoint
+folder), a shard index file, a plain folder of checkpoints or a glob
+(zeroscan.checkpoint_paths.expand_paths); each checkpoint it names is scanned
+on its own, with one progress bar over all its files.
+
+Tables list the worst tensors first (--sort worst: severity, then NaN/Inf
+count, then zero fraction) and show at most --limit rows (50; 0 for all), so
+a model of thousands of tensors opens on what matters; --group-by layer,
+module or shard sums them up per group (zeroscan.scan_groups).
+
 Exit status: 0 when all went well; 1 when a finding at or above `--fail-on`
 exists (default error, so a NaN fails a CI step as a linter's error does;
-`--fail-on none` never fails); 2 for a usage error or a file that cannot be
-read (one line on stderr, never a traceback); 130 when interrupted.
+`--fail-on none` never fails), a tensor the scan skipped counting with its
+severity; 2 for a usage error or a file that cannot be read (one line on
+stderr, never a traceback); 130 when interrupted.
 
 Each tensor is judged in its role (zeroscan.roles): a zero bias, a
 normalisation layer's ones, BatchNorm's running statistics are OK; an
 all-zero weight matrix or kernel is a warning; NaN/Inf an error in any role.
 
 `scan --json` writes one JSON object to stdout (floats that are NaN or
-infinite are written as null; the counts say which):
+infinite are written as null; the counts say which). Every row is written,
+whatever --limit says, in file order unless --sort is given:
 
     {"zeroscan": VERSION, "command": "scan", "tol": float|null,
-     "files": [{"path", "format", "nbytes", "tensors": [ROW...],
-                "skipped": [{"name", "dtype", "shape", "reason"}]}],
+     "files": [{"path", "format", "shards", "nbytes", "tensors": [ROW...],   # shards: files holding its tensors
+                "skipped": [{"name", "dtype", "shape", "reason", "severity"?, "shard"?}],
+                "groups": [GROUP...]}],                     # "groups" only with --group-by
      "summary": {"files", "tensors", "skipped", "findings": {"info", "warning", "error"}, "worst"}}
     ROW: {"name", "dtype", "shape", "numel", "zeros", "zero_fraction", "subnormal", "near_zero",
           "nan", "posinf", "neginf", "negative", "min_abs", "min_abs_nonzero", "max_abs",
-          "mean", "std", "norm", "verdict", "role", "severity", "reason"}
+          "mean", "std", "norm", "verdict", "role", "severity", "reason", "shard"}
+    GROUP: {"group", "tensors", "elements", "zeros", "zero_fraction", "subnormal", "near_zero",
+            "nan", "inf", "skipped", "findings", "severity", "worst_tensor"}
 
-and with `--diff`:
+"shard" is the file holding the tensor, relative to the checkpoint's folder
+("" for a one-file checkpoint; several names joined by "," for a DCP tensor
+stored in pieces). A skipped entry's "severity" is "info" where it is absent;
+"error" for a tensor an index lists but its shard lacks. The summary's
+"findings" counts scanned tensors; its "worst" includes the skipped entries'
+severities. Groups come worst first; a shard group of a one-file checkpoint
+is named after the file.
+
+With `--diff`:
 
     {"zeroscan": VERSION, "command": "diff", "a", "b", "trained_from_first": bool,
-     "tensors": [{"name", "dtype", "shape", "numel", "status", "severity", "reason",
+     "tensors": [{"name", "dtype", "shape", "numel", "shard", "status", "severity", "reason", "became",
                   "changed", "changed_fraction", "max_abs_diff"}],   # the last three when compared
-     "summary": {"changed", "identical", "added", "removed", "reshaped", "retyped", "unread", "worst"}}
+     "groups": [{"group", "tensors", "changed", "identical", "added", "removed", "reshaped", "retyped",
+                 "unread", "became_nan", "became_zero", "findings", "severity", "worst_tensor"}],
+                                                                     # only with --group-by
+     "summary": {"changed", "identical", "added", "removed", "reshaped", "retyped", "unread",
+                 "became_nan", "became_zero", "worst"}}
+
+"became" is "nan" for a tensor with elements NaN/Inf in b that were finite in
+a (an error: "became NaN/Inf at N elements"), "zero" for one all zero in b
+and not in a (a warning), "" otherwise.
 """
 
 from __future__ import annotations
@@ -41,7 +73,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from zeroscan.cli_format import (
     Progress,
@@ -55,25 +87,86 @@ from zeroscan.cli_format import (
     render_table,
 )
 from zeroscan.report_data import json_safe
+from zeroscan.scan_groups import (
+    DIFF_STATUSES,
+    GROUP_KEYS,
+    RANK,
+    diff_groups,
+    diff_worst_key,
+    scan_groups,
+    worst_first,
+)
 from zeroscan.words import count_noun, is_are
 
-SEVERITIES = ("ok", "info", "warning", "error")
-RANK = {s: i for i, s in enumerate(SEVERITIES)}
-SORT_KEYS = ("order", "name", "numel", "zeros", "subnormal", "near-zero", "nan", "severity")
+SORT_KEYS = ("worst", "order", "name", "numel", "zeros", "subnormal", "near-zero", "nan", "severity")
+DEFAULT_LIMIT = 50  # table rows a text report shows: a 7,000-tensor model reads as its worst 50
+TOP_LEVEL = "(top level)"  # how a table shows the group "" (names of one component)
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+T = TypeVar("T")
 
 
 class UsageError(Exception):
     """A bad combination of arguments; str() is one line."""
 
 
+# --- what a report shows ------------------------------------------------------------
+
+
+def row_order(args: argparse.Namespace) -> str:
+    """--sort as given; without it, worst first in a table and file order in
+    JSON, which programs read whole and compare run to run."""
+    return args.sort or ("order" if args.json else "worst")
+
+
+def check_limit(limit: int) -> None:
+    if limit < 0:
+        raise UsageError(f"--limit takes the number of rows to show (0 shows all), got {limit}")
+
+
+def limited(items: Sequence[T], limit: int) -> tuple[Sequence[T], int]:
+    """The first `limit` items (all when limit is 0) and how many were left out."""
+    if limit == 0 or len(items) <= limit:
+        return items, 0
+    return items[:limit], len(items) - limit
+
+
+def more_line(hidden: int, noun: str) -> str:
+    """The line that says a table or list left `hidden` things out."""
+    in_number = count_noun(hidden, noun).partition(" ")[2]  # the noun agreeing with `hidden`
+    return f"… {hidden:,} more {in_number} not shown (--limit 0 shows all)\n"
+
+
+def group_label(group: str) -> str:
+    return group or TOP_LEVEL
+
+
+def within(name: str, group: str) -> str:
+    """`name` without its group's prefix, when it has it: the worst tensor of
+    group model.layers.17 is self_attn.q_proj.weight."""
+    return name[len(group) + 1 :] if group and name.startswith(group + ".") else name
+
+
+def short_name(name: str) -> str:
+    return name if len(name) <= 60 else "…" + name[-59:]
+
+
+def worst_cell(group: dict[str, Any]) -> str:
+    """A group table's "worst tensor" cell: the tensor to look at first, none in a group without findings."""
+    if group["severity"] == "ok":
+        return "-"
+    return short_name(within(group["worst_tensor"], group["group"]))
+
+
 # --- scan ------------------------------------------------------------------------
 
 
 def sort_rows(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
-    """Rows by `key`: name ascending, file order, or the largest first."""
+    """Rows by `key`: worst first, name ascending, file order, or the largest first."""
     if key == "order":
         return rows
+    if key == "worst":
+        return worst_first(rows)
     if key == "name":
         return sorted(rows, key=lambda r: r["name"])
     numel = lambda r: max(int(r.get("numel") or 0), 1)  # noqa: E731
@@ -98,9 +191,8 @@ def scan_table(rows: Sequence[dict[str, Any]], style: Style) -> list[str]:
         lo = r["min_abs_nonzero"]
         lo_text = fmt_num(lo) if lo is not None and math.isfinite(float(lo)) else "0"
         rng = "-" if n == 0 else f"{lo_text} .. {fmt_num(r['max_abs'])}"
-        name = str(r["name"])
         cells.append([
-            name if len(name) <= 60 else "…" + name[-59:],
+            short_name(str(r["name"])),
             str(r["dtype"]),
             fmt_shape(r["shape"]),
             fmt_count(n),
@@ -118,6 +210,37 @@ def scan_table(rows: Sequence[dict[str, Any]], style: Style) -> list[str]:
     return render_table(headers, cells, right={3, 4, 5, 6, 7, 9, 10}, colors=colors, style=style, color_col=11)
 
 
+def group_table(groups: Sequence[dict[str, Any]], style: Style) -> list[str]:
+    """A scan's groups (scan_groups), a line each; a "skipped" column only when some group has one."""
+    with_skipped = any(g["skipped"] for g in groups)
+    headers = ["group", "tensors", *(["skipped"] if with_skipped else []), "elements", "zero %", "subnormal",
+               "near-zero", "nan/inf", "findings", "worst", "worst tensor"]
+    cells, colors = [], []
+    for g in groups:
+        nonfinite = g["nan"] + g["inf"]
+        cells.append([
+            short_name(group_label(g["group"])),
+            str(g["tensors"]),
+            *([str(g["skipped"])] if with_skipped else []),
+            fmt_count(g["elements"]),
+            fmt_percent(g["zeros"], g["elements"]),
+            fmt_count(g["subnormal"]),
+            fmt_count(g["near_zero"]),
+            f"{fmt_count(g['nan'])}/{fmt_count(g['inf'])}" if nonfinite else "0",
+            str(g["findings"]),
+            g["severity"],
+            worst_cell(g),
+        ])
+        colors.append(g["severity"] if g["severity"] != "ok" else None)
+    first_number, severity_col = 1, len(headers) - 2
+    right = set(range(first_number, severity_col))
+    return render_table(headers, cells, right=right, colors=colors, style=style, color_col=severity_col)
+
+
+def skipped_severity(entry: dict[str, Any]) -> str:
+    return str(entry.get("severity") or "info")
+
+
 def count_findings(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
     counts = {"info": 0, "warning": 0, "error": 0}
     for r in rows:
@@ -127,8 +250,14 @@ def count_findings(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
     return counts
 
 
-def worst_of(rows: Sequence[dict[str, Any]]) -> str:
-    return max((str(r.get("severity", "ok")) for r in rows), key=lambda s: RANK.get(s, 0), default="ok")
+def worst_of(severities: Sequence[str]) -> str:
+    return max(severities, key=lambda s: RANK.get(s, 0), default="ok")
+
+
+def scan_worst(files: Sequence[Any]) -> str:
+    """The worst severity of the scanned tensors and of the skipped ones."""
+    return worst_of([str(r.get("severity", "ok")) for f in files for r in f.rows]
+                    + [skipped_severity(s) for f in files for s in f.skipped])
 
 
 def findings_words(counts: dict[str, int]) -> str:
@@ -141,9 +270,24 @@ def findings_words(counts: dict[str, int]) -> str:
     return f"{count_noun(total, 'finding')} ({', '.join(parts)})"
 
 
+def shard_files(f: Any) -> set[str]:
+    """The files of a checkpoint its rows and skipped entries name (none for a one-file checkpoint)."""
+    names: set[str] = set()
+    for r in [*f.rows, *f.skipped]:
+        names.update(n for n in str(r.get("shard") or "").split(",") if n)
+    return names
+
+
+def file_groups(f: Any, by: str, only_findings: bool) -> list[dict[str, Any]]:
+    groups = scan_groups(f.rows, by, skipped=f.skipped, default_shard=Path(f.path).name)
+    return [g for g in groups if g["severity"] != "ok"] if only_findings else groups
+
+
 def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
     from zeroscan.checkpoint import scan_checkpoint
+    from zeroscan.checkpoint_paths import expand_paths
 
+    check_limit(args.limit)
     if args.diff:
         return cmd_diff(args, out)
     if args.trained_from_first:
@@ -151,9 +295,8 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
     plot_path = checked_plot_path(args.plot) if args.plot else None
     style = Style(out)
     files = []
-    for path in args.paths:
-        size = Path(path).stat().st_size if Path(path).is_file() else 0
-        progress = Progress(f"scanning {Path(path).name}", size, args.progress)
+    for path in expand_paths(args.paths):
+        progress = Progress(f"scanning {Path(path).name or path}", enabled=args.progress)
         try:
             result = scan_checkpoint(path, tol=args.tol, mostly_zero=args.mostly_zero, progress=progress)
         finally:
@@ -162,7 +305,7 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
 
     all_rows = [r for f in files for r in f.rows]
     counts = count_findings(all_rows)
-    worst = worst_of(all_rows)
+    worst = scan_worst(files)
     if plot_path:
         from zeroscan.plot import plot_scan
 
@@ -177,16 +320,7 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
             "zeroscan": version(),
             "command": "scan",
             "tol": args.tol,
-            "files": [
-                {
-                    "path": f.path,
-                    "format": f.format,
-                    "nbytes": f.nbytes,
-                    "tensors": sort_rows(shown(f.rows, args.only_findings), args.sort),
-                    "skipped": f.skipped,
-                }
-                for f in files
-            ],
+            "files": [scan_file_json(f, args) for f in files],
             "summary": {
                 "files": len(files),
                 "tensors": len(all_rows),
@@ -207,29 +341,75 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
     return exit_status(worst, args.fail_on)
 
 
+def scan_file_json(f: Any, args: argparse.Namespace) -> dict[str, Any]:
+    doc = {
+        "path": f.path,
+        "format": f.format,
+        "shards": f.shards,
+        "nbytes": f.nbytes,
+        "tensors": sort_rows(shown(f.rows, args.only_findings), row_order(args)),
+        "skipped": f.skipped,
+    }
+    if args.group_by:
+        doc["groups"] = file_groups(f, args.group_by, args.only_findings)
+    return doc
+
+
 def shown(rows: list[dict[str, Any]], only_findings: bool) -> list[dict[str, Any]]:
     return [r for r in rows if r["severity"] != "ok"] if only_findings else rows
 
 
 def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO) -> None:
-    rows = sort_rows(shown(f.rows, args.only_findings), args.sort)
-    nbytes = f.nbytes
-    counts = count_findings(f.rows)
-    size = f"{f.format}, {count_noun(len(f.rows), 'tensor')}, {fmt_bytes(nbytes)}"
+    """One checkpoint: its header line; the tensor table, or with --group-by the
+    group table; its findings and skipped tensors; a line of counts. Tables and
+    lists stop at --limit, with a line saying how many more there are."""
+    shards = shard_files(f)
+    size = f"{f.format}, {count_noun(len(f.rows) + len(f.skipped), 'tensor')}, {fmt_bytes(f.nbytes)}"
+    if len(shards) > 1:
+        size += f", {count_noun(len(shards), 'shard file')}"
     out.write(style(printable(f.path), "bold") + f"  ({size})\n")
-    if rows:
-        out.write("\n".join(scan_table(rows, style)) + "\n")
-    elif args.only_findings:
-        out.write("no tensor has a finding\n")
-    findings = sorted((r for r in f.rows if r["severity"] != "ok"), key=lambda r: -RANK[r["severity"]])
+
+    if args.group_by:
+        groups, hidden = limited(file_groups(f, args.group_by, args.only_findings), args.limit)
+        if groups:
+            out.write("\n".join(group_table(groups, style)) + "\n")
+        elif args.only_findings:
+            out.write("no group has a finding\n")
+        if hidden:
+            out.write(more_line(hidden, "group"))
+    else:
+        rows, hidden = limited(sort_rows(shown(f.rows, args.only_findings), row_order(args)), args.limit)
+        if rows:
+            out.write("\n".join(scan_table(rows, style)) + "\n")
+        elif args.only_findings:
+            out.write("no tensor has a finding\n")
+        if hidden:
+            out.write(more_line(hidden, "tensor"))
+
+    findings, hidden = limited(worst_first(r for r in f.rows if r["severity"] != "ok"), args.limit)
     if findings:
         out.write("\nfindings:\n")
         for r in findings:
             what = printable(f"{r['name']}: {r['verdict']}: {r['reason']}")
             out.write(f"  {style(r['severity'].upper(), r['severity'])} {what}\n")
-    for s in f.skipped:
-        out.write("  skipped " + printable(f"{s['name']} ({s['dtype']}): {s['reason']}") + "\n")
-    out.write(f"\n{count_noun(len(f.rows), 'tensor')} scanned, {findings_words(counts)}\n")
+        if hidden:
+            out.write("  " + more_line(hidden, "finding"))
+    skipped, hidden = limited(worst_first(dict(s, severity=skipped_severity(s)) for s in f.skipped), args.limit)
+    for s in skipped:
+        sev = s["severity"]
+        mark = "" if sev == "info" else style(sev.upper(), sev) + " "
+        dtype = f" ({s['dtype']})" if s["dtype"] else ""  # none for a tensor its shard lacks
+        out.write(f"  {mark}skipped " + printable(f"{s['name']}{dtype}: {s['reason']}") + "\n")
+    if hidden:
+        out.write("  " + more_line(hidden, "skipped tensor"))
+
+    counts = count_findings(f.rows)
+    line = f"{count_noun(len(f.rows), 'tensor')} scanned, {findings_words(counts)}"
+    if f.skipped:
+        bad = count_findings([dict(s, severity=skipped_severity(s)) for s in f.skipped])
+        worse = [count_noun(bad[s], s) for s in ("error", "warning") if bad[s]]
+        line += f", {len(f.skipped)} skipped" + (f" ({', '.join(worse)})" if worse else "")
+    out.write(f"\n{line}\n")
 
 
 def exit_status(worst: str, fail_on: str) -> int:
@@ -240,62 +420,120 @@ def exit_status(worst: str, fail_on: str) -> int:
 
 # --- diff ----------------------------------------------------------------------------
 
-DIFF_STATUSES = ("changed", "identical", "added", "removed", "reshaped", "retyped", "unread")
+
+def two_checkpoints(paths: Sequence[str]) -> tuple[str, str]:
+    """The two checkpoints --diff compares, from PATHs that may be folders or globs."""
+    from zeroscan.checkpoint_paths import expand_paths
+
+    found = expand_paths(paths)
+    if len(found) != 2:
+        named = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise UsageError(f"--diff compares exactly two checkpoints; the paths given name {len(found)}: {named}")
+    return found[0], found[1]
+
+
+def sort_diff_rows(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """Diff rows by `key`: worst (diff_worst_key), severity, name, numel; file order otherwise."""
+    keys: dict[str, Callable[[dict[str, Any]], Any]] = {
+        "worst": lambda r: tuple(-k for k in diff_worst_key(r)),
+        "severity": lambda r: -RANK[r["severity"]],
+        "name": lambda r: r["name"],
+        "numel": lambda r: -int(r["numel"]),
+    }
+    return sorted(rows, key=keys[key]) if key in keys else rows
+
+
+def diff_group_rows(rows: Sequence[dict[str, Any]], a: str, b: str, by: str) -> list[dict[str, Any]]:
+    """The diff's groups; a one-file checkpoint's shard is its file name (b's for a tensor only in b)."""
+    named = [dict(r, shard=r.get("shard") or Path(b if r["status"] == "added" else a).name) for r in rows]
+    return diff_groups(named, by)
+
+
+def diff_group_table(groups: Sequence[dict[str, Any]], style: Style) -> list[str]:
+    headers = ["group", "tensors", *DIFF_STATUSES, "became NaN", "became zero", "worst", "worst tensor"]
+    cells, colors = [], []
+    for g in groups:
+        cells.append([short_name(group_label(g["group"])), str(g["tensors"]), *(str(g[s]) for s in DIFF_STATUSES),
+                      str(g["became_nan"]), str(g["became_zero"]), g["severity"], worst_cell(g)])
+        colors.append(g["severity"] if g["severity"] != "ok" else None)
+    severity_col = len(headers) - 2
+    return render_table(headers, cells, right=set(range(1, severity_col)), colors=colors, style=style,
+                        color_col=severity_col)
 
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
-    from zeroscan.checkpoint import open_checkpoint
     from zeroscan.checkpoint_diff import diff_checkpoints
 
-    if len(args.paths) != 2:
-        raise UsageError(f"--diff compares exactly two checkpoints, got {len(args.paths)} paths")
     if args.plot:
         raise UsageError("--plot draws a scan; leave out --diff to plot a checkpoint")
-    a, b = args.paths
-    with open_checkpoint(a) as ca:
-        size = ca.nbytes
-    progress = Progress(f"comparing {Path(a).name}", size, args.progress)
+    a, b = two_checkpoints(args.paths)
+    progress = Progress(f"comparing {Path(a).name or a}", enabled=args.progress)
     try:
         rows = diff_checkpoints(a, b, trained_from_first=args.trained_from_first, progress=progress)
     finally:
         progress.close()
     summary: dict[str, Any] = {s: sum(1 for r in rows if r["status"] == s) for s in DIFF_STATUSES}
-    summary["worst"] = worst_of(rows)
-    order = {"severity": lambda r: -RANK[r["severity"]], "name": lambda r: r["name"],
-             "numel": lambda r: -int(r["numel"])}
-    shown_rows = [r for r in rows if r["severity"] != "ok"] if args.only_findings else rows
-    if args.sort in order:
-        shown_rows = sorted(shown_rows, key=order[args.sort])
+    summary["became_nan"] = sum(1 for r in rows if r.get("became") == "nan")
+    summary["became_zero"] = sum(1 for r in rows if r.get("became") == "zero")
+    summary["worst"] = worst_of([str(r["severity"]) for r in rows])
+    shown_rows = sort_diff_rows([r for r in rows if r["severity"] != "ok"] if args.only_findings else rows,
+                                row_order(args))
+    groups = None
+    if args.group_by:
+        groups = diff_group_rows(rows, a, b, args.group_by)
+        if args.only_findings:
+            groups = [g for g in groups if g["severity"] != "ok"]
     if args.json:
         doc = {"zeroscan": version(), "command": "diff", "a": a, "b": b,
-               "trained_from_first": args.trained_from_first, "tensors": shown_rows, "summary": summary}
+               "trained_from_first": args.trained_from_first, "tensors": shown_rows}
+        if groups is not None:
+            doc["groups"] = groups
+        doc["summary"] = summary
         json.dump(json_safe(doc), out, indent=1)
         out.write("\n")
+        return exit_status(summary["worst"], args.fail_on)
+
+    style = Style(out)
+    out.write(style(printable(f"{a} -> {b}"), "bold") + "\n")
+    if groups is not None:
+        part, hidden = limited(groups, args.limit)
+        if part:
+            out.write("\n".join(diff_group_table(part, style)) + "\n")
+        noun = "group"
     else:
-        style = Style(out)
-        out.write(style(printable(f"{a} -> {b}"), "bold") + "\n")
         headers = ["name", "dtype", "shape", "status", "changed", "max |a-b|", "note"]
+        part, hidden = limited(shown_rows, args.limit)
         cells, colors = [], []
-        for r in shown_rows:
+        for r in part:
             changed = "-" if "changed" not in r else fmt_percent(int(r["changed"]), int(r["numel"]))
-            cells.append([r["name"], r["dtype"], fmt_shape(r["shape"]), r["status"], changed,
+            cells.append([short_name(r["name"]), r["dtype"], fmt_shape(r["shape"]), r["status"], changed,
                           fmt_num(r.get("max_abs_diff")), r["reason"]])
             colors.append(r["severity"] if r["severity"] != "ok" else None)
         if cells:
             out.write("\n".join(render_table(headers, cells, {4, 5}, colors, style, color_col=3)) + "\n")
-        words = ", ".join(f"{summary[s]} {s}" for s in DIFF_STATUSES if summary[s])
-        out.write(f"\n{count_noun(len(rows), 'name')}: {words or 'none'}\n")
-        never = sum(1 for r in rows if r["status"] == "identical" and r["severity"] == "warning")
-        unchanged = sum(1 for r in rows if r["status"] == "identical" and r["severity"] == "info")
-        if never:
-            out.write("a floating-point tensor left bit-identical while others changed was never updated "
-                      "between the two checkpoints: frozen, missing from the optimizer, or its gradient "
-                      "was always zero\n")
-        elif unchanged:
-            # Unchanged is how a frozen backbone looks, so it is only a warning when the user says so.
-            out.write(f"{count_noun(unchanged, 'floating-point tensor')} {is_are(unchanged)} unchanged; "
-                      "if the second file was trained from the first, --trained-from-first makes "
-                      f"{'it a warning' if unchanged == 1 else 'them warnings'}\n")
+        noun = "tensor"
+    if hidden:
+        out.write(more_line(hidden, noun))
+    words = ", ".join(f"{summary[s]} {s}" for s in DIFF_STATUSES if summary[s])
+    out.write(f"\n{count_noun(len(rows), 'name')}: {words or 'none'}\n")
+    became = []
+    if summary["became_nan"]:
+        became.append(f"{count_noun(summary['became_nan'], 'tensor')} became NaN/Inf")
+    if summary["became_zero"]:
+        became.append(f"{count_noun(summary['became_zero'], 'tensor')} became all zero")
+    if became:
+        out.write("; ".join(became) + "\n")
+    never = sum(1 for r in rows if r["status"] == "identical" and r["severity"] == "warning")
+    unchanged = sum(1 for r in rows if r["status"] == "identical" and r["severity"] == "info")
+    if never:
+        out.write("a floating-point tensor left bit-identical while others changed was never updated "
+                  "between the two checkpoints: frozen, missing from the optimizer, or its gradient "
+                  "was always zero\n")
+    elif unchanged:
+        # Unchanged is how a frozen backbone looks, so it is only a warning when the user says so.
+        out.write(f"{count_noun(unchanged, 'floating-point tensor')} {is_are(unchanged)} unchanged; "
+                  "if the second file was trained from the first, --trained-from-first makes "
+                  f"{'it a warning' if unchanged == 1 else 'them warnings'}\n")
     return exit_status(summary["worst"], args.fail_on)
 
 
@@ -375,22 +613,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     scan = sub.add_parser(
         "scan",
-        help="scan torch.save / .safetensors checkpoints tensor by tensor",
-        description="Scan every tensor of each checkpoint (torch.save files loaded with weights_only=True "
-        "and memory-mapped; .safetensors files parsed and mapped tensor by tensor) and diagnose it.",
+        help="scan checkpoints (files, model folders, globs) tensor by tensor",
+        description="Scan every tensor of each checkpoint and diagnose it. Formats: torch.save files (loaded "
+        "with weights_only=True and memory-mapped), .safetensors files, sharded model folders or their "
+        "index file (model.safetensors.index.json), and torch.distributed.checkpoint folders. A PATH may "
+        "be a file, a folder or a glob: a folder that is one checkpoint is scanned as one, any other "
+        "folder is each checkpoint in it.",
     )
-    scan.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint files")
-    scan.add_argument("--sort", choices=SORT_KEYS, default="order",
-                      help="row order: file order (default), name, or the largest first by numel, zero "
-                           "fraction, subnormal/near-zero fraction, NaN/Inf count or severity "
-                           "(with --diff: order, name, numel or severity)")
+    scan.add_argument("paths", nargs="+", metavar="PATH",
+                      help="a checkpoint file, a checkpoint folder, a folder of checkpoints or a glob")
+    scan.add_argument("--sort", choices=SORT_KEYS, default=None,
+                      help="row order: worst first (the default in tables: severity, then NaN/Inf count, then "
+                           "zero fraction), file order (the default with --json), name, or the largest first "
+                           "by numel, zero fraction, subnormal/near-zero fraction, NaN/Inf count or severity "
+                           "(with --diff: worst, order, name, numel or severity)")
+    scan.add_argument("--limit", type=int, default=DEFAULT_LIMIT, metavar="N",
+                      help=f"show the first N rows of each table and list (default {DEFAULT_LIMIT}; 0 shows "
+                           "all); --json always has every row")
+    scan.add_argument("--group-by", choices=GROUP_KEYS, default=None,
+                      help="sum the tensors up per layer (name up to its first number: model.layers.17), module "
+                           "(name without its last part) or shard file, worst group first; the group table "
+                           "replaces the tensor table, and --json adds \"groups\"")
     scan.add_argument("--only-findings", action="store_true", help="list only tensors with a finding")
     scan.add_argument("--json", action="store_true", help="write one JSON object to stdout instead of tables")
     scan.add_argument("--fail-on", choices=("info", "warning", "error", "none"), default="error",
                       help="exit 1 when a finding at or above this severity exists (default: error, so a "
                            "NaN or Inf fails; none: never)")
     scan.add_argument("--diff", action="store_true",
-                      help="compare two checkpoints: changed, bit-identical, added and removed tensors "
+                      help="compare two checkpoints: changed, bit-identical, added and removed tensors; "
+                           "a tensor that became NaN/Inf is an error, one that became all zero a warning "
                            "(a floating-point tensor left bit-identical is 'unchanged', an info)")
     scan.add_argument("--trained-from-first", action="store_true",
                       help="with --diff: the second file was trained from the first, so a floating-point "
@@ -402,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument("--mostly-zero", type=probability, default=0.9,
                       help="zero fraction from which a tensor is 'mostly zero' (default 0.9)")
     scan.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                      help="progress on stderr (default: for large files only)")
+                      help="progress on stderr, one bar per checkpoint (default: for large checkpoints only)")
     scan.set_defaults(run=cmd_scan)
 
     demo = sub.add_parser("demo", help="a short tour: every verdict on built-in examples, in plain words")

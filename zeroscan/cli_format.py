@@ -154,31 +154,51 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: s
 class Progress:
     """Bytes-scanned progress on stderr: tqdm when installed and stderr is a
     terminal, else a line rewritten in place (terminal) or a line per 10 %
-    (a log)."""
+    (a log).
 
-    def __init__(self, label: str, total: int, enabled: bool | None, stream: TextIO | None = None) -> None:
+    Called as a scan's progress(done, total). Without a `total` it takes the
+    one the first call gives: a many-file checkpoint's size is known only
+    once it is open. `enabled` None shows progress only for a large total."""
+
+    def __init__(self, label: str, total: int | None = None, enabled: bool | None = None,
+                 stream: TextIO | None = None) -> None:
         self.stream: TextIO = stream or sys.stderr  # None when stderr is closed: no progress
         self.tty = self.stream is not None and self.stream.isatty()
+        self.wanted = enabled
+        self.label = printable(label)
+        self.total = 0
+        self.enabled = False
+        self.started = False
+        self.last_decile = -1
+        self.bar: Any = None
+        if total is not None:
+            self.start(total)
+
+    def start(self, total: int) -> None:
+        """Decides, once, whether to show progress towards `total` bytes."""
+        self.started = True
+        self.total = total
+        enabled = self.wanted
         if enabled is None:
             enabled = total >= (LARGE_TTY_BYTES if self.tty else LARGE_LOG_BYTES)
         self.enabled = enabled and total > 0 and self.stream is not None
-        self.label = printable(label)
-        self.total = total
-        self.last_decile = -1
-        self.bar: Any = None
         if self.enabled and self.tty:
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label,
+                self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.label,
                                 file=self.stream, leave=False, dynamic_ncols=True)
             except ImportError:
                 self.bar = None
 
     def __call__(self, done: int, total: int) -> None:
+        if not self.started:
+            self.start(total)
         if not self.enabled:
             return
         if self.bar is not None:
+            if total != self.bar.total:
+                self.bar.total = total
             self.bar.update(done - self.bar.n)
             return
         pct = 100.0 * done / total if total else 100.0
