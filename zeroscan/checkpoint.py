@@ -90,7 +90,70 @@ def scannable(dtype: torch.dtype) -> bool:
     return dtype in SCANNABLE_DTYPES or dtype in COMPLEX_DTYPES
 
 
-class Checkpoint:
+class TensorTable:
+    """What every opened checkpoint gives, whatever its files: its tensor
+    entries in order, each looked up by name, each tensor on demand (read(),
+    tensor()), what a scan reads (scan_items()), and close(). A subclass
+    sets path, format, entries, metadata, skipped and shards, and calls
+    index_entries() once its entries are known."""
+
+    path: Path
+    format: str
+    entries: list[TensorEntry]
+    metadata: dict[str, str]
+    skipped: list[dict[str, object]]  # problems found on opening, listed with a scan's skipped tensors
+    shards: int  # files holding its tensors
+
+    def index_entries(self) -> None:
+        self._by_name = {e.name: e for e in self.entries}
+
+    def read(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tensor(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scan_items(self, batch_bytes: int) -> Iterator[tuple[TensorEntry, ScanSource]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+    def shard_of(self, name: str) -> str:
+        return self.entry(name).shard
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) in order, each made only when reached."""
+        for e in self.entries:
+            yield e.name, self.tensor(e.name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def __enter__(self) -> TensorTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Checkpoint(TensorTable):
     """An opened checkpoint: its tensor entries in file order, and each
     tensor on demand. Use as a context manager, or call close(), which
     releases the file: one descriptor and at most one mapping, however many
@@ -111,7 +174,7 @@ class Checkpoint:
         self.path = path
         self.format = format  # "torch", "torch-legacy" or "safetensors"
         self.entries = entries
-        self._by_name = {e.name: e for e in entries}
+        self.index_entries()
         self._get = get
         self._close = close
         self.metadata = metadata or {}  # a safetensors file's __metadata__
@@ -172,39 +235,13 @@ class Checkpoint:
             why = unreadable(t)
             yield entry, t if why is None else f"the tensor {why}"
 
-    def shard_of(self, name: str) -> str:
-        return self.entry(name).shard
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._by_name
-
-    def names(self) -> list[str]:
-        return [e.name for e in self.entries]
-
-    def entry(self, name: str) -> TensorEntry:
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
-
     def tensor(self, name: str) -> torch.Tensor:
-        """The tensor `name`, memory-mapped where the format allows (a mapped
-        tensor dies with SIGBUS if the file is truncated meanwhile;
-        scan_checkpoint reads with read calls instead)."""
+        """The tensor `name`, memory-mapped where the format allows (reading a
+        mapped tensor dies with SIGBUS if the file is truncated meanwhile;
+        scan_checkpoint reads its mapping only inside the guarded native scan,
+        and read() uses read calls)."""
         self.entry(name)
         return self._get(name)
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) in file order, each mapped only when reached."""
-        for e in self.entries:
-            yield e.name, self._get(e.name)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
 
     def close(self) -> None:
         if self._close is not None:
@@ -214,17 +251,11 @@ class Checkpoint:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, format={self.format!r}, {len(self)} tensors)"
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike[str]) -> TensorTable:
     """Opens a checkpoint: a torch.save file or a .safetensors file
     (recognised by content, not by name); a sharded model's folder or its
     index file (zeroscan.checkpoint_sharded); a torch.distributed.checkpoint
@@ -239,11 +270,11 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if p.name.endswith(INDEX_SUFFIX) and p.is_file():
         from zeroscan.checkpoint_sharded import open_index
 
-        return open_index(p)  # type: ignore[return-value]
+        return open_index(p)
     return open_file(p)
 
 
-def open_folder(p: Path) -> Checkpoint:
+def open_folder(p: Path) -> TensorTable:
     """A folder that is one checkpoint (zeroscan.checkpoint_paths.checkpoint_kind)."""
     from zeroscan.checkpoint_paths import checkpoint_files, checkpoint_kind, index_files
 
@@ -251,15 +282,15 @@ def open_folder(p: Path) -> Checkpoint:
     if kind == "dcp":
         from zeroscan.checkpoint_dcp import open_dcp
 
-        return open_dcp(p)  # type: ignore[return-value]
+        return open_dcp(p)
     if kind == "index":
         from zeroscan.checkpoint_sharded import open_index
 
-        return open_index(index_files(p)[0])  # type: ignore[return-value]
+        return open_index(index_files(p)[0])
     if kind == "shards":
         from zeroscan.checkpoint_sharded import open_shards
 
-        return open_shards(p, checkpoint_files(p))  # type: ignore[return-value]
+        return open_shards(p, checkpoint_files(p))
     if kind == "single":
         return open_file(checkpoint_files(p)[0])
     files = checkpoint_files(p)

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
 
-from zeroscan.checkpoint import CheckpointError, TensorEntry, dtype_name, dtype_skip_reason
+from zeroscan.checkpoint import CheckpointError, TensorEntry, TensorTable, dtype_name, dtype_skip_reason
 from zeroscan.checkpoint_reads import ScanSource, TensorPiece
 from zeroscan.safetensors_io import brief
 from zeroscan.torch_io import one_line, refused_pickle
@@ -384,7 +384,7 @@ class MetadataReader(FileSystemReader):
 # --- the checkpoint --------------------------------------------------------------
 
 
-class DcpCheckpoint:
+class DcpCheckpoint(TensorTable):
     """An opened DCP folder: its tensor entries in the metadata's order, each
     tensor read on demand through DCP. Only `.metadata` is read on opening."""
 
@@ -395,31 +395,9 @@ class DcpCheckpoint:
         self.metadata: dict[str, str] = {}
         self.skipped: list[dict[str, object]] = []  # problems found on opening: none that leave a tensor out
         self.shards = len({f for e in entries for f in e.shard.split(",") if f})  # .distcp files
-        self._by_name = {e.name: e for e in entries}
+        self.index_entries()
         self._dcp = metadata
         self._reader: MetadataReader | None = MetadataReader(path, metadata)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._by_name
-
-    def names(self) -> list[str]:
-        return [e.name for e in self.entries]
-
-    def entry(self, name: str) -> TensorEntry:
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
-
-    def shard_of(self, name: str) -> str:
-        return self.entry(name).shard
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor `name`, in memory."""
@@ -429,11 +407,6 @@ class DcpCheckpoint:
     def tensor(self, name: str) -> torch.Tensor:
         """read(name): DCP maps nothing, so there is no lighter way to give it."""
         return self.read(name)
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) in the metadata's order, each read when reached."""
-        for e in self.entries:
-            yield e.name, self.read(e.name)
 
     def scan_items(self, batch_bytes: int) -> Iterator[tuple[TensorEntry, ScanSource]]:
         """Each entry in the metadata's order with what scan_checkpoint scans:
@@ -505,12 +478,6 @@ class DcpCheckpoint:
 
     def close(self) -> None:
         self._reader = None
-
-    def __enter__(self) -> DcpCheckpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"DcpCheckpoint({str(self.path)!r}, {len(self)} tensors in {self.shards} files)"

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from zeroscan.checkpoint import Checkpoint, CheckpointError, TensorEntry, open_file, regular_file_size
+from zeroscan.checkpoint import Checkpoint, CheckpointError, TensorEntry, TensorTable, open_file, regular_file_size
 from zeroscan.checkpoint_paths import SHARD_NAME
 from zeroscan.checkpoint_reads import ScanSource
 
 MAX_INDEX_BYTES = 256 << 20  # an index of a million tensor names is about 100 MB
 
 
-class ShardedCheckpoint:
+class ShardedCheckpoint(TensorTable):
     """Several checkpoint files as one: entries, entry(), read(), scan_items()
     and close() as a Checkpoint's, each delegated to the tensor's shard."""
 
@@ -46,25 +46,7 @@ class ShardedCheckpoint:
         self.entries = entries
         self._shards = shards
         self._owner = owner
-        self._by_name = {e.name: e for e in entries}
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._by_name
-
-    def names(self) -> list[str]:
-        return [e.name for e in self.entries]
-
-    def entry(self, name: str) -> TensorEntry:
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
-
-    def shard_of(self, name: str) -> str:
-        return self.entry(name).shard
+        self.index_entries()
 
     def read(self, name: str) -> torch.Tensor:
         self.entry(name)
@@ -74,10 +56,6 @@ class ShardedCheckpoint:
         self.entry(name)
         return self._owner[name].tensor(name)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for e in self.entries:
-            yield e.name, self.tensor(e.name)
-
     def scan_items(self, batch_bytes: int) -> Iterator[tuple[TensorEntry, ScanSource]]:
         """Each shard's scan items in turn, those of the tensors this checkpoint lists."""
         for shard in self._shards:
@@ -85,19 +63,9 @@ class ShardedCheckpoint:
                 if self._owner.get(entry.name) is shard:
                     yield self._by_name[entry.name], source
 
-    @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
-
     def close(self) -> None:
         for shard in self._shards:
             shard.close()
-
-    def __enter__(self) -> ShardedCheckpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"ShardedCheckpoint({str(self.path)!r}, {self.shards} shards, {len(self)} tensors)"

@@ -370,21 +370,16 @@ def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO)
     out.write(style(printable(f.path), "bold") + f"  ({size})\n")
 
     if args.group_by:
-        groups, hidden = limited(file_groups(f, args.group_by, args.only_findings), args.limit)
-        if groups:
-            out.write("\n".join(group_table(groups, style)) + "\n")
-        elif args.only_findings:
-            out.write("no group has a finding\n")
-        if hidden:
-            out.write(more_line(hidden, "group"))
+        items, table, noun = file_groups(f, args.group_by, args.only_findings), group_table, "group"
     else:
-        rows, hidden = limited(sort_rows(shown(f.rows, args.only_findings), row_order(args)), args.limit)
-        if rows:
-            out.write("\n".join(scan_table(rows, style)) + "\n")
-        elif args.only_findings:
-            out.write("no tensor has a finding\n")
-        if hidden:
-            out.write(more_line(hidden, "tensor"))
+        items, table, noun = sort_rows(shown(f.rows, args.only_findings), row_order(args)), scan_table, "tensor"
+    lines, hidden = limited(items, args.limit)
+    if lines:
+        out.write("\n".join(table(lines, style)) + "\n")
+    elif args.only_findings:
+        out.write(f"no {noun} has a finding\n")
+    if hidden:
+        out.write(more_line(hidden, noun))
 
     findings, hidden = limited(worst_first(r for r in f.rows if r["severity"] != "ok"), args.limit)
     if findings:
@@ -394,7 +389,8 @@ def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO)
             out.write(f"  {style(r['severity'].upper(), r['severity'])} {what}\n")
         if hidden:
             out.write("  " + more_line(hidden, "finding"))
-    skipped, hidden = limited(worst_first(dict(s, severity=skipped_severity(s)) for s in f.skipped), args.limit)
+    judged = [dict(s, severity=skipped_severity(s)) for s in f.skipped]
+    skipped, hidden = limited(worst_first(judged), args.limit)
     for s in skipped:
         sev = s["severity"]
         mark = "" if sev == "info" else style(sev.upper(), sev) + " "
@@ -406,7 +402,7 @@ def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO)
     counts = count_findings(f.rows)
     line = f"{count_noun(len(f.rows), 'tensor')} scanned, {findings_words(counts)}"
     if f.skipped:
-        bad = count_findings([dict(s, severity=skipped_severity(s)) for s in f.skipped])
+        bad = count_findings(judged)
         worse = [count_noun(bad[s], s) for s in ("error", "warning") if bad[s]]
         line += f", {len(f.skipped)} skipped" + (f" ({', '.join(worse)})" if worse else "")
     out.write(f"\n{line}\n")
