@@ -5,12 +5,14 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <algorithm>
 #include <cmath>
 #include <ostream>
 #include <vector>
 
 #include "classify.h"
 #include "dtypes.h"
+#include "histogram.h"
 #include "layout.h"
 #include "stats_record.h"
 
@@ -119,6 +121,36 @@ inline void check_rows(const char* op, const at::Tensor& rows) {
               op, ": rows must be an int64 [W, N, ", int(kNumFields),
               "] tensor of result rows with W >= 1, got ", rows.scalar_type(),
               " of shape ", rows.sizes());
+}
+
+// Histogram fields of one tensor of dtype `t` (histogram.h).
+inline int64_t fields_of(at::ScalarType t) {
+  return visit_dtype(t, [](auto tag) -> int64_t {
+    return Binning<typename decltype(tag)::type>::kFields;
+  });
+}
+
+// A CPU launcher's check that every tensor of xs is on `device` (a CUDA
+// build of torch may hand it CUDA tensors beside CPU ones).
+inline void check_same_device(const char* op, at::TensorList xs, c10::Device device) {
+  for (size_t t = 0; t < xs.size(); ++t) {
+    TORCH_CHECK(!xs[t].defined() || xs[t].device() == device, op,
+                ": all tensors of one call must be on the same device; xs[0] is on ",
+                device, " but xs[", t, "] is on ", xs[t].device());
+  }
+}
+
+// The zeroed histogram buffer of xs: int64 [N, B] on `device`, B the most
+// fields of any of their dtypes (0 for an empty list). Checks each input,
+// so that an unsupported dtype is named as the scan would name it.
+inline at::Tensor new_histogram(const char* op, at::TensorList xs, c10::Device device) {
+  int64_t width = 0;
+  for (size_t t = 0; t < xs.size(); ++t) {
+    check_input(op, ArgName{"xs", static_cast<int64_t>(t)}, xs[t]);
+    width = std::max(width, fields_of(xs[t].scalar_type()));
+  }
+  return at::zeros({static_cast<int64_t>(xs.size()), width},
+                   at::TensorOptions().dtype(at::kLong).device(device));
 }
 
 // The result buffer: int64 [n, kNumFields] on `device`.

@@ -19,10 +19,15 @@ TORCH_LIBRARY(zeroscan, m) {
   m.def("stats(Tensor x, float? tol=None) -> Tensor");
   // xs: N tensors on one device -> int64 [N, 16].
   m.def("stats_many(Tensor[] xs, float? tol=None) -> Tensor");
+  // xs: N tensors on one device -> (int64 [N, 16], int64 [N, B]):
+  // stats_many's rows, and each tensor's log2-magnitude histogram fields
+  // (see csrc/histogram.h), B the most fields of any of xs's dtypes.
+  m.def("stats_many_hist(Tensor[] xs, float? tol=None) -> (Tensor, Tensor)");
   // xs: N CPU tensors viewing a memory-mapped file -> (int64 [N, 16], bool
-  // [N]): stats_many's rows, and whether a SIGBUS (the file truncated
-  // meanwhile) hit while reading each tensor, whose row is then zeros.
-  m.def("stats_many_mapped(Tensor[] xs, float? tol=None) -> (Tensor, Tensor)");
+  // [N], int64 [N, B]): stats_many's rows, whether a SIGBUS (the file
+  // truncated meanwhile) hit while reading each tensor, whose row is then
+  // zeros, and with `histogram` the fields of stats_many_hist (else B = 0).
+  m.def("stats_many_mapped(Tensor[] xs, float? tol=None, bool histogram=False) -> (Tensor, Tensor, Tensor)");
   // rows: int64 [W, N, 16], W parts' rows of the same N tensors -> int64
   // [N, 16], each tensor's parts combined (`combine_in_tree`, stats_record.h).
   m.def("combine_rows(Tensor rows) -> Tensor");

@@ -36,6 +36,15 @@ def test_distributions_under_capability(cap: str) -> None:
     assert " passed" in result.stdout
 
 
+@pytest.mark.parametrize("cap", ["scalar", "avx512"])
+def test_histograms_under_capability(cap: str) -> None:
+    """The histogram's counts one element at a time (CPUs without AVX512-VBMI)
+    against the same float64 reference as its vector path."""
+    result = run_with_cap(cap, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_histogram.py"), "-k", "not cuda")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout
+
+
 def test_unknown_capability_is_refused() -> None:
     result = run_with_cap("avx9000", "-c", "import torch, zeroscan; zeroscan.stats(torch.ones(3))")
     assert result.returncode != 0

@@ -1,10 +1,11 @@
 """The native operators: loading them, their fake kernels, and what they accept.
 
-`torch.ops.zeroscan.stats`, `stats_many`, `stats_many_mapped` and
-`combine_rows` are declared once in csrc/zeroscan.cpp and implemented per
-backend in csrc/cpu and csrc/cuda (stats_many_mapped on the CPU alone). The
-fake kernels here give their output shapes to torch.compile and to
-meta/fake tensors without running them.
+`torch.ops.zeroscan.stats`, `stats_many`, `stats_many_hist`,
+`stats_many_mapped` and `combine_rows` are declared once in
+csrc/zeroscan.cpp and implemented per backend in csrc/cpu and csrc/cuda
+(stats_many_mapped on the CPU alone). The fake kernels here give their
+output shapes to torch.compile and to meta/fake tensors without running
+them.
 
 This is also zeroscan's one input policy: what a scan reads (`check_tensor`
 for the public calls, which refuse anything else with an error naming the
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 import zeroscan._C  # noqa: F401  (loading the library registers the ops)
+from zeroscan.histogram import field_bins
 from zeroscan.record import NUM_FIELDS
 
 MAX_DIMS = 64  # kMaxDims of csrc/layout.h
@@ -66,10 +68,24 @@ def _stats_many_fake(xs: list[torch.Tensor], tol: float | None = None) -> torch.
     return xs[0].new_empty((len(xs), NUM_FIELDS), dtype=torch.int64)
 
 
-@torch.library.register_fake("zeroscan::stats_many_mapped")
-def _stats_many_mapped_fake(xs: list[torch.Tensor], tol: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _fields_fake(xs: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    width = max((field_bins(x.dtype) for x in xs), default=0)
+    return rows.new_empty((len(xs), width))
+
+
+@torch.library.register_fake("zeroscan::stats_many_hist")
+def _stats_many_hist_fake(xs: list[torch.Tensor], tol: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rows = _stats_many_fake(xs, tol)
-    return rows, rows.new_empty((len(xs),), dtype=torch.bool)
+    return rows, _fields_fake(xs, rows)
+
+
+@torch.library.register_fake("zeroscan::stats_many_mapped")
+def _stats_many_mapped_fake(
+    xs: list[torch.Tensor], tol: float | None = None, histogram: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = _stats_many_fake(xs, tol)
+    fields = _fields_fake(xs, rows) if histogram else rows.new_empty((len(xs), 0))
+    return rows, rows.new_empty((len(xs),), dtype=torch.bool), fields
 
 
 @torch.library.register_fake("zeroscan::combine_rows")

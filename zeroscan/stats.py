@@ -6,6 +6,10 @@ csrc/stats_record.h). Nothing is read back until a field is: the first field
 read copies the whole buffer to the host once, and later reads use that copy.
 So calling stats() never waits for the device.
 
+With `histogram=True` the same pass also counts each tensor's log2-magnitude
+histogram (zeroscan.histogram), kept beside the rows until `Stats.histogram`
+is read.
+
 stats_many_mapped is stats_many for the checkpoint reader: it reads the
 tensors of a memory-mapped file in place and lists those that the file's
 truncation meanwhile made unreadable.
@@ -33,6 +37,7 @@ from typing import Generic, TypeVar, overload
 import numpy
 import torch
 
+from zeroscan.histogram import Histogram
 from zeroscan.ops import check_tensor, check_tol, refused, require_readable
 from zeroscan.record import COUNT_FIELDS, Column, Row, row_from_words
 
@@ -46,10 +51,12 @@ class Readout:
     first read.
     """
 
-    __slots__ = ("buffer", "_words", "_host", "_columns", "_rows")
+    __slots__ = ("buffer", "fields", "_words", "_host", "_columns", "_rows", "_host_fields")
 
-    def __init__(self, buffer: torch.Tensor) -> None:
+    def __init__(self, buffer: torch.Tensor, fields: torch.Tensor | None = None) -> None:
         self.buffer = buffer  # int64 [16] or [N, 16], on the scanned device
+        self.fields = fields  # int64 [N, B] histogram fields, or None
+        self._host_fields: numpy.ndarray | None = None
         self._words: list[int] | None = None  # the one row of a [16] buffer
         self._host: numpy.ndarray | None = None  # a copy of an [N, 16] buffer
         self._columns: dict[int, list[int]] = {}
@@ -77,6 +84,14 @@ class Readout:
                 values = self._array()[:, column].tolist()
             self._columns[column] = values
         return values[index]
+
+    def histogram(self, index: int, dtype: torch.dtype) -> Histogram | None:
+        """The histogram of row `index`, or None when scanned without one."""
+        if self.fields is None:
+            return None
+        if self._host_fields is None:
+            self._host_fields = self.fields.detach().cpu().numpy()
+        return Histogram.from_fields(dtype, self._host_fields[index], self.row(index))
 
     def row(self, index: int) -> Row:
         """Every field of row `index`, decoded once."""
@@ -150,6 +165,12 @@ class Stats:
         return self.zeros / self.numel if self.numel else 0.0
 
     @property
+    def histogram(self) -> Histogram | None:
+        """The log2-magnitude histogram of the tensor (zeroscan.histogram), or
+        None when it was scanned without histogram=True."""
+        return self._readout.histogram(self._index, self.dtype)
+
+    @property
     def buffer(self) -> torch.Tensor:
         """The raw int64 result row on the scanned device (for graph/compile use)."""
         buffer = self._readout.buffer
@@ -162,6 +183,9 @@ class Stats:
             "device": str(self.device),
         }
         out.update(self._readout.row(self._index))
+        histogram = self.histogram
+        if histogram is not None:
+            out["histogram"] = histogram.to_dict()
         return out
 
     def __repr__(self) -> str:
@@ -254,16 +278,25 @@ class StatsBatch(Sequence[Stats]):
         return f"StatsBatch({len(self)} tensors)"
 
 
-def stats(x: torch.Tensor, *, tol: float | None = None) -> Stats:
+def stats(x: torch.Tensor, *, tol: float | None = None, histogram: bool = False) -> Stats:
     """Scans `x` once and returns its Stats (see the module doc for each field).
 
     `tol` sets the near-zero threshold; by default torch.finfo(x.dtype).eps.
+    `histogram=True` also counts its log2-magnitude histogram in the same
+    pass (`Stats.histogram`).
     Never a collective: a DTensor (FSDP2, tensor parallel) is refused with an
     error that names zeroscan.distributed.stats, the collective call that
     every rank of its mesh makes to get the statistics of the full tensor.
     """
     x = check_tensor("zeroscan.stats", "x", x)
     tol = check_tol("zeroscan.stats", tol)
+    check_flag("zeroscan.stats", "histogram", histogram)
+    if histogram:
+        try:
+            rows, fields = torch.ops.zeroscan.stats_many_hist.default([x], tol)
+        except NotImplementedError as e:
+            refused("zeroscan.stats", [("x", x)], e)
+        return Stats(Readout(rows, fields), 0, meta_of(x), tol)
     try:
         buffer = torch.ops.zeroscan.stats.default(x, tol)
     except NotImplementedError as e:  # a quantized or nested tensor
@@ -271,8 +304,11 @@ def stats(x: torch.Tensor, *, tol: float | None = None) -> Stats:
     return Stats(Readout(buffer), 0, meta_of(x), tol)
 
 
-def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> StatsBatch:
+def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None, histogram: bool = False) -> StatsBatch:
     """Scans every tensor with one native call per device; one Stats each.
+
+    `histogram=True` also counts each tensor's log2-magnitude histogram in
+    the same pass (`Stats.histogram`).
 
     Tensors may mix dtypes, shapes and devices. Their results share one buffer
     per device, so reading any one field copies each device's buffer once.
@@ -282,32 +318,49 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> 
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use zeroscan.stats(x)")
     tol = check_tol(op, tol)
+    check_flag(op, "histogram", histogram)
     xs = tensors if isinstance(tensors, list) else list(tensors)
     if not xs:
         return StatsBatch([])
+    scan = _scan_with_histogram if histogram else _scan_rows
     # The common case first: plain tensors on one device, one native call that
     # checks every tensor itself. Anything else it refuses -- None, mixed
     # devices, sparse or DTensor inputs -- takes the careful path below, which
     # names the offending argument or splits the work by device.
     try:
-        buffer = torch.ops.zeroscan.stats_many.default(xs, tol)
+        readout: Readout | None = scan(xs, tol)
     except (RuntimeError, TypeError, NotImplementedError):
-        buffer = None
-    if buffer is not None and not buffer.is_meta:  # meta inputs reach the fake kernel
-        readout = Readout(buffer)
-        device = buffer.device
+        readout = None
+    if readout is not None and not readout.buffer.is_meta:  # meta inputs reach the fake kernel
+        device = readout.buffer.device
         metas = [(x.dtype, x.shape, device) for x in xs]
         return StatsBatch.lazy(len(xs), lambda row: Stats(readout, row, metas[row], tol))
     xs = [require_readable(op, f"tensors[{i}]", x) for i, x in enumerate(xs)]
     items: list[Stats | None] = [None] * len(xs)
     for indices in device_groups(xs):
-        readout = Readout(torch.ops.zeroscan.stats_many.default([xs[i] for i in indices], tol))
+        readout = scan([xs[i] for i in indices], tol)
         for row, i in enumerate(indices):
             items[i] = Stats(readout, row, meta_of(xs[i]), tol)
     return StatsBatch(items)  # type: ignore[arg-type]
 
 
-def stats_many_mapped(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -> tuple[StatsBatch, list[int]]:
+def _scan_rows(xs: list[torch.Tensor], tol: float | None) -> Readout:
+    return Readout(torch.ops.zeroscan.stats_many.default(xs, tol))
+
+
+def _scan_with_histogram(xs: list[torch.Tensor], tol: float | None) -> Readout:
+    rows, fields = torch.ops.zeroscan.stats_many_hist.default(xs, tol)
+    return Readout(rows, fields)
+
+
+def check_flag(op: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def stats_many_mapped(
+    tensors: Iterable[torch.Tensor], *, tol: float | None = None, histogram: bool = False
+) -> tuple[StatsBatch, list[int]]:
     """stats_many of CPU tensors that view a memory-mapped file, and the
     indices of the tensors that could not be read.
 
@@ -329,12 +382,12 @@ def stats_many_mapped(tensors: Iterable[torch.Tensor], *, tol: float | None = No
     # As in stats_many, the native call checks every tensor itself; what it
     # refuses (None, a meta, sparse or quantized tensor) is then named here.
     try:
-        rows, faulted = torch.ops.zeroscan.stats_many_mapped.default(xs, tol)
+        rows, faulted, fields = torch.ops.zeroscan.stats_many_mapped.default(xs, tol, histogram)
     except (RuntimeError, TypeError, NotImplementedError) as e:
         refused(op, [(f"tensors[{i}]", x) for i, x in enumerate(xs)], e)
     if rows.is_meta:  # meta inputs reach the fake kernel
         refused(op, [(f"tensors[{i}]", x) for i, x in enumerate(xs)], RuntimeError(op))
-    readout = Readout(rows)
+    readout = Readout(rows, fields if histogram else None)
     metas = [(x.dtype, x.shape, rows.device) for x in xs]
     batch = StatsBatch.lazy(len(xs), lambda row: Stats(readout, row, metas[row], tol))
     return batch, faulted.nonzero().flatten().tolist()

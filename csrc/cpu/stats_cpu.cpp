@@ -20,6 +20,7 @@
 #endif
 
 #include "../op_common.h"
+#include "count_fields.h"
 #include "fault_guard.h"
 #include "scan_span.h"
 
@@ -74,16 +75,18 @@ double pick_shift(const Layout& l, const S* data, int64_t begin, int64_t end) {
   return offset ? as_shift<S>(mean) : 0.0;
 }
 
-// Positions [begin, end) of one tensor, summed with `shift`.
+// Positions [begin, end) of one tensor, summed with `shift`, and counted
+// into `fields` (csrc/histogram.h) unless it is null.
 template <typename S>
 Tally<S, int64_t> tally_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
-                              const Limits& lim, double shift) {
+                              const Limits& lim, double shift, FieldCounter<S>* fields) {
   Tally<S, int64_t> tally;
   S buffer[kGather];
   int64_t filled = 0;
   for_each_run(l, begin, end, [&](int64_t off, int64_t len, int64_t stride) {
     if (stride == 1 && len >= kGather) {
       scan_span(data + off, len, lim, shift, tally);
+      if (fields != nullptr) fields->add(data + off, len);
       return;
     }
     // Short or strided runs are gathered into a bounded buffer of raw
@@ -96,11 +99,15 @@ Tally<S, int64_t> tally_chunk(const Layout& l, const S* data, int64_t begin, int
       k += take;
       if (filled == kGather) {
         scan_span(buffer, filled, lim, shift, tally);
+        if (fields != nullptr) fields->add(buffer, filled);
         filled = 0;
       }
     }
   });
-  if (filled > 0) scan_span(buffer, filled, lim, shift, tally);
+  if (filled > 0) {
+    scan_span(buffer, filled, lim, shift, tally);
+    if (fields != nullptr) fields->add(buffer, filled);
+  }
   return tally;
 }
 
@@ -134,17 +141,26 @@ void downscaled_moments(const Layout& l, const double* data, int64_t begin, int6
   upscale_moments(p);
 }
 
-// Positions [begin, end) of one tensor, reduced to a Partial. A chunk whose
+// Positions [begin, end) of one tensor, reduced to a Partial, and added to
+// `fields` (int64 [Binning<S>::kFields]) unless it is null. A chunk whose
 // sums cancel is scanned once more, shifted by its mean, unless they were
-// exact; one whose sums overflowed, downscaled.
+// exact; one whose sums overflowed, downscaled. The histogram is counted in
+// the first scan only, so the rows are those of a scan without it.
 template <typename S>
 Partial scan_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
-                   const Limits& lim) {
+                   const Limits& lim, int64_t* fields) {
   double shift = pick_shift(l, data, begin, end);
-  Tally<S, int64_t> tally = tally_chunk(l, data, begin, end, lim, shift);
+  Tally<S, int64_t> tally;
+  if (fields != nullptr) {
+    FieldCounter<S> counter;
+    tally = tally_chunk(l, data, begin, end, lim, shift, &counter);
+    counter.write(fields);
+  } else {
+    tally = tally_chunk<S>(l, data, begin, end, lim, shift, nullptr);
+  }
   if (Format<S>::kFloating && !exact_float_moments<S>() && cancels(tally)) {
     shift = as_shift<S>(shift + tally.s1 / static_cast<double>(tally.finite));
-    tally = tally_chunk(l, data, begin, end, lim, shift);
+    tally = tally_chunk<S>(l, data, begin, end, lim, shift, nullptr);
   }
   Partial p = tally.finish(shift);
   if constexpr (std::is_same_v<S, double>) {
@@ -197,14 +213,15 @@ struct Task {
 // nothing, so that a guarded scan may jump out of it (fault_guard.h); the
 // static initialisers it may run first (scan_span.h's CPU feature tests)
 // read no mapped memory, so no fault interrupts one.
+// `fields`: null, or the task's own int64 [Binning<S>::kFields], zeroed.
 Partial scan_task(const at::Tensor& x, const Layout& l, const Limits& lim,
-                  const Task& task) {
+                  const Task& task, int64_t* fields) {
   return visit_dtype(x.scalar_type(), [&](auto tag) {
     using S = typename decltype(tag)::type;
     // The storage types mirror torch's element types bit for bit.
     TORCH_INTERNAL_ASSERT(x.element_size() == static_cast<int64_t>(sizeof(S)));
     const S* data = reinterpret_cast<const S*>(x.const_data_ptr());
-    return scan_chunk<S>(l, data, task.begin, task.end, lim);
+    return scan_chunk<S>(l, data, task.begin, task.end, lim, fields);
   });
 }
 
@@ -224,8 +241,11 @@ std::pair<const char*, const char*> bytes_of(const at::Tensor& x) {
 // `faulted`: null, or [N]: each task then runs under a SIGBUS guard
 // (fault_guard.h), and a tensor a fault hit gets true there and a row of
 // zeros; the other rows are those of an unguarded scan.
+// `hist`: null, or int64 [N, hist_width], zeroed: each tensor's histogram
+// fields (csrc/histogram.h); a faulted tensor's stay zero.
 void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
-              bool as_list, int64_t* rows, bool* faulted = nullptr) {
+              bool as_list, int64_t* rows, bool* faulted = nullptr,
+              int64_t* hist = nullptr, int64_t hist_width = 0) {
   const ExactSubnormals exact;  // the combining below too; `run` on every thread
   check_tol(op, tol);
   TORCH_CHECK(capability_cap() != Capability::kInvalid, op,
@@ -256,6 +276,13 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
 
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   std::vector<Partial> partials(n_tasks);
+  // Each task counts into fields of its own, so that no two threads add to
+  // one counter; they are summed per tensor below.
+  std::vector<int64_t> field_start(hist != nullptr ? n_tasks + 1 : 0);
+  for (int64_t k = 0; hist != nullptr && k < n_tasks; ++k) {
+    field_start[k + 1] = field_start[k] + fields_of(xs[tasks[k].tensor].scalar_type());
+  }
+  std::vector<int64_t> task_fields(hist != nullptr ? field_start[n_tasks] : 0);
   // Per task, so that each is written by the one thread that runs the task.
   std::vector<uint8_t> task_faulted(faulted != nullptr ? n_tasks : 0);
   auto run = [&](int64_t lo, int64_t hi) {
@@ -265,15 +292,16 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
       const at::Tensor& x = xs[task.tensor];
       const Layout layout = layout_of(x);
       const Limits& lim = limits[task.tensor];
+      int64_t* fields = hist != nullptr ? task_fields.data() + field_start[k] : nullptr;
       if (faulted == nullptr) {
-        partials[k] = scan_task(x, layout, lim, task);
+        partials[k] = scan_task(x, layout, lim, task, fields);
         continue;
       }
       // Each task, not each thread's share, is guarded: a fault then costs
       // only the tensor it hit, and the tasks after it still run.
       const auto [first, last] = bytes_of(x);
       const bool done = run_guarded(first, last, [&] {
-        partials[k] = scan_task(x, layout, lim, task);
+        partials[k] = scan_task(x, layout, lim, task, fields);
       });
       task_faulted[k] = !done;
     }
@@ -304,6 +332,12 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
     Partial p = combine_tree(own);
     repeat(p, repeats[t]);
     store(p, rows + t * kNumFields);
+    for (int64_t k = first_task[t]; hist != nullptr && k < first_task[t + 1]; ++k) {
+      int64_t* out = hist + t * hist_width;
+      for (int64_t f = field_start[k]; f < field_start[k + 1]; ++f) {
+        out[f - field_start[k]] += task_fields[f] * repeats[t];
+      }
+    }
   }
 }
 
@@ -316,12 +350,7 @@ at::Tensor stats_cpu(const at::Tensor& x, c10::optional<double> tol) {
 
 // xs: N tensors, all on the CPU -> int64 [N, kNumFields]
 at::Tensor stats_many_cpu(at::TensorList xs, c10::optional<double> tol) {
-  for (size_t t = 0; t < xs.size(); ++t) {
-    TORCH_CHECK(!xs[t].defined() || xs[t].device().is_cpu(),
-                "zeroscan.stats_many: all tensors of one call must be on the "
-                "same device; xs[0] is on cpu but xs[", t, "] is on ",
-                xs[t].device());
-  }
+  check_same_device("zeroscan.stats_many", xs, c10::kCPU);
   at::Tensor out = new_result(static_cast<int64_t>(xs.size()), c10::kCPU);
   scan_all("zeroscan.stats_many", xs, tol, true, out.mutable_data_ptr<int64_t>());
   return out;
@@ -332,8 +361,8 @@ at::Tensor stats_many_cpu(at::TensorList xs, c10::optional<double> tol) {
 // xs: N tensors, all on the CPU -> (int64 [N, kNumFields], bool [N]): the rows
 // of stats_many, and whether a SIGBUS hit while reading each tensor (its row
 // is then zeros).
-std::tuple<at::Tensor, at::Tensor> stats_many_mapped_cpu(at::TensorList xs,
-                                                         c10::optional<double> tol) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_many_mapped_cpu(
+    at::TensorList xs, c10::optional<double> tol, bool histogram) {
   const char* op = "zeroscan.stats_many_mapped";
   for (size_t t = 0; t < xs.size(); ++t) {
     TORCH_CHECK(!xs[t].defined() || xs[t].device().is_cpu(), op, ": xs[", t,
@@ -342,17 +371,35 @@ std::tuple<at::Tensor, at::Tensor> stats_many_mapped_cpu(at::TensorList xs,
   const int64_t n = static_cast<int64_t>(xs.size());
   at::Tensor rows = new_result(n, c10::kCPU);
   at::Tensor faulted = at::zeros({n}, at::TensorOptions().dtype(at::kBool));
+  at::Tensor hist = histogram ? new_histogram(op, xs, c10::kCPU)
+                              : at::zeros({n, 0}, at::TensorOptions().dtype(at::kLong));
   scan_all(op, xs, tol, true, rows.mutable_data_ptr<int64_t>(),
-           faulted.mutable_data_ptr<bool>());
-  return {rows, faulted};
+           faulted.mutable_data_ptr<bool>(),
+           histogram ? hist.mutable_data_ptr<int64_t>() : nullptr, hist.size(1));
+  return {rows, faulted, hist};
+}
+
+// xs: N tensors, all on the CPU -> (int64 [N, kNumFields], int64 [N, B]):
+// the rows of stats_many and each tensor's histogram fields, B the most
+// fields of any of xs's dtypes.
+std::tuple<at::Tensor, at::Tensor> stats_many_hist_cpu(at::TensorList xs,
+                                                       c10::optional<double> tol) {
+  const char* op = "zeroscan.stats_many_hist";
+  check_same_device(op, xs, c10::kCPU);
+  const int64_t n = static_cast<int64_t>(xs.size());
+  at::Tensor rows = new_result(n, c10::kCPU);
+  at::Tensor hist = new_histogram(op, xs, c10::kCPU);
+  scan_all(op, xs, tol, true, rows.mutable_data_ptr<int64_t>(), nullptr,
+           hist.mutable_data_ptr<int64_t>(), hist.size(1));
+  return {rows, hist};
 }
 
 // stats_many_mapped's tensors on any other device: one readable line rather
 // than the dispatcher's list of backends. It is registered here, beside the
 // only kernel, because CPU-only builds leave csrc/cuda/ out and can still be
 // handed CUDA tensors by a CUDA build of torch.
-std::tuple<at::Tensor, at::Tensor> stats_many_mapped_elsewhere(
-    at::TensorList xs, c10::optional<double> /*tol*/) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_many_mapped_elsewhere(
+    at::TensorList xs, c10::optional<double> /*tol*/, bool /*histogram*/) {
   TORCH_CHECK(!xs.empty(), "zeroscan.stats_many_mapped: no tensors");
   size_t t = 0;
   while (t + 1 < xs.size() && (!xs[t].defined() || xs[t].device().is_cpu())) ++t;
@@ -384,6 +431,7 @@ TORCH_LIBRARY_IMPL(zeroscan, CPU, m) {
   m.impl("stats_many", &stats_many_cpu);
   m.impl("combine_rows", &combine_rows_cpu);
   m.impl("stats_many_mapped", &stats_many_mapped_cpu);
+  m.impl("stats_many_hist", &stats_many_hist_cpu);
 }
 
 TORCH_LIBRARY_IMPL(zeroscan, CUDA, m) {
