@@ -267,3 +267,185 @@ def test_lightning_callback_needs_lightning(monkeypatch: pytest.MonkeyPatch) -> 
         loggers.lightning_callback()
     with pytest.raises(ValueError, match="log_every must be an int >= 1"):
         loggers.lightning_callback(log_every=0)
+
+
+# --- TensorBoard histograms (Monitor(histogram=True)) -----------------------------------
+
+
+class FakeHistogramWriter(FakeWriter):
+    """add_scalar and add_histogram_raw, with the parameters of torch's SummaryWriter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.histograms: dict[str, dict[str, Any]] = {}
+
+    def add_histogram_raw(
+        self, tag: str, min: float, max: float, num: int, sum: float, sum_squares: float,
+        bucket_limits: list[float], bucket_counts: list[int], global_step: int | None = None,
+        walltime: float | None = None,
+    ) -> None:
+        assert tag not in self.histograms, f"{tag} written twice"
+        self.histograms[tag] = {
+            "min": min, "max": max, "num": num, "sum": sum, "sum_squares": sum_squares,
+            "bucket_limits": list(bucket_limits), "bucket_counts": list(bucket_counts), "global_step": global_step,
+        }
+
+
+def test_fake_writer_has_the_signature_of_summary_writer() -> None:
+    """add_histogram_raw's parameters as torch declares them (read from its source:
+    importing torch.utils.tensorboard needs the tensorboard package)."""
+    import ast
+    import inspect
+
+    source = Path(torch.__file__).parent / "utils" / "tensorboard" / "writer.py"
+    tree = ast.parse(source.read_text())
+    (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "add_histogram_raw"]
+    declared = [a.arg for a in fn.args.args]
+    assert declared == list(inspect.signature(FakeHistogramWriter.add_histogram_raw).parameters)
+
+
+def histogram_report(g: torch.Generator, *, plant: bool) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A Monitor(histogram=True) report after two steps, and copies of the
+    tensors it scanned at the last one; `plant` puts a NaN, a +inf and a -inf
+    into the last step's gradient of 2.weight."""
+    from zeroscan import Monitor
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, opt, histogram=True) as mon:
+        for step in range(2):
+            opt.zero_grad()
+            scale = 10.0 ** float(torch.randint(-3, 3, (), generator=g))
+            model(torch.randn(8, 4, generator=g) * scale).square().mean().backward()
+            if plant and step == 1:
+                grad = model[2].weight.grad
+                grad[0, 0], grad[1, 1], grad[2, 2] = math.nan, math.inf, -math.inf
+            scanned = {}
+            for name, p in model.named_parameters():
+                scanned[f"grad:{name}"] = p.grad.detach().clone()
+                scanned[f"weight:{name}"] = p.detach().clone()
+            opt.step()
+        report = mon.report()
+    return report, scanned
+
+
+def assert_buckets_are_the_exact_counts(call: dict[str, Any], t: torch.Tensor) -> None:
+    """Each bucket holds exactly the values of t whose |x| lies in it: 0 for
+    the limit 0, (0, tiny) for the dtype's tiny, [previous, limit) above."""
+    from zeroscan.histogram import reference_histogram
+
+    a = t.detach().double().abs().flatten()
+    a = a[torch.isfinite(a)]
+    limits, counts = call["bucket_limits"], call["bucket_counts"]
+    tiny = torch.finfo(t.dtype).tiny
+    assert len(limits) == len(counts) and limits[:2] == [0.0, tiny]
+    assert all(lo < hi for lo, hi in zip(limits, limits[1:]))
+    assert all(math.log2(limit) == int(math.log2(limit)) for limit in limits[1:])  # powers of two
+    want = [int((a == 0).sum()), int(((a > 0) & (a < tiny)).sum())]
+    want += [int(((a >= lo) & (a < hi)).sum()) for lo, hi in zip(limits[1:], limits[2:])]
+    assert counts == want
+    assert sum(counts) == call["num"] == a.numel() == t.numel() - int((~torch.isfinite(t)).sum())
+    ref = reference_histogram(t)
+    by_limit = dict(zip(limits, counts))
+    assert by_limit[0.0] == ref.zeros and by_limit[tiny] == ref.subnormal
+    for e, n in zip(ref.exponents.tolist(), ref.counts.tolist()):
+        assert by_limit.get(2.0 ** (e + 1), 0) == n, f"binade 2^{e}"
+    finite = t.detach().double().flatten()
+    finite = finite[torch.isfinite(finite)]
+    assert call["min"] == float(t.detach().double().abs()[~torch.isnan(t)].min())
+    # The scan's moments of float32 data agree with float64 torch to ~1e-6 (helpers.rtol_for).
+    assert call["sum"] == pytest.approx(float(finite.sum()), rel=1e-6, abs=1e-9 * float(finite.abs().sum()))
+    assert call["sum_squares"] == pytest.approx(float(finite.square().sum()), rel=1e-6)
+
+
+def test_tensorboard_histograms_are_the_exact_counts() -> None:
+    report, scanned = histogram_report(fresh_generator(), plant=False)
+    w = FakeHistogramWriter()
+    n = log_tensorboard(w, report, kinds=("grad", "weight"))
+    assert set(w.histograms) == {f"zeroscan.{key.replace(':', '_magnitude/', 1)}" for key in scanned}
+    for key, t in scanned.items():
+        kind, name = key.split(":", 1)
+        call = w.histograms[f"zeroscan.{kind}_magnitude/{name}"]
+        assert call["global_step"] == report.step == 1
+        assert_buckets_are_the_exact_counts(call, t)
+        assert call["max"] == float(t.double().abs().max())
+    scalar_calls = {tag: value for tag, value, _ in w.calls}
+    assert n == len(w.calls) + len(w.histograms) == len(scalars(report, kinds=("grad", "weight"))) + 3 * len(scanned)
+    for key in scanned:
+        kind, name = key.split(":", 1)
+        assert scalar_calls[f"zeroscan.{kind}_nan/{name}"] == 0.0 and scalar_calls[f"zeroscan.{kind}_inf/{name}"] == 0.0
+    grads_only = FakeHistogramWriter()
+    log_tensorboard(grads_only, report)
+    assert set(grads_only.histograms) == {tag for tag in w.histograms if tag.startswith("zeroscan.grad_")}
+
+
+def test_tensorboard_histograms_leave_nan_and_inf_to_scalars() -> None:
+    report, scanned = histogram_report(fresh_generator(), plant=True)
+    w = FakeHistogramWriter()
+    log_tensorboard(w, report, kinds=("grad",))
+    t = scanned["grad:2.weight"]
+    call = w.histograms["zeroscan.grad_magnitude/2.weight"]
+    assert_buckets_are_the_exact_counts(call, t)
+    assert call["num"] == t.numel() - 3
+    top = max(k for k, c in enumerate(call["bucket_counts"]) if c)
+    assert call["max"] == call["bucket_limits"][top]  # the inf hides the largest finite |x|: the bucket's limit
+    assert call["max"] > float(t[torch.isfinite(t)].abs().max())
+    scalar_calls = {tag: value for tag, value, _ in w.calls}
+    assert scalar_calls["zeroscan.grad_nan/2.weight"] == 1.0 and scalar_calls["zeroscan.grad_inf/2.weight"] == 2.0
+    assert scalar_calls["zeroscan.grad_nan/0.weight"] == 0.0
+    # A report replayed from its JSON (inf and NaN became null) draws the same histograms.
+    from zeroscan.report_data import json_safe
+
+    replay = FakeHistogramWriter()
+    log_tensorboard(replay, json.loads(json.dumps(json_safe(report.to_dict()))), kinds=("grad",))
+    assert replay.histograms == w.histograms and replay.calls == w.calls
+
+
+def test_tensorboard_histograms_need_add_histogram_raw() -> None:
+    report, _ = histogram_report(fresh_generator(), plant=False)
+    w = FakeWriter()
+    with pytest.raises(TypeError, match="writer must have add_histogram_raw .* got FakeWriter; pass histograms=False"):
+        log_tensorboard(w, report)
+    assert w.calls == []  # nothing written by the call that failed
+    n = log_tensorboard(w, report, histograms=False)
+    assert n == len(w.calls) and dict((t, v) for t, v, _ in w.calls) == scalars(report)
+    with pytest.raises(TypeError, match="log_tensorboard_histograms: writer must have add_histogram_raw"):
+        loggers.log_tensorboard_histograms(w, report)
+
+
+def test_magnitude_histogram_at_the_edges_of_the_range() -> None:
+    """float64's top binade ends at inf; a tensor of zeros and NaN has no binade;
+    one of NaN alone has nothing to draw."""
+    hist = {"min_exponent": -1022, "max_exponent": 1023, "binades": {"1023": 2, "-1022": 1, "0": 3},
+            "zeros": 1, "subnormal": 4, "posinf": 0, "neginf": 0, "nan": 0}
+    t = {"name": "w", "kind": "grad", "numel": 11, "nan": 0, "inf": 0, "mean": 1.0, "norm": 2.0,
+         "min_abs": 0.0, "max_abs": 1.7e308, "histogram": hist}
+    raw = loggers.magnitude_histogram(t)
+    assert raw is not None
+    assert raw.bucket_limits[:3] == [0.0, 2.0**-1022, 2.0**-1021] and raw.bucket_limits[-1] == math.inf
+    assert len(raw.bucket_limits) == 2 + 2046 and sum(raw.bucket_counts) == raw.num == 11
+    by_limit = dict(zip(raw.bucket_limits, raw.bucket_counts))
+    edges = (0.0, 2.0**-1022, 2.0**-1021, 2.0, math.inf)
+    assert [by_limit[limit] for limit in edges] == [1, 4, 1, 3, 2]
+    assert (raw.min, raw.max, raw.sum, raw.sum_squares) == (0.0, 1.7e308, 11.0, 4.0)
+    zeros = dict(hist, binades={}, zeros=5, subnormal=0, nan=2)
+    raw = loggers.magnitude_histogram(dict(t, histogram=zeros, numel=7, min_abs=0.0, max_abs=0.0))
+    assert raw is not None and raw.bucket_limits == [0.0, 2.0**-1022] and raw.bucket_counts == [5, 0]
+    assert loggers.magnitude_histogram(dict(t, histogram=dict(zeros, zeros=0))) is None
+    assert loggers.magnitude_histogram({k: v for k, v in t.items() if k != "histogram"}) is None
+
+
+def test_tensorboard_histograms_real_summary_writer(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    report, scanned = histogram_report(fresh_generator(), plant=True)
+    with SummaryWriter(str(tmp_path)) as writer:
+        log_tensorboard(writer, report)
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    (event,) = acc.Histograms("zeroscan.grad_magnitude/2.weight")
+    assert event.step == report.step and event.histogram_value.num == scanned["grad:2.weight"].numel() - 3
+    (nan,) = acc.Scalars("zeroscan.grad_nan/2.weight")
+    assert nan.value == 1.0

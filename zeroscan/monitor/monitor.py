@@ -17,8 +17,11 @@ from torch import nn
 from zeroscan.monitor import records
 from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched
 from zeroscan.monitor.causes import CauseFinder, cleared_cause, output_grad_fns, unregistered_state
+from zeroscan.monitor.histograms import check_histogram, free_earlier_fields, latest_histograms
 from zeroscan.monitor.ranks import RankExchange, check_group
-from zeroscan.monitor.records import StepRecord, decode_records, grad_row, renumber, softmax_gap, unit_peak, weight_row
+from zeroscan.monitor.records import (
+    Scan, StepRecord, decode_records, grad_row, renumber, softmax_gap, unit_peak, weight_row,
+)
 from zeroscan.monitor.report import Report, Thresholds
 from zeroscan.monitor.rules import OptimizerView, judge
 from zeroscan.monitor.series import history, tensor_rows
@@ -55,6 +58,9 @@ class Monitor:
         merged and replicas compared across the group's ranks (see the module
         doc). Every DTensor parameter's device mesh must hold exactly the
         group's ranks. None (the default): this rank alone.
+    histogram: also count, in the same scans, the exact log2-magnitude
+        histogram of every gradient and weight (Report.histograms; see
+        histograms.py for what it keeps). Not with a process_group yet.
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class Monitor:
         auto: bool = True,
         thresholds: Thresholds | None = None,
         process_group: dist.ProcessGroup | None = None,
+        histogram: bool = False,
     ) -> None:
         op = "zeroscan.Monitor"
         if not isinstance(model, nn.Module):
@@ -86,6 +93,7 @@ class Monitor:
         self.thresholds = thresholds or Thresholds()
         self._params = records.collect_params(model)
         group = check_group(op, process_group, self._params)
+        self.histogram = check_histogram(op, histogram, group)
         self._ranks = None if group is None else RankExchange(group, self._params, self.thresholds.replica_rtol)
         self._causes = CauseFinder(model, self._params)
         self._records: deque[StepRecord] = deque(maxlen=history)
@@ -264,6 +272,8 @@ class Monitor:
                 record.gather = self._ranks.start(
                     record.step, record.groups, record.sharded, record.uncounted, record.cleared
                 )
+            if self.histogram:
+                free_earlier_fields(self._records, record)
             self._records.append(record)
         self._count += 1
         self._causes.step_finished(monitored)
@@ -301,26 +311,24 @@ class Monitor:
         """Scans `tensors` (at Slot rows `slots`) into `record`."""
         with torch.no_grad():
             if self._ranks is None:
-                record.groups += self._run(tensors, slots, record)
+                record.add(self._run(tensors, slots, record))
             else:
                 local, sharded, uncounted = self._ranks.local_parts(tensors, slots)
-                record.groups += self._run(local, slots, record)
+                record.add(self._run(local, slots, record))
                 record.sharded += sharded
                 record.uncounted += uncounted
 
-    def _run(
-        self, tensors: list[torch.Tensor], slots: list[int], record: StepRecord
-    ) -> list[tuple[list[int], torch.Tensor]]:
+    def _run(self, tensors: list[torch.Tensor], slots: list[int], record: StepRecord) -> list[Scan]:
         if not tensors:
             return []
         if self._fast:
             try:
-                return [(slots, records.native_many(tensors))]
+                return [records.scan_one_device(tensors, slots, self.histogram)]
             except (RuntimeError, ValueError, TypeError):
                 # Several devices, or a tensor that needs preparing or cannot be scanned
                 # (scan_by_device leaves that one out): from now on, one scan per device.
                 self._fast = False
-        return records.scan_by_device(tensors, slots, self._params, record)
+        return records.scan_by_device(tensors, slots, self._params, record, self.histogram)
 
     # ---- reporting -------------------------------------------------------
 
@@ -351,7 +359,10 @@ class Monitor:
         findings = judge(self._params, recorded, self.thresholds, self._optimizer_view(), unregistered_state(self.model))
         latest = judged_records(self._params, recorded)[-1]
         shown = history_records(self._params, recorded)
-        return Report(latest.step, findings, tensor_rows(self._params, latest), history(self._params, shown))
+        return Report(
+            latest.step, findings, tensor_rows(self._params, latest), history(self._params, shown),
+            latest_histograms(self._params, latest),
+        )
 
     def _decode(self, recorded: list[StepRecord]) -> None:
         """Reads the records back: this rank's rows, or the global rows across ranks."""

@@ -4,7 +4,9 @@ A `Slot` is one scanned tensor of a parameter: its gradient or its weight,
 numbered by `Slot.row` (2 per parameter). A `Param` is a parameter as the
 Monitor knows it. A `StepRecord` holds one monitored step's raw result
 buffers, still on their devices, until report() reads them back (one copy
-per device, none on the CPU) into a RowTable (table.py).
+per device, none on the CPU) into a RowTable (table.py). With
+Monitor(histogram=True) the same scans also count each tensor's histogram
+fields, kept beside the rows (`StepRecord.fields`) and read back with them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from torch import nn
 
 from zeroscan import distributed as zdist
-from zeroscan.monitor.table import RowTable
+from zeroscan.monitor.table import FieldBlock, RowTable
 from zeroscan.ops import scannable_form
 from zeroscan.record import NUM_FIELDS, Row, decode
 
@@ -94,13 +96,23 @@ class Unscanned(NamedTuple):
         return self.name if self.kind == "weight" else f"the gradient of {self.name}"
 
 
+class Scan(NamedTuple):
+    """One native scan of tensors on one device, not read: their Slot rows,
+    their result rows int64 [K, 16] and, when the histograms are counted,
+    their histogram fields."""
+
+    slots: list[int]
+    rows: torch.Tensor
+    fields: FieldBlock | None
+
+
 class StepRecord:
     """One monitored step: raw result buffers (still on their devices) and
     what the Python side knew at that step."""
 
     __slots__ = (
-        "step", "stepped", "groups", "requires_grad", "none_causes", "activations", "notes", "unscanned", "rows",
-        "acts", "gather", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared",
+        "step", "stepped", "groups", "fields", "requires_grad", "none_causes", "activations", "notes", "unscanned",
+        "rows", "acts", "gather", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared",
     )
 
     def __init__(self, step: int) -> None:
@@ -112,6 +124,9 @@ class StepRecord:
         # Per device: Slot rows (Slot.row), int64 [N, 16]. Groups scanned later (a
         # gradient changed between the end of backward and the step) come later and win.
         self.groups: list[tuple[list[int], torch.Tensor]] = []
+        # Beside each group: its histogram fields, on its device until decoded (then
+        # the RowTable holds them), or None (scanned without, or dropped).
+        self.fields: list[FieldBlock | None] = []
         self.requires_grad: tuple[bool, ...] = ()
         self.none_causes: dict[int, tuple[str, str]] = {}  # param -> (cause, message)
         self.activations: list[tuple[str, str, torch.Tensor]] = []  # name, "relu"|"softmax", [2, 16]
@@ -132,6 +147,18 @@ class StepRecord:
         # Parameters whose gradient existed when backward ended but was gone at the
         # step (zero_grad() in between).
         self.cleared: list[int] = []
+
+    def add(self, scans: list[Scan]) -> None:
+        """Keeps the results of `scans`, later than those kept so far."""
+        for scan in scans:
+            self.groups.append((scan.slots, scan.rows))
+            self.fields.append(scan.fields)
+
+    def drop_histograms(self) -> None:
+        """Frees this step's histogram fields, on the device or decoded."""
+        self.fields = [None] * len(self.groups)
+        if self.rows is not None:
+            self.rows.drop_histograms()
 
     def row(self, slot: Slot) -> Row | None:
         """The decoded fields of `slot` at this step, or None if not scanned."""
@@ -168,9 +195,23 @@ def native_many(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.ops.zeroscan.stats_many.default(tensors, None)
 
 
+def native_many_hist(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """native_many that also counts each tensor's histogram in the same pass:
+    rows int64 [N, 16] and fields int64 [N, B] (zeroscan.histogram), not read."""
+    return torch.ops.zeroscan.stats_many_hist.default(tensors, None)
+
+
+def scan_one_device(tensors: list[torch.Tensor], slots: list[int], histogram: bool) -> Scan:
+    """One native call over `tensors` (at Slot rows `slots`), all on one device."""
+    if not histogram:
+        return Scan(slots, native_many(tensors), None)
+    rows, fields = native_many_hist(tensors)
+    return Scan(slots, rows, FieldBlock(fields, tuple(t.dtype for t in tensors)))
+
+
 def scan_by_device(
-    tensors: list[torch.Tensor], slots: list[int], params: list[Param], record: StepRecord
-) -> list[tuple[list[int], torch.Tensor]]:
+    tensors: list[torch.Tensor], slots: list[int], params: list[Param], record: StepRecord, histogram: bool = False
+) -> list[Scan]:
     """One native scan per device of what can be scanned of `tensors` (at
     Slot rows `slots`; see zeroscan.ops.scannable_form): a tensor that
     cannot be scanned goes to record.unscanned, and the rest is scanned."""
@@ -187,7 +228,7 @@ def scan_by_device(
     groups = []
     for group_slots, group in by_device.values():
         try:
-            groups.append((group_slots, native_many(group)))
+            groups.append(scan_one_device(group, group_slots, histogram))
         except (RuntimeError, ValueError, TypeError) as err:
             for row in group_slots:
                 record.notes.append((slot_label(params, row), f"not scanned: {err}"))
@@ -222,13 +263,17 @@ def softmax_gap(out: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
 def decode_records(records: list[StepRecord], *, own_rows: bool = True) -> None:
     """Reads back every record not decoded yet: one copy per device (none for
-    the CPU, whose buffers are read where they are) into a RowTable per record.
-    own_rows=False decodes the activations only (the rows come from elsewhere)."""
+    the CPU, whose buffers are read where they are) into a RowTable per record,
+    the histogram fields with the rows. own_rows=False decodes the activations
+    only (the rows come from elsewhere)."""
     pending: list[tuple[StepRecord, str, int, torch.Tensor]] = []
     for r in records:
         if r.rows is None:
             for k, (_, buf) in enumerate(r.groups if own_rows else []):
                 pending.append((r, "group", k, buf))
+                block = _block(r, k)
+                if block is not None:
+                    pending.append((r, "fields", k, block.fields))
             for k, (_, _, buf) in enumerate(r.activations):
                 pending.append((r, "act", k, buf))
     by_device: dict[torch.device, list[tuple[StepRecord, str, int, torch.Tensor]]] = {}
@@ -236,29 +281,48 @@ def decode_records(records: list[StepRecord], *, own_rows: bool = True) -> None:
         by_device.setdefault(item[3].device, []).append(item)
     host: dict[tuple[int, str, int], np.ndarray] = {}
     for device, items in by_device.items():
-        buffers = [buf.detach().reshape(-1, NUM_FIELDS) for *_, buf in items]
+        # Rows are [K, 16] and fields [K, B]: copied flat, in one piece per device.
+        buffers = [buf.detach() if what == "fields" else buf.detach().reshape(-1, NUM_FIELDS)
+                   for _, what, _, buf in items]
         if device.type != "cpu":
-            copied = torch.cat(buffers).to("cpu")
-            buffers = list(copied.split([b.shape[0] for b in buffers]))
+            copied = torch.cat([b.reshape(-1) for b in buffers]).to("cpu")
+            pieces = copied.split([b.numel() for b in buffers])
+            buffers = [piece.reshape(b.shape) for piece, b in zip(pieces, buffers)]
         for (r, what, k, _), buf in zip(items, buffers):
             host[(id(r), what, k)] = buf.numpy()
     for r in records:
         if r.rows is not None:
             continue
         groups = []
+        blocks: list[FieldBlock | None] = []
         for k, (slots, _) in enumerate(r.groups if own_rows else []):
             rows = np.array(slots, dtype=np.int64)
             words = host[(id(r), "group", k)]
             kept = rows >= 0  # a Slot row of a parameter gone from the model is -1 or -2
             groups.append((rows, words) if kept.all() else (rows[kept], words[kept]))
+            blocks.append(_host_block(_block(r, k), host.get((id(r), "fields", k)), kept))
         acts = []
         for k, (name, tag, _) in enumerate(r.activations):
             output, unit = decode(torch.from_numpy(host[(id(r), "act", k)]))
             acts.append(Activation(name, tag, output, unit))
-        r.rows = RowTable(groups)
+        r.rows = RowTable(groups, blocks)
+        r.fields = [None] * len(r.groups)  # the table holds them now: the device copies go
         r.acts = acts
         for i in r.cleared:  # gone before the step: not the step's gradients
             r.rows.clear(grad_row(i))
+
+
+def _block(r: StepRecord, k: int) -> FieldBlock | None:
+    return r.fields[k] if k < len(r.fields) else None
+
+
+def _host_block(block: FieldBlock | None, fields: np.ndarray | None, kept: np.ndarray) -> FieldBlock | None:
+    """A group's FieldBlock with its fields read back, for the rows `kept`."""
+    if block is None or fields is None:
+        return None
+    if kept.all():
+        return FieldBlock(fields, block.dtypes)
+    return FieldBlock(fields[kept], tuple(d for d, keep in zip(block.dtypes, kept.tolist()) if keep))
 
 
 def renumber(r: StepRecord, new_index: dict[int, int], requires_grad: tuple[bool, ...]) -> None:

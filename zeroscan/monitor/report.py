@@ -3,7 +3,8 @@
 A Finding is one thing wrong (or worth knowing) about one tensor, named by a
 zeroscan.Cause; Thresholds say what counts as a problem; a Report holds the
 findings of one report() call, ranked by severity, with the latest scan of
-every tensor and the per-step history.
+every tensor, the per-step history and, with Monitor(histogram=True), the
+latest histogram of every gradient and weight.
 """
 
 from __future__ import annotations
@@ -13,10 +14,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from zeroscan.histogram import Histogram
 from zeroscan.report_data import json_safe
 from zeroscan.verdicts import MOSTLY_ZERO, PARTIAL_UNDERFLOW, Cause, Severity, check_fraction
 
 GLOBAL_NAME = "(all parameters)"  # the name of findings about the whole model
+
+
+def histogram_key(name: str, kind: str) -> str:
+    """How Report.histograms names a tensor: "fc1.weight:grad" for the
+    gradient of fc1.weight, "fc1.weight:weight" for the weight itself (the
+    Monitor's notes name tensors alike)."""
+    return f"{name}:{kind}"
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,13 @@ class Thresholds:
 
 class Report:
     """What the Monitor saw: findings ranked by severity, the latest scan of
-    every tensor, and the per-step history (see to_dict for the schema)."""
+    every tensor, and the per-step history (see to_dict for the schema).
+
+    histograms: with Monitor(histogram=True), the exact log2-magnitude
+    histogram (zeroscan.histogram.Histogram) of every gradient and weight of
+    the report's step, by histogram_key ("fc1.weight:grad",
+    "fc1.weight:weight"); {} otherwise.
+    """
 
     def __init__(
         self,
@@ -137,11 +152,13 @@ class Report:
         findings: list[Finding],
         tensors: list[dict[str, Any]],
         history: dict[str, Any],
+        histograms: dict[str, Histogram] | None = None,
     ) -> None:
         self.step = step
         self.findings = findings
         self.tensors = tensors
         self.history = history
+        self.histograms: dict[str, Histogram] = dict(histograms or {})
 
     @property
     def worst(self) -> Severity:
@@ -157,13 +174,16 @@ class Report:
         """{"step", "findings": [Finding.to_dict(), with "ranks" where a finding
         names ranks], "tensors": [per tensor:
         name, kind, numel, zero_fraction, subnormal_fraction,
-        near_zero_fraction, nan, inf, norm, mean, std, min_abs, max_abs],
-        "history": {"steps", "names", "grad_norm", "zero_fraction",
-        "underflow_fraction"}}; floats are Python floats, nan where unknown."""
+        near_zero_fraction, nan, inf, norm, mean, std, min_abs, max_abs; and,
+        where the report has the tensor's histogram, "histogram"
+        (Histogram.to_dict()) with "dtype", the dtype it counts (a complex
+        tensor's real one): float32 and bfloat16 share binades], "history": {"steps", "names", "grad_norm",
+        "zero_fraction", "underflow_fraction"}}; floats are Python floats,
+        nan where unknown."""
         return {
             "step": self.step,
             "findings": [f.to_dict() for f in self.findings],
-            "tensors": [dict(t) for t in self.tensors],
+            "tensors": [self._tensor_dict(t) for t in self.tensors],
             "history": {
                 "steps": list(self.history["steps"]),
                 "names": list(self.history["names"]),
@@ -173,6 +193,15 @@ class Report:
             },
         }
 
+    def _tensor_dict(self, t: dict[str, Any]) -> dict[str, Any]:
+        """One entry of to_dict()["tensors"]: the tensor's row, with its histogram if any."""
+        out = dict(t)
+        hist = self.histograms.get(histogram_key(str(t["name"]), str(t["kind"]))) if self.histograms else None
+        if hist is not None:
+            out["dtype"] = str(hist.dtype).removeprefix("torch.")  # the counts mean nothing without it
+            out["histogram"] = hist.to_dict()
+        return out
+
     def to_json_lines(self) -> str:
         """One JSON object per line: each finding ("type": "finding") then each
         tensor ("type": "tensor"), all with "step". NaN and inf become null."""
@@ -180,7 +209,7 @@ class Report:
         for f in self.findings:
             lines.append({"type": "finding", "step": self.step, **f.to_dict()})
         for t in self.tensors:
-            lines.append({"type": "tensor", "step": self.step, **t})
+            lines.append({"type": "tensor", "step": self.step, **self._tensor_dict(t)})
         return "".join(json.dumps(json_safe(line), allow_nan=False) + "\n" for line in lines)
 
     def plot(self, path: str) -> Any:

@@ -7,16 +7,33 @@ per Slot row (see records.Slot.row), where its latest row is: a dict of
 fields is made only for a row read alone, and whole columns are read with
 numpy (`gather`, `fields`), by the same formulas as zeroscan.record's
 finish_row, so that every value is bit for bit the one a Row would hold.
+With Monitor(histogram=True) each group also has its histogram fields
+(`FieldBlock`), found by the same Slot row lookup as its rows, so that a
+histogram always goes with the row it was scanned beside.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any, NamedTuple
 
+import numpy as np
+import torch
+
+from zeroscan.histogram import Histogram
 from zeroscan.record import COUNTS, FLOATS, NONFINITE, NUM_FIELDS, Column, Row, finish_row
 
 ScannedRow = tuple[Row, tuple[int, ...]]  # a decoded row and its raw int64 words
 ABSENT = -1
+
+
+class FieldBlock(NamedTuple):
+    """The histogram fields of one scan group (zeroscan.histogram): int64
+    [K, B], a tensor on the scanned device until decoded and a numpy array
+    after, and the dtype each of its K tensors was scanned as (the fields
+    mean nothing without it)."""
+
+    fields: Any
+    dtypes: tuple[torch.dtype, ...]
 
 
 def row_of_words(words: np.ndarray) -> Row:
@@ -29,14 +46,18 @@ class RowTable:
     (slot rows int64 [K], words int64 [K, 16]), oldest first: a slot in
     several groups takes the last group's row, and the row it replaced is
     kept as the slot's row `before` (what the step's optimizer-time scan
-    replaced of the scan when backward ended)."""
+    replaced of the scan when backward ended). `blocks`, when given, holds
+    each group's histogram fields (None for a group scanned without)."""
 
-    __slots__ = ("_words", "_group", "_pos", "_before_group", "_before_pos", "_nonfinite")
+    __slots__ = ("_words", "_blocks", "_group", "_pos", "_before_group", "_before_pos", "_nonfinite")
 
-    def __init__(self, groups: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    def __init__(
+        self, groups: list[tuple[np.ndarray, np.ndarray]], blocks: list[FieldBlock | None] | None = None
+    ) -> None:
         size = max((int(rows.max()) + 1 for rows, _ in groups if rows.size), default=0)
         size += size % 2  # a grad and a weight row per parameter
         self._words = [words for _, words in groups]
+        self._blocks: list[FieldBlock | None] = list(blocks) if blocks is not None else [None] * len(groups)
         self._group = np.full(size, ABSENT, dtype=np.int8)
         self._pos = np.zeros(size, dtype=np.int32)
         self._before_group = np.full(size, ABSENT, dtype=np.int8)
@@ -65,6 +86,26 @@ class RowTable:
     def row(self, row: int, *, before: bool = False) -> Row | None:
         words = self.words(row, before=before)
         return None if words is None else row_of_words(words)
+
+    @property
+    def has_histograms(self) -> bool:
+        return any(b is not None for b in self._blocks)
+
+    def histogram(self, row: int) -> Histogram | None:
+        """The histogram of Slot row `row` at this step, from the same scan as
+        its row; None if absent or scanned without one."""
+        if not 0 <= row < self._group.size or self._group[row] == ABSENT:
+            return None
+        block = self._blocks[self._group[row]]
+        if block is None:
+            return None
+        pos = self._pos[row]
+        words = self._words[self._group[row]][pos]
+        return Histogram.from_fields(block.dtypes[pos], block.fields[pos], row_of_words(words))
+
+    def drop_histograms(self) -> None:
+        """Frees the histogram fields (a later step's are the ones reported)."""
+        self._blocks = [None] * len(self._words)
 
     def __getitem__(self, slot: tuple[int, str]) -> ScannedRow:
         """(Row, raw words) of a records.Slot; KeyError if it was not scanned."""
@@ -116,6 +157,7 @@ class RowTable:
         keep = target >= 0
         table = RowTable([])
         table._words = self._words
+        table._blocks = self._blocks
         for name in ("_group", "_pos", "_before_group", "_before_pos"):
             old = getattr(self, name)
             new = np.full(size, ABSENT, dtype=old.dtype) if "group" in name else np.zeros(size, dtype=old.dtype)
