@@ -444,6 +444,7 @@ def scan_checkpoint(
     mostly_zero: float = 0.9,
     progress: ProgressFn | None = None,
     batch_bytes: int = 64 << 20,
+    histogram: bool = False,
 ) -> CheckpointScan:
     """Scans every tensor of a checkpoint (anything open_checkpoint opens: a
     file, a sharded model, a torch.distributed.checkpoint folder) and
@@ -465,10 +466,16 @@ def scan_checkpoint(
     the page cache stays within a few batches, whatever the checkpoint's
     size. `progress(done, total)` is called in bytes, over the whole
     checkpoint, after each batch.
+
+    `histogram=True` also counts each tensor's log2-magnitude histogram in
+    the same pass (zeroscan.histogram; a tensor in pieces: the sum of its
+    pieces'), and each row gets it as "histogram": Histogram.to_dict().
     """
     from zeroscan.diagnosis import Severity, diagnose_stats
     from zeroscan.roles import judge_in_role, tensor_role
+    from zeroscan.stats import check_flag
 
+    check_flag("zeroscan.scan_checkpoint", "histogram", histogram)
     with open_checkpoint(path) as ckpt:
         total = ckpt.nbytes
         rows: list[dict[str, object]] = []
@@ -492,7 +499,7 @@ def scan_checkpoint(
             if progress is not None:
                 progress(done, total)
 
-        scanner = BatchScanner(batch_bytes, tol, on_result, on_step)
+        scanner = BatchScanner(batch_bytes, tol, on_result, on_step, histogram=histogram)
         try:
             for entry, source in ckpt.scan_items(batch_bytes):
                 if isinstance(source, str):
@@ -534,7 +541,7 @@ def scan_row(
 ) -> dict[str, object]:
     numel = int(s["numel"])  # type: ignore[call-overload]
     zeros = int(s["zeros"])  # type: ignore[call-overload]
-    return {
+    row: dict[str, object] = {
         "name": entry.name,
         "shard": entry.shard,
         "dtype": entry.dtype,
@@ -559,3 +566,6 @@ def scan_row(
         "severity": severity,
         "reason": reason,
     }
+    if "histogram" in s:  # scanned with histogram=True
+        row["histogram"] = s["histogram"]
+    return row

@@ -18,7 +18,8 @@ scanned batch's pages from this process (MADV_DONTNEED: they stay in the
 page cache), so memory beyond the page cache stays within a few batches
 whatever the checkpoint's size. A tensor larger than a batch is scanned in
 pieces whose rows are merged with combine_rows: counts and min/max exactly,
-the moments as the native scan merges its own chunks.
+the moments as the native scan merges its own chunks. Scanned with
+histograms, the pieces' histograms are summed (exact counts).
 
 Where each tensor lies comes from the format: a safetensors header gives its
 byte range; torch.load(mmap=True) maps a torch.save zip file without reading
@@ -44,8 +45,9 @@ from typing import NamedTuple
 
 import torch
 
+from zeroscan.histogram import Histogram
 from zeroscan.ops import scannable_form
-from zeroscan.stats import Readout, Stats, stats_many, stats_many_mapped
+from zeroscan.stats import Readout, Stats, TensorMeta, stats_many, stats_many_mapped
 
 MAX_BATCH_TENSORS = 1024  # tensors per native call
 
@@ -320,16 +322,22 @@ class BatchScanner:
 
     A batch is scanned when the next one is complete, after asking the kernel
     to read that next batch's pages ahead: on a cold page cache the disk
-    reads one batch while the threads scan the other."""
+    reads one batch while the threads scan the other.
 
-    def __init__(self, batch_bytes: int, tol: float | None, on_result: ResultFn, on_step: StepFn) -> None:
+    With `histogram` each Stats also has its tensor's histogram, counted in
+    the same native call (a tensor in pieces: the sum of its pieces')."""
+
+    def __init__(self, batch_bytes: int, tol: float | None, on_result: ResultFn, on_step: StepFn, *,
+                 histogram: bool = False) -> None:
         self.capacity = max(64, batch_bytes)
         self.tol = tol
+        self.histogram = histogram
         self.on_result = on_result
         self.on_step = on_step
         self.batch = Batch()
         self._pending: Batch | None = None
         self._piece_rows: list[torch.Tensor] = []
+        self._piece_histograms: list[Histogram] = []
 
     def add(self, name: str, source: FileSource | torch.Tensor | TensorPiece, weight: int) -> None:
         """A tensor to scan, as a checkpoint's scan_items() gives it (ScanSource, less the skip reasons)."""
@@ -448,9 +456,9 @@ class BatchScanner:
     def _scan(self, batch: Batch) -> None:
         xs = [t for _, t, _, _ in batch.items]
         if batch.file is None:
-            results = stats_many(xs, tol=self.tol)
+            results = stats_many(xs, tol=self.tol, histogram=self.histogram)
         else:
-            results, faulted = stats_many_mapped(xs, tol=self.tol)
+            results, faulted = stats_many_mapped(xs, tol=self.tol, histogram=self.histogram)
             if faulted:
                 name, _, where, _ = batch.items[faulted[0]]
                 assert where is not None
@@ -462,13 +470,40 @@ class BatchScanner:
                 self.on_result(name, s)
                 continue
             self._piece_rows.append(s.buffer)
+            if self.histogram:
+                self._piece_histograms.append(s.histogram)  # type: ignore[arg-type]  # scanned with one
             if piece.index == piece.count - 1:
-                rows = torch.stack(self._piece_rows).unsqueeze(1)  # [pieces, 1 tensor, 16]
-                self._piece_rows = []
-                merged = torch.ops.zeroscan.combine_rows.default(rows)[0]
-                meta = (piece.dtype, piece.shape, torch.device("cpu"))
-                self.on_result(name, Stats(Readout(merged), 0, meta, self.tol))
+                self.on_result(name, self._merge_pieces(piece))
         self.on_step(batch.weight)
+
+    def _merge_pieces(self, last: Piece) -> Stats:
+        """The Stats of a tensor from its pieces' rows (and histograms), which are then forgotten."""
+        rows = torch.stack(self._piece_rows).unsqueeze(1)  # [pieces, 1 tensor, 16]
+        self._piece_rows = []
+        merged = torch.ops.zeroscan.combine_rows.default(rows)[0]
+        meta = (last.dtype, last.shape, torch.device("cpu"))
+        if not self.histogram:
+            return Stats(Readout(merged), 0, meta, self.tol)
+        first, *others = self._piece_histograms
+        self._piece_histograms = []
+        histogram = sum(others, first)
+        return MergedStats(Readout(merged), meta, self.tol, histogram)
+
+
+class MergedStats(Stats):
+    """The Stats of a tensor scanned in pieces: their rows merged into one
+    (combine_rows), and the sum of their histograms, which no native field
+    row of the whole tensor holds."""
+
+    __slots__ = ("_histogram",)
+
+    def __init__(self, readout: Readout, meta: TensorMeta, tol: float | None, histogram: Histogram) -> None:
+        super().__init__(readout, 0, meta, tol)
+        self._histogram = histogram
+
+    @property
+    def histogram(self) -> Histogram:
+        return self._histogram
 
 
 def scan_form(x: torch.Tensor) -> torch.Tensor:

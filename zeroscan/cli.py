@@ -1,6 +1,7 @@
 """The `zeroscan` command: scan checkpoints, tour the verdicts.
 
     zeroscan scan PATH...            a table per checkpoint
+    zeroscan scan --histogram PATH   ... and where each tensor's |x| lie, binade by binade
     zeroscan scan a.pt b.pt --diff   which tensors changed, which stayed bit-identical
     zeroscan demo                    a short tour of every verdict on built-in examples
 
@@ -36,9 +37,22 @@ whatever --limit says, in file order unless --sort is given:
      "summary": {"files", "tensors", "skipped", "findings": {"info", "warning", "error"}, "worst"}}
     ROW: {"name", "dtype", "shape", "numel", "zeros", "zero_fraction", "subnormal", "near_zero",
           "nan", "posinf", "neginf", "negative", "min_abs", "min_abs_nonzero", "max_abs",
-          "mean", "std", "norm", "verdict", "role", "severity", "reason", "shard"}
+          "mean", "std", "norm", "verdict", "role", "severity", "reason", "shard", "histogram"?}
+    HISTOGRAM: {"min_exponent", "max_exponent", "binades": {"E": count}, "zeros", "subnormal",
+                "posinf", "neginf", "nan"}                  # "histogram" only with --histogram
     GROUP: {"group", "tensors", "elements", "zeros", "zero_fraction", "subnormal", "near_zero",
             "nan", "inf", "skipped", "findings", "severity", "worst_tensor"}
+
+A HISTOGRAM (zeroscan.histogram.Histogram.to_dict()) counts every element
+once: "binades" lists the nonempty normal binades, "E" counting the finite
+values with 2^E <= |x| < 2^(E+1) (an integer's E is its bit length less 1);
+min_exponent and max_exponent are the dtype's lowest and highest binade. A
+complex tensor's counts its real and imaginary parts. In the tensor table,
+--histogram adds a "binades" column (zeroscan.cli_format.fmt_binades):
+"2^-24..2^3, 99% in 2^-8..2^1" says every nonzero finite |x| is in
+[2^-24, 2^3) and at least 99% of them in [2^-8, 2^1). --plot then draws the
+histograms (zeroscan.plot.plot_histograms) instead of the scan's bars, with
+--target-format's range marked.
 
 "shard" is the file holding the tensor, relative to the checkpoint's folder
 ("" for a one-file checkpoint; several names joined by "," for a DCP tensor
@@ -78,6 +92,7 @@ from typing import Any, TextIO, TypeVar
 from zeroscan.cli_format import (
     Progress,
     Style,
+    fmt_binades,
     fmt_bytes,
     fmt_count,
     fmt_num,
@@ -182,8 +197,10 @@ def sort_rows(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
 
 
 def scan_table(rows: Sequence[dict[str, Any]], style: Style) -> list[str]:
+    """The tensor table; a "binades" column after "|x| range" when the rows have histograms."""
+    with_binades = any("histogram" in r for r in rows)
     headers = ["name", "dtype", "shape", "numel", "zero %", "subnormal", "near-zero", "nan/inf",
-               "|x| range", "mean", "std", "verdict"]
+               "|x| range", *(["binades"] if with_binades else []), "mean", "std", "verdict"]
     cells, colors = [], []
     for r in rows:
         n = int(r["numel"])
@@ -201,13 +218,15 @@ def scan_table(rows: Sequence[dict[str, Any]], style: Style) -> list[str]:
             fmt_count(int(r["near_zero"])),
             f"{fmt_count(int(r['nan']))}/{fmt_count(int(r['posinf']) + int(r['neginf']))}" if nonfinite else "0",
             rng,
+            *([fmt_binades(r["histogram"], str(r["dtype"])) if "histogram" in r else "-"] if with_binades else []),
             fmt_num(r["mean"]),
             fmt_num(r["std"]),
             str(r["verdict"]),
         ])
         sev = str(r["severity"])
         colors.append(sev if sev != "ok" else None)
-    return render_table(headers, cells, right={3, 4, 5, 6, 7, 9, 10}, colors=colors, style=style, color_col=11)
+    right = {3, 4, 5, 6, 7, headers.index("mean"), headers.index("std")}
+    return render_table(headers, cells, right=right, colors=colors, style=style, color_col=len(headers) - 1)
 
 
 def group_table(groups: Sequence[dict[str, Any]], style: Style) -> list[str]:
@@ -292,13 +311,17 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
         return cmd_diff(args, out)
     if args.trained_from_first:
         raise UsageError("--trained-from-first says how the two files of --diff relate; add --diff")
+    if args.target_format and not (args.histogram and args.plot):
+        raise UsageError(f"--target-format {args.target_format} marks its range on the histogram plot; "
+                         "add --histogram and --plot FILE")
     plot_path = checked_plot_path(args.plot) if args.plot else None
     style = Style(out)
     files = []
     for path in expand_paths(args.paths):
         progress = Progress(f"scanning {Path(path).name or path}", enabled=args.progress)
         try:
-            result = scan_checkpoint(path, tol=args.tol, mostly_zero=args.mostly_zero, progress=progress)
+            result = scan_checkpoint(path, tol=args.tol, mostly_zero=args.mostly_zero, progress=progress,
+                                     histogram=args.histogram)
         finally:
             progress.close()
         files.append(result)
@@ -307,13 +330,7 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
     counts = count_findings(all_rows)
     worst = scan_worst(files)
     if plot_path:
-        from zeroscan.plot import plot_scan
-
-        plot_rows = [
-            dict(r, name=f"{Path(f.path).name}:{r['name']}") if len(files) > 1 else r for f in files for r in f.rows
-        ]
-        title = Path(files[0].path).name if len(files) == 1 else f"{len(files)} checkpoints"
-        plot_path = plot_scan(plot_rows, plot_path, title=title)
+        plot_path = plot_files(files, plot_path, args)
 
     if args.json:
         doc = {
@@ -339,6 +356,19 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
         if plot_path:
             out.write(f"plot written to {printable(plot_path)}\n")
     return exit_status(worst, args.fail_on)
+
+
+def plot_files(files: Sequence[Any], path: str, args: argparse.Namespace) -> str:
+    """Draws the scanned checkpoints to `path` (--plot): their histograms
+    with --histogram, else the scan's bars; returns the file written."""
+    from zeroscan.plot import histogram_of_row, plot_histograms, plot_scan
+
+    rows = [dict(r, name=f"{Path(f.path).name}:{r['name']}") if len(files) > 1 else r for f in files for r in f.rows]
+    title = Path(files[0].path).name if len(files) == 1 else f"{len(files)} checkpoints"
+    if not args.histogram:
+        return plot_scan(rows, path, title=title)
+    items = [(str(r["name"]), histogram_of_row(r)) for r in rows]
+    return plot_histograms(items, path, target=args.target_format, title=title)
 
 
 def scan_file_json(f: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -462,6 +492,8 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
 
     if args.plot:
         raise UsageError("--plot draws a scan; leave out --diff to plot a checkpoint")
+    if args.histogram or args.target_format:
+        raise UsageError("--histogram counts a scan's magnitudes; leave out --diff to count them")
     a, b = two_checkpoints(args.paths)
     progress = Progress(f"comparing {Path(a).name or a}", enabled=args.progress)
     try:
@@ -644,6 +676,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "tensor left bit-identical while others changed was never updated (a warning)")
     scan.add_argument("--plot", metavar="PNG", help="also draw the scan to this image, in the format its "
                       "extension names (.png when it has none; needs matplotlib)")
+    scan.add_argument("--histogram", action="store_true",
+                      help="also count each tensor's |x| by binade (2^e <= |x| < 2^(e+1)) in the same pass: a "
+                           "'binades' column (all values' range, and where 99%% of them lie), \"histogram\" in "
+                           "--json rows, and the histograms as the --plot")
+    scan.add_argument("--target-format", choices=("e4m3", "e5m2", "e2m1"), default=None,
+                      help="with --histogram --plot: also mark this fp8/fp4 format's smallest subnormal, "
+                           "smallest normal and largest value")
     scan.add_argument("--tol", type=tolerance, default=None,
                       help="near-zero threshold (default: each dtype's machine epsilon)")
     scan.add_argument("--mostly-zero", type=probability, default=0.9,
