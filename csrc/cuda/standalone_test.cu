@@ -21,14 +21,25 @@
 // dtype table (ZEROSCAN_DTYPES). Exits 1 on any mismatch. With no usable GPU
 // it says so and exits 2, or 0 when given --skip-without-gpu.
 //
+// The histogram of stats_many_hist (the kernels with kHist): each tensor's
+// fields are checked exactly against a reference histogram written apart
+// from csrc/histogram.h (the field from frexp of the decoded double, or an
+// integer's bit length counted bit by bit, over the view's own elements,
+// repeats included), the fields past the tensor's own up to the call's
+// width must stay zero, and the rows of a call with the histogram must be
+// bitwise those of the call without it. On a GPU the histogram call is run
+// with the full grid and with a one-block grid, and both must agree.
+//
 // --emulate needs no GPU: it runs the kernels' per-thread code (which is
 // __host__ __device__) on the CPU, thread by thread and tile by tile, through
 // the same launch plan, and checks it against the same reference. That
 // covers the tiling, the tile-to-tensor lookup, the vector and strided walks,
 // the per-element classification (Tally, classify.h), the per-thread shift,
-// the key limits (limits_for) and the widening; it does not cover the block
-// reduction, the
-// atomics and fences of the last-block combine, or real launches.
+// the key limits (limits_for), the widening, and the histogram's per-element
+// field (FieldBins, into a per-tile table as a block's shared memory would
+// be) and its per-tile flush (flush_bins: row, width and repeat); it does
+// not cover the block reduction, the atomics (shared or global) and fences,
+// or real launches.
 //
 // The whole file is inside ZEROSCAN_STANDALONE_TEST so that a build which
 // globs csrc/cuda/*.cu into the extension compiles it to nothing.
@@ -180,6 +191,8 @@ T same_bits(const U& u) {
 // from double, and from the low bits of a uint64).
 template <typename T, int kMinExp, int kMantissa>
 struct FloatTraits {
+  static constexpr int min_exp = kMinExp;
+  static constexpr int mantissa = kMantissa;
   static double tiny() { return std::ldexp(1.0, kMinExp); }
   static double eps() { return std::ldexp(1.0, -kMantissa); }
   static T from_bits(uint64_t b) {
@@ -269,6 +282,60 @@ constexpr bool is_float_type() {
   return std::is_same_v<T, float> || std::is_same_v<T, double> ||
          std::is_same_v<T, f16_t> || std::is_same_v<T, bf16_t> ||
          std::is_same_v<T, e4m3_t> || std::is_same_v<T, e5m2_t>;
+}
+
+// ---- The reference histogram (written apart from csrc/histogram.h) --------
+
+// Fields of one tensor of type T: for floats one per value of the exponent
+// bits (2^(bits - 1 - mantissa bits)), for integers one per bit length
+// 0..bits (bool: 0 and 1).
+template <typename T>
+int64_t reference_fields() {
+  if constexpr (is_float_type<T>()) {
+    return int64_t(1) << (8 * static_cast<int>(sizeof(T)) - 1 - Traits<T>::mantissa);
+  } else if constexpr (std::is_same_v<T, bool_t>) {
+    return 2;
+  } else {
+    return 8 * static_cast<int64_t>(sizeof(T)) + 1;
+  }
+}
+
+// |x| of an integer type, as uint64 (|INT64_MIN| = 2^63 fits).
+template <typename T>
+uint64_t int_magnitude(T x) {
+  if constexpr (std::is_same_v<T, bool_t>) {
+    return x.bits != 0 ? 1 : 0;
+  } else {
+    const int64_t v = static_cast<int64_t>(x);
+    return v < 0 ? uint64_t(0) - static_cast<uint64_t>(v) : static_cast<uint64_t>(v);
+  }
+}
+
+// The field of one element, from its decoded value: 0 for zero and
+// subnormal values (|x| < tiny), the last field for infinities and NaN, and
+// otherwise the biased exponent of |x| (frexp's exponent - 1, plus the bias
+// 1 - log2(tiny)); float8_e4m3fn's top binade, 256..448, comes out as its
+// last field (15) that way, the field its NaN has too. Integers: the bit
+// length of |x|, counted one bit at a time.
+template <typename T>
+int64_t reference_field(T x) {
+  if constexpr (is_float_type<T>()) {
+    const double v = host_value(x);
+    if (std::isnan(v) || std::isinf(v)) return reference_fields<T>() - 1;
+    const double a = std::fabs(v);
+    if (a < Traits<T>::tiny()) return 0;
+    int e = 0;
+    std::frexp(a, &e);  // a = m * 2^e with 0.5 <= m < 1
+    return (e - 1) + (1 - Traits<T>::min_exp);
+  } else {
+    uint64_t m = int_magnitude(x);
+    int64_t bits = 0;
+    while (m != 0) {
+      ++bits;
+      m >>= 1;
+    }
+    return bits;
+  }
 }
 
 // The largest finite value of a floating type, from its patterns (or
@@ -473,6 +540,7 @@ struct Case {
   double exact_mean = 0.0;  // of the finite values, from a compensated sum
   double mean_abs = 0.0;    // of the finite values
   bool is_f64 = false;
+  std::vector<int64_t> want_fields;  // the reference histogram [fields of T]
 };
 
 // The state the emulated kernels share, like the device buffers of a call.
@@ -480,6 +548,7 @@ struct EmulatedCall {
   std::vector<Partial> partials;
   std::vector<int32_t> counters;
   std::vector<int64_t> out;
+  std::vector<int64_t> hist;  // [n, width], zeroed; empty: no histogram
 };
 
 // One storage type's functions, reached through the type index of a case.
@@ -487,6 +556,7 @@ struct TypeOps {
   const char* name;
   int64_t elem_size;
   bool floating;
+  int64_t fields;  // reference_fields: the histogram's fields of one tensor
   std::function<bool(Mix)> applies;
   std::function<void(Case&, Mix, Rng&, int64_t)> fill;  // storage elements
   std::function<void(Case&)> reference;
@@ -586,6 +656,18 @@ void reference_of(Case& c) {
   });
   w.mean = c.exact_mean;
   w.m2 = std::ldexp(std::ldexp(m2, k2), k2);
+
+  const int64_t fields = reference_fields<T>();
+  c.want_fields.assign(fields, 0);
+  for_each_element(c, [&](int64_t off) {
+    const int64_t f = reference_field(base[off]);
+    if (f < 0 || f >= fields) {
+      std::fprintf(stderr, "%s: reference field %lld out of range\n", c.what.c_str(),
+                   static_cast<long long>(f));
+      std::exit(1);
+    }
+    c.want_fields[f] += 1;
+  });
 }
 
 template <typename T>
@@ -607,16 +689,26 @@ void launch_type(const std::vector<ScanInput>& inputs, const LaunchHeader& h,
 
 // One launch, emulated: every tile, every thread of its block in turn. The
 // block's partials are combined in thread order (the device uses CUB's tree),
-// and the last tile of a tensor is the one that completes its counter.
+// and the last tile of a tensor is the one that completes its counter. With
+// a histogram (b.h.hist, host memory here) the threads count into one table
+// per block, as the kernel's shared memory, which flush_bins adds to the
+// tensor's fields after each tile.
 template <typename T, bool kStrided, typename Batch>
 void emulate_launch(const Batch& b, EmulatedCall& call) {
   const Limits lim = b.h.limits;
+  const bool hist = b.h.hist != nullptr;
+  std::vector<uint32_t> bins(hist ? Binning<T>::kFields : 0, 0u);
   for (int g = 0; g < b.h.num_tiles; ++g) {
     const TileSpan span = locate(b.h, b.t, g);
     const TensorTiles& t = b.t[span.tensor];
     Partial p = empty_partial();
     for (int tid = 0; tid < kThreads; ++tid) {
-      combine(p, thread_partial<T, kStrided>(b, span, tid, lim));
+      combine(p, hist ? thread_partial<T, kStrided>(b, span, tid, lim,
+                                                   FieldBins<T>{bins.data(), 1u})
+                      : thread_partial<T, kStrided>(b, span, tid, lim));
+    }
+    for (int tid = 0; hist && tid < kThreads; ++tid) {
+      flush_bins<T>(b.h, t, bins.data(), tid);
     }
     int64_t* row = call.out.data() + static_cast<int64_t>(t.row) * kNumFields;
     if (span.tiles == 1) {
@@ -651,6 +743,7 @@ TypeOps ops_of() {
   o.name = Traits<T>::name;
   o.elem_size = sizeof(T);
   o.floating = Format<T>::kFloating;
+  o.fields = reference_fields<T>();
   o.applies = mix_applies<T>;
   o.fill = [](Case& c, Mix mix, Rng& rng, int64_t n) {
     const std::vector<T> v = make_values<T>(n, mix, rng);
@@ -670,8 +763,9 @@ std::vector<TypeOps> all_types() {
 #undef ZEROSCAN_OPS
 }
 
-// The test's own tiny and eps (Traits) against the dtype table, and the
-// table's value type against Format<S>::value.
+// The test's own tiny and eps (Traits) against the dtype table, the
+// table's value type against Format<S>::value, and the test's own field
+// count against the histogram's (csrc/histogram.h).
 template <typename S, typename value_t>
 int check_table_entry(const char* name, double tiny, double eps) {
   const bool ok =
@@ -682,7 +776,14 @@ int check_table_entry(const char* name, double tiny, double eps) {
                 name, Traits<S>::name, tiny, eps, Traits<S>::tiny(),
                 Traits<S>::eps());
   }
-  return ok ? 0 : 1;
+  const bool fields_ok = Binning<S>::kFields == reference_fields<S>() &&
+                         Binning<S>::kFields <= kMaxFields;
+  if (!fields_ok) {
+    std::printf("FAIL histogram fields %s (%s): Binning has %d, test has %lld\n",
+                name, Traits<S>::name, Binning<S>::kFields,
+                static_cast<long long>(reference_fields<S>()));
+  }
+  return (ok ? 0 : 1) + (fields_ok ? 0 : 1);
 }
 
 int check_table() {
@@ -786,20 +887,43 @@ void check_slots_numbered(int64_t slot_cursor, int64_t total_tiles) {
   }
 }
 
-// Scans `cases` in one call (as stats_many does) and returns their rows.
-std::vector<int64_t> run_call(const std::vector<TypeOps>& types,
-                              const std::vector<Case*>& cases, int grid) {
+// What one call returns: rows [n, kNumFields], and with a histogram its
+// fields [n, width] (width the most fields of the cases' types, as
+// new_histogram sizes them).
+struct CallResult {
+  std::vector<int64_t> rows;
+  std::vector<int64_t> hist;  // empty without a histogram
+  int64_t width = 0;
+};
+
+int64_t hist_width_of(const std::vector<TypeOps>& types, const std::vector<Case*>& cases) {
+  int64_t width = 0;
+  for (const Case* c : cases) width = std::max(width, types[c->type].fields);
+  return width;
+}
+
+// Scans `cases` in one call (as stats_many does, or with `with_hist` as
+// stats_many_hist does) and returns their rows (and histogram).
+CallResult run_call(const std::vector<TypeOps>& types, const std::vector<Case*>& cases,
+                    int grid, bool with_hist = false) {
   const int64_t n = static_cast<int64_t>(cases.size());
   const int64_t total_tiles = total_tiles_of(cases);
+  CallResult result;
   int64_t* out = nullptr;
   Partial* partials = nullptr;
   int32_t* counters = nullptr;
+  int64_t* hist = nullptr;
   CHECK_CUDA(cudaMalloc(&out, n * kNumFields * sizeof(int64_t)));
   CHECK_CUDA(cudaMemset(out, 0xff, n * kNumFields * sizeof(int64_t)));
   if (total_tiles > n) {
     CHECK_CUDA(cudaMalloc(&partials, total_tiles * sizeof(Partial)));
     CHECK_CUDA(cudaMalloc(&counters, n * sizeof(int32_t)));
     CHECK_CUDA(cudaMemsetAsync(counters, 0, n * sizeof(int32_t), 0));
+  }
+  if (with_hist) {
+    result.width = hist_width_of(types, cases);
+    CHECK_CUDA(cudaMalloc(&hist, std::max<size_t>(1, n * result.width * sizeof(int64_t))));
+    CHECK_CUDA(cudaMemsetAsync(hist, 0, n * result.width * sizeof(int64_t), 0));
   }
   int64_t slot_cursor = 0;
   const auto on_device = [](const Case& c) -> const void* {
@@ -811,28 +935,38 @@ std::vector<int64_t> run_call(const std::vector<TypeOps>& types,
     h.out = out;
     h.partials = partials;
     h.counters = counters;
+    h.hist = hist;
+    h.hist_width = result.width;
     types[first.type].launch(inputs, h, slot_cursor, grid);
   });
   check_slots_numbered(slot_cursor, total_tiles);
   CHECK_CUDA(cudaDeviceSynchronize());
-  std::vector<int64_t> rows(n * kNumFields);
-  CHECK_CUDA(cudaMemcpy(rows.data(), out, rows.size() * sizeof(int64_t),
+  result.rows.resize(n * kNumFields);
+  CHECK_CUDA(cudaMemcpy(result.rows.data(), out, result.rows.size() * sizeof(int64_t),
                         cudaMemcpyDeviceToHost));
+  if (with_hist) {
+    result.hist.resize(n * result.width);
+    CHECK_CUDA(cudaMemcpy(result.hist.data(), hist, result.hist.size() * sizeof(int64_t),
+                          cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaFree(hist));
+  }
   CHECK_CUDA(cudaFree(out));
   if (partials != nullptr) CHECK_CUDA(cudaFree(partials));
   if (counters != nullptr) CHECK_CUDA(cudaFree(counters));
-  return rows;
+  return result;
 }
 
 // run_call's twin for --emulate: host buffers, CPU threads of execution.
-std::vector<int64_t> emulate_call(const std::vector<TypeOps>& types,
-                                  const std::vector<Case*>& cases) {
+CallResult emulate_call(const std::vector<TypeOps>& types, const std::vector<Case*>& cases,
+                        bool with_hist = false) {
   const int64_t n = static_cast<int64_t>(cases.size());
   const int64_t total_tiles = total_tiles_of(cases);
+  const int64_t width = with_hist ? hist_width_of(types, cases) : 0;
   EmulatedCall call;
   call.out.assign(n * kNumFields, -1);
   call.partials.resize(total_tiles);
   call.counters.assign(n, 0);
+  call.hist.assign(n * width, 0);
   int64_t slot_cursor = 0;
   const auto on_host = [](const Case& c) -> const void* {
     return c.host.data() + c.offset * c.elem_size;
@@ -840,10 +974,16 @@ std::vector<int64_t> emulate_call(const std::vector<TypeOps>& types,
   for_each_launch(cases, on_host, [&](const Case& first, const std::vector<ScanInput>& inputs) {
     LaunchHeader h;
     h.limits = first.limits;
+    h.hist = with_hist ? call.hist.data() : nullptr;
+    h.hist_width = width;
     types[first.type].emulate(inputs, h, slot_cursor, call);
   });
   check_slots_numbered(slot_cursor, total_tiles);
-  return call.out;
+  CallResult result;
+  result.rows = std::move(call.out);
+  result.hist = std::move(call.hist);
+  result.width = width;
+  return result;
 }
 
 // ---- Checks ------------------------------------------------------------------
@@ -909,6 +1049,46 @@ void check_row(const Case& c, const int64_t* row) {
   if (!m2_ok) fail(c, "m2", got.m2, want.m2);
   // The mean of finite values is finite.
   if (want.finite() > 0 && !std::isfinite(got.mean)) fail(c, "mean", got.mean, c.exact_mean);
+}
+
+// Case c's histogram fields (`fields`: [width], its row of a histogram
+// call) against the reference: its own fields exactly, the rest zero.
+// Returns whether they matched.
+bool check_fields(const Case& c, const int64_t* fields, int64_t width, const char* how) {
+  const int64_t own = static_cast<int64_t>(c.want_fields.size());
+  int bad = 0;
+  for (int64_t f = 0; f < width; ++f) {
+    const int64_t want = f < own ? c.want_fields[f] : 0;
+    if (fields[f] != want && ++bad <= 3 && failures < 40) {
+      std::printf("FAIL %s: %s histogram field %lld got %lld want %lld\n", c.what.c_str(),
+                  how, static_cast<long long>(f), static_cast<long long>(fields[f]),
+                  static_cast<long long>(want));
+    }
+  }
+  failures += bad > 0 ? 1 : 0;  // one failure per case, however many fields
+  return bad == 0;
+}
+
+// The histogram call's result against the reference, and its rows against
+// those of the call without it (`plain`), which must be bitwise the same.
+// Returns the cases that failed either.
+int check_hist_call(const std::vector<Case>& cases, const CallResult& plain,
+                    const CallResult& with_hist, const char* how) {
+  int bad = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    bool ok = check_fields(cases[i], with_hist.hist.data() + i * with_hist.width,
+                           with_hist.width, how);
+    if (std::memcmp(plain.rows.data() + i * kNumFields,
+                    with_hist.rows.data() + i * kNumFields, kNumFields * 8) != 0) {
+      ok = false;
+      if (++failures <= 40) {
+        std::printf("FAIL %s: %s row differs from the row without the histogram\n",
+                    cases[i].what.c_str(), how);
+      }
+    }
+    bad += ok ? 0 : 1;
+  }
+  return bad;
 }
 
 // ---- The exhaustive widening check ----------------------------------------
@@ -1082,12 +1262,17 @@ int run(uint64_t seed, bool large, bool emulate) {
   for (Case& c : cases) all.push_back(&c);
 
   if (emulate) {
-    const std::vector<int64_t> rows = emulate_call(types, all);
+    const CallResult plain = emulate_call(types, all);
     for (size_t i = 0; i < cases.size(); ++i) {
-      check_row(cases[i], rows.data() + i * kNumFields);
+      check_row(cases[i], plain.rows.data() + i * kNumFields);
     }
     std::printf("emulated kernels against the CPU reference: %d mismatches\n",
                 failures);
+    const CallResult with_hist = emulate_call(types, all, true);
+    const int hist_bad = check_hist_call(cases, plain, with_hist, "emulated");
+    std::printf("emulated histograms (width %lld) against the CPU reference, rows "
+                "against those without: %d cases differ\n",
+                static_cast<long long>(with_hist.width), hist_bad);
     std::printf("%s (emulated; nothing ran on a GPU): %d failures\n",
                 failures ? "FAILED" : "PASSED", failures);
     return failures ? 1 : 0;
@@ -1104,24 +1289,24 @@ int run(uint64_t seed, bool large, bool emulate) {
   const int grid = prop.multiProcessorCount * 32;
 
   // 1. All cases in one call, as stats_many does.
-  const std::vector<int64_t> together = run_call(types, all, grid);
+  const CallResult together = run_call(types, all, grid);
   for (size_t i = 0; i < cases.size(); ++i) {
-    check_row(cases[i], together.data() + i * kNumFields);
+    check_row(cases[i], together.rows.data() + i * kNumFields);
   }
   const int reference_failures = failures;
   std::printf("against the CPU reference: %d mismatches\n", reference_failures);
 
   // 2. Bitwise identical alone, with a one-block grid, and when repeated.
-  const std::vector<int64_t> one_block = run_call(types, all, 1);
-  const std::vector<int64_t> again = run_call(types, all, grid);
+  const CallResult one_block = run_call(types, all, 1);
+  const CallResult again = run_call(types, all, grid);
   int unstable = 0;
   for (size_t i = 0; i < cases.size(); ++i) {
-    const std::vector<int64_t> alone = run_call(types, {&cases[i]}, grid);
-    const int64_t* row = together.data() + i * kNumFields;
+    const CallResult alone = run_call(types, {&cases[i]}, grid);
+    const int64_t* row = together.rows.data() + i * kNumFields;
     const bool same =
-        std::memcmp(row, alone.data(), kNumFields * 8) == 0 &&
-        std::memcmp(row, one_block.data() + i * kNumFields, kNumFields * 8) == 0 &&
-        std::memcmp(row, again.data() + i * kNumFields, kNumFields * 8) == 0;
+        std::memcmp(row, alone.rows.data(), kNumFields * 8) == 0 &&
+        std::memcmp(row, one_block.rows.data() + i * kNumFields, kNumFields * 8) == 0 &&
+        std::memcmp(row, again.rows.data() + i * kNumFields, kNumFields * 8) == 0;
     if (!same && ++unstable <= 10) {
       std::printf("FAIL %s: row differs between calls (alone / one block / "
                   "repeated)\n", cases[i].what.c_str());
@@ -1129,6 +1314,18 @@ int run(uint64_t seed, bool large, bool emulate) {
   }
   failures += unstable;
   std::printf("bitwise repeatability: %d rows differ\n", unstable);
+
+  // 3. With the histogram, as stats_many_hist does: the fields exact, the
+  // rows bitwise those without it, over the full grid (many blocks adding
+  // to one tensor's fields) and a one-block grid (one block's table flushed
+  // tile after tile, moving from tensor to tensor).
+  const CallResult hist_grid = run_call(types, all, grid, true);
+  const CallResult hist_one_block = run_call(types, all, 1, true);
+  const int hist_bad = check_hist_call(cases, together, hist_grid, "full grid") +
+                       check_hist_call(cases, together, hist_one_block, "one block");
+  std::printf("histograms (width %lld) against the CPU reference, rows against those "
+              "without: %d cases differ\n",
+              static_cast<long long>(hist_grid.width), hist_bad);
 
   for (Case& c : cases) CHECK_CUDA(cudaFree(c.device));
   std::printf("%s: %d failures\n", failures ? "FAILED" : "PASSED", failures);

@@ -1,11 +1,14 @@
-// The CUDA backend of zeroscan.stats and zeroscan.stats_many.
+// The CUDA backend of zeroscan.stats, zeroscan.stats_many and
+// zeroscan.stats_many_hist.
 //
 // Checks the inputs, plans each tensor's layout (csrc/layout.h), groups the
 // tensors by dtype and launches the kernels of stats_cuda.cuh on the current
 // stream of their device. Nothing here waits for the device: the result is an
 // int64 [N, 16] buffer (csrc/stats_record.h) that the Python side reads when
-// asked, the workspace comes from the caching allocator, and a whole call can
-// be captured in a CUDA graph (tensor pointers travel as kernel arguments).
+// asked (with stats_many_hist also an int64 [N, B] histogram, zeroed on the
+// same stream before the launches), the workspace comes from the caching
+// allocator, and a whole call can be captured in a CUDA graph (tensor
+// pointers travel as kernel arguments; nothing sized by values is allocated).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -13,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "../op_common.h"
@@ -29,7 +33,7 @@ constexpr int kGridBlocksPerSm = 32;
 
 // What the launches of one call share.
 struct Call {
-  LaunchHeader common;  // out, partials, counters
+  LaunchHeader common;  // out, partials, counters, hist
   int64_t slot_cursor = 0;
   int max_grid = 1;
   cudaStream_t stream = nullptr;
@@ -67,8 +71,12 @@ void launch_dtype(const std::vector<ScanInput>& inputs, at::ScalarType dtype,
 
 // xs: N tensors on one CUDA device -> int64 [N, kNumFields] on that device.
 // `as_list`: name inputs "xs[i]" in errors rather than "x".
+// `hist`: null, or set to int64 [N, B] on that device, each tensor's
+// histogram fields (csrc/histogram.h), B the most fields of xs's dtypes;
+// the rows are the same either way.
 at::Tensor scan_all(const char* op, at::TensorList xs,
-                    c10::optional<double> tol, bool as_list) {
+                    c10::optional<double> tol, bool as_list,
+                    at::Tensor* hist = nullptr) {
   check_tol(op, tol);
   const int64_t n = static_cast<int64_t>(xs.size());
   TORCH_CHECK(n > 0, op, ": got no tensors");
@@ -110,11 +118,22 @@ at::Tensor scan_all(const char* op, at::TensorList xs,
     TORCH_CHECK(reinterpret_cast<uintptr_t>(data[t]) % x.element_size() == 0,
                 op, ": ", name(t), "'s data pointer is not aligned to its ",
                 x.element_size(), "-byte elements");
+    TORCH_CHECK(hist == nullptr || hist_countable(layouts[t], x.element_size()),
+                op, ": ", name(t), " has ", layouts[t].numel,
+                " distinct positions, too many for the histogram's per-tile "
+                "uint32 counts");
     total_tiles += tiles_of(layouts[t], x.element_size());
   }
 
   at::Tensor out = new_result(n, device);
   call.common.out = out.mutable_data_ptr<int64_t>();
+  if (hist != nullptr) {
+    // Zeroed on the current stream (the CUDAGuard above makes it the
+    // device's), before the launches that add to it.
+    *hist = new_histogram(op, xs, device);
+    call.common.hist = hist->mutable_data_ptr<int64_t>();
+    call.common.hist_width = hist->size(1);
+  }
   at::Tensor workspace;
   if (total_tiles > n) {  // some tensor has several tiles
     const int64_t partial_bytes =
@@ -161,6 +180,16 @@ at::Tensor stats_many_cuda(at::TensorList xs, c10::optional<double> tol) {
   return scan_all("zeroscan.stats_many", xs, tol, true);
 }
 
+// xs: N tensors, all on one CUDA device -> (int64 [N, kNumFields],
+// int64 [N, B]): the rows of stats_many and each tensor's histogram fields,
+// B the most fields of any of xs's dtypes.
+std::tuple<at::Tensor, at::Tensor> stats_many_hist_cuda(at::TensorList xs,
+                                                        c10::optional<double> tol) {
+  at::Tensor hist;
+  at::Tensor rows = scan_all("zeroscan.stats_many_hist", xs, tol, true, &hist);
+  return {rows, hist};
+}
+
 // rows: int64 [W, N, kNumFields] on one CUDA device -> int64 [N, kNumFields]
 at::Tensor combine_rows_cuda(const at::Tensor& rows) {
   check_rows("zeroscan.combine_rows", rows);
@@ -178,6 +207,7 @@ at::Tensor combine_rows_cuda(const at::Tensor& rows) {
 TORCH_LIBRARY_IMPL(zeroscan, CUDA, m) {
   m.impl("stats", &stats_cuda);
   m.impl("stats_many", &stats_many_cuda);
+  m.impl("stats_many_hist", &stats_many_hist_cuda);
   m.impl("combine_rows", &combine_rows_cuda);
 }
 

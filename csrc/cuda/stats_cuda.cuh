@@ -17,6 +17,15 @@
 // the grid size, the device's SM count, the other tensors of a stats_many
 // call, or which block ran which tile.
 //
+// stats_many_hist launches the same kernels compiled with kHist: each element
+// also adds 1 to its histogram field (csrc/histogram.h) in a per-block
+// shared-memory table, which the block adds to the tensor's int64 fields in
+// global memory (atomics, times the tensor's repeat) at the end of every
+// tile. The fields are integers, so the order of those atomics changes
+// nothing; the rows are computed by the very same per-thread code, so they
+// are bitwise those of stats_many. Without kHist not one instruction of it
+// is compiled in.
+//
 // Tensors travel as kernel arguments (up to kContigCapacity contiguous, or
 // kStridedCapacity strided ones per launch, with int64 sizes), in the spirit
 // of PyTorch's MultiTensorApply: a list of many tensors is a handful of
@@ -31,6 +40,7 @@
 
 #include "../classify.h"
 #include "../dtypes.h"
+#include "../histogram.h"
 #include "../layout.h"
 #include "../stats_record.h"
 
@@ -78,6 +88,10 @@ struct LaunchHeader {
   int64_t* out = nullptr;         // [rows, kNumFields]
   Partial* partials = nullptr;    // [tiles of the whole call]; may be null
   int32_t* counters = nullptr;    // [rows], zeroed before the call; may be null
+  // [rows, hist_width], zeroed before the call; null: no histogram (the
+  // kernels without kHist run). hist_width >= Binning<S>::kFields.
+  int64_t* hist = nullptr;
+  int64_t hist_width = 0;
 };
 
 struct ContigBatch {
@@ -97,6 +111,7 @@ static_assert(sizeof(StridedBatch) <= 4096, "StridedBatch exceeds 4 KiB");
 
 // Each launches one kernel on `stream` and returns without synchronising;
 // the caller checks cudaGetLastError. `grid` may be any positive number.
+// batch.h.hist picks the kernel: with a histogram (kHist) or without.
 // Instantiated for every storage type in stats_cuda_<dtype>.cu.
 template <typename T>
 void launch_contig(const ContigBatch& batch, int grid, cudaStream_t stream);
@@ -139,6 +154,14 @@ inline int64_t tiles_of(const Layout& l, int64_t elem_size) {
 // Whether the kernels can walk a layout in place.
 inline bool walkable(const Layout& l) {
   return l.numel == 0 || l.contiguous() || l.ndim <= kMaxStridedDims;
+}
+
+// Whether a block's uint32 histogram counts of one tile of this layout
+// cannot overflow: a tile of at most 2^32 - 1 positions, i.e. numel up to
+// about kMaxTiles * 2^32 = 2^45 distinct positions (more than any device
+// holds; overlapping views could ask for more).
+inline bool hist_countable(const Layout& l, int64_t elem_size) {
+  return tile_positions(l.numel, elem_size) <= int64_t(UINT32_MAX);
 }
 
 // One tensor to scan: its layout (from plan_layout) and where it starts.
@@ -263,9 +286,41 @@ ZS_HDI T element(const uint4& v, int k) {
   return out;
 }
 
+// Where a thread's elements' histogram fields go. NoFields: nowhere, the
+// scan of stats/stats_many, which compiles to exactly what it was before
+// histograms existed.
+struct NoFields {
+  template <typename T>
+  ZS_HDI void count(T) const {}
+  ZS_HDI NoFields muted() const { return *this; }
+};
+
+// One increment per element, of bins[Binning<T>::field(key of |x|)]: a
+// block's shared-memory table on the device (shared atomics, as the threads
+// of a block share it), a plain table on the host (standalone_test
+// --emulate, which runs one thread at a time). `weight` is 1, or 0 on a
+// float64 thread's second, downscaled walk of its share (thread_partial),
+// whose elements were counted on the first.
+template <typename T>
+struct FieldBins {
+  uint32_t* bins;  // [Binning<T>::kFields]
+  uint32_t weight;
+
+  ZS_HDI void count(T x) const {
+    const int f = Binning<T>::field(Format<T>::key(x));
+#if defined(__CUDA_ARCH__)
+    atomicAdd(bins + f, weight);
+#else
+    bins[f] += weight;
+#endif
+  }
+  ZS_HDI FieldBins muted() const { return FieldBins{bins, 0u}; }
+};
+
 // One thread's statistics: a Tally (classify.h) that every element goes
 // through, the same branch-free classification the CPU uses, and the shift
-// its moments are taken about (see set_moments).
+// its moments are taken about (see set_moments); and, unless Fields is
+// NoFields, each element's histogram field counted into `fields`.
 //
 // The shift is the thread's first finite value, chosen by a select: until a
 // finite value has been added it follows every element, and it is set before
@@ -275,13 +330,15 @@ ZS_HDI T element(const uint4& v, int k) {
 // thread that sees no finite value reports no moments. The moments are of
 // the values times `scale`: 1, or kDownscale where float64 sums overflowed
 // (see thread_partial).
-template <typename T>
+template <typename T, typename Fields = NoFields>
 struct ThreadStats {
   Tally<T, uint32_t> tally;
   double shift = 0.0;
   double scale = 1.0;
+  Fields fields = {};
 
   ZS_HDI void add(T x, const Limits& lim) {
+    if constexpr (!std::is_same_v<Fields, NoFields>) fields.count(x);
     const double v = static_cast<double>(Format<T>::value(x)) * scale;
     shift = tally.finite == 0 ? v : shift;
     tally.add(x, lim, shift, scale);
@@ -290,8 +347,8 @@ struct ThreadStats {
 };
 
 // V loaded 16-byte vectors of T, element by element.
-template <typename T, int V>
-ZS_HDI void scan_group(const uint4 (&v)[V], ThreadStats<T>& st,
+template <typename T, int V, typename Fields>
+ZS_HDI void scan_group(const uint4 (&v)[V], ThreadStats<T, Fields>& st,
                        const Limits& lim) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));
 #pragma unroll
@@ -313,9 +370,9 @@ constexpr int unroll_of() {
 // This thread's share of positions [begin, end) of a contiguous tensor:
 // 16-byte vectors t, t + kThreads, ..., unroll_of<T>() of them in flight, and
 // the few unaligned elements at either end one per thread.
-template <typename T>
+template <typename T, typename Fields>
 ZS_HDI void scan_contiguous(const T* data, int64_t begin, int64_t end, int tid,
-                            ThreadStats<T>& st, const Limits& lim) {
+                            ThreadStats<T, Fields>& st, const Limits& lim) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));
   const T* p = data + begin;
   const int64_t n = end - begin;
@@ -347,10 +404,10 @@ ZS_HDI void scan_contiguous(const T* data, int64_t begin, int64_t end, int tid,
 // This thread's share of positions [begin, end) of a strided layout:
 // positions begin + t, begin + t + kThreads, ...; the multi-index advances by
 // the mixed-radix digits of kThreads, so the loop divides nothing.
-template <typename T>
+template <typename T, typename Fields>
 ZS_HDI void scan_strided(const T* data, const StridedShape& shape,
                          int64_t begin, int64_t end, int tid,
-                         ThreadStats<T>& st, const Limits& lim) {
+                         ThreadStats<T, Fields>& st, const Limits& lim) {
   int64_t pos = begin + tid;
   if (pos >= end) return;
   int64_t size[kMaxStridedDims], stride[kMaxStridedDims];
@@ -431,9 +488,9 @@ ZS_HDI TileSpan locate(const LaunchHeader& h, const TensorTiles* t, int g) {
 }
 
 // Thread `tid`'s share of launch tile `span` of batch `b`, added to `st`.
-template <typename T, bool kStrided, typename Batch>
+template <typename T, bool kStrided, typename Batch, typename Fields>
 ZS_HDI void scan_share(const Batch& b, const TileSpan& span, int tid,
-                       ThreadStats<T>& st, const Limits& lim) {
+                       ThreadStats<T, Fields>& st, const Limits& lim) {
   const T* data = static_cast<const T*>(b.t[span.tensor].data);
   if constexpr (kStrided) {
     scan_strided<T>(data, b.shape[span.tensor], span.begin, span.end, tid, st,
@@ -443,20 +500,23 @@ ZS_HDI void scan_share(const Batch& b, const TileSpan& span, int tid,
   }
 }
 
-// Thread `tid`'s partial of launch tile `span` of batch `b`. A float64
-// thread whose sums overflowed (values far beyond 1e150, see kDownscale)
-// walks its share once more, the same elements in the same order, summing
-// them times kDownscale: a second turn of the same loop, so that the rare
-// second walk adds no registers to the scan. No other type reaches so far.
-template <typename T, bool kStrided, typename Batch>
+// Thread `tid`'s partial of launch tile `span` of batch `b`, its elements
+// counted into `fields`. A float64 thread whose sums overflowed (values far
+// beyond 1e150, see kDownscale) walks its share once more, the same elements
+// in the same order, summing them times kDownscale: a second turn of the
+// same loop, so that the rare second walk adds no registers to the scan; it
+// counts its elements with weight 0 (`muted`), as the first turn counted
+// them. No other type reaches so far.
+template <typename T, bool kStrided, typename Batch, typename Fields = NoFields>
 ZS_HDI Partial thread_partial(const Batch& b, const TileSpan& span, int tid,
-                              const Limits& lim) {
+                              const Limits& lim, Fields fields = {}) {
   if constexpr (std::is_same_v<T, double>) {
     double scale = 1.0;
 #pragma unroll 1
     for (;;) {
-      ThreadStats<T> st;
+      ThreadStats<T, Fields> st;
       st.scale = scale;
+      st.fields = scale == 1.0 ? fields : fields.muted();
       scan_share<T, kStrided>(b, span, tid, st, lim);
       Partial p = st.finish();
       if (scale != 1.0) {
@@ -467,16 +527,53 @@ ZS_HDI Partial thread_partial(const Batch& b, const TileSpan& span, int tid,
       scale = kDownscale;
     }
   } else {
-    ThreadStats<T> st;
+    ThreadStats<T, Fields> st;
+    st.fields = fields;
     scan_share<T, kStrided>(b, span, tid, st, lim);
     return st.finish();
   }
 }
 
-// Grid-stride loop over the launch's tiles. See the file comment.
-template <typename T, bool kStrided, typename Batch>
+// A block's histogram table: Binning<T>::kFields uint32 counters in shared
+// memory (float64's 2048 take 8 KiB). Declared here rather than in the
+// kernel so that the kernels without kHist do not allocate it.
+template <typename T>
+ZS_DEV uint32_t* block_bins() {
+  __shared__ uint32_t bins[Binning<T>::kFields];
+  return bins;
+}
+
+// Adds the block's table (`bins`, as counted for a tile of tensor `t`) to
+// the tensor's fields, row t.row of h.hist, times the tensor's repeat, and
+// zeroes the table for the next tile. On the device every thread of the
+// block calls it, once all of them have counted; other blocks add to the
+// same fields, hence the atomics (integer: their order changes nothing).
+// standalone_test --emulate calls it on the host for tid = 0..kThreads-1.
+template <typename T>
+ZS_HDI void flush_bins(const LaunchHeader& h, const TensorTiles& t,
+                       uint32_t* bins, int tid) {
+  int64_t* out = h.hist + static_cast<int64_t>(t.row) * h.hist_width;
+  for (int f = tid; f < Binning<T>::kFields; f += kThreads) {
+    const uint32_t c = bins[f];
+    if (c != 0) {
+      const unsigned long long add = static_cast<unsigned long long>(c) *
+                                     static_cast<unsigned long long>(t.repeat);
+#if defined(__CUDA_ARCH__)
+      atomicAdd(reinterpret_cast<unsigned long long*>(out + f), add);
+#else
+      out[f] += static_cast<int64_t>(add);
+#endif
+      bins[f] = 0;
+    }
+  }
+}
+
+// Grid-stride loop over the launch's tiles. See the file comment. kHist:
+// count every element's histogram field too (h.hist is then not null).
+template <typename T, bool kStrided, bool kHist, typename Batch>
 __device__ __forceinline__ void scan_tiles(const Batch& b) {
   using Reduce = cub::BlockReduce<Partial, kThreads>;
+  using Fields = std::conditional_t<kHist, FieldBins<T>, NoFields>;
   __shared__ typename Reduce::TempStorage temp;
   __shared__ bool last_tile_done;
 
@@ -484,13 +581,25 @@ __device__ __forceinline__ void scan_tiles(const Batch& b) {
   const Limits lim = h.limits;
 
   const int tid = static_cast<int>(threadIdx.x);
+  Fields fields = {};
+  if constexpr (kHist) {
+    fields = FieldBins<T>{block_bins<T>(), 1u};
+    for (int f = tid; f < Binning<T>::kFields; f += kThreads) fields.bins[f] = 0;
+    __syncthreads();  // zeroed before any thread counts
+  }
   for (int g = blockIdx.x; g < h.num_tiles; g += gridDim.x) {
     const TileSpan span = locate(h, b.t, g);
     const TensorTiles& t = b.t[span.tensor];
     const int tiles = span.tiles;
 
-    Partial p = Reduce(temp).Reduce(thread_partial<T, kStrided>(b, span, tid, lim),
-                                    CombineOp());
+    Partial p = Reduce(temp).Reduce(
+        thread_partial<T, kStrided>(b, span, tid, lim, fields), CombineOp());
+    if constexpr (kHist) {
+      __syncthreads();  // every thread's counts are in the table
+      flush_bins<T>(h, t, fields.bins, tid);
+      // The __syncthreads closing this iteration keeps the next tile's
+      // counts from reaching the table before it is zeroed.
+    }
     int64_t* row = h.out + static_cast<int64_t>(t.row) * kNumFields;
 
     if (tiles == 1) {
@@ -520,14 +629,14 @@ __device__ __forceinline__ void scan_tiles(const Batch& b) {
         }
       }
     }
-    __syncthreads();  // `temp` and `last_tile_done` are reused
+    __syncthreads();  // `temp`, `last_tile_done` (and the table) are reused
   }
 }
 
-template <typename T>
+template <typename T, bool kHist>
 __global__ void __launch_bounds__(kThreads)
     scan_contig_kernel(const __grid_constant__ ContigBatch b) {
-  scan_tiles<T, false>(b);
+  scan_tiles<T, false, kHist>(b);
 }
 
 // The strided walker keeps four int64 digits per dimension live next to the
@@ -537,26 +646,35 @@ __global__ void __launch_bounds__(kThreads)
 // every kernel free of spills.
 constexpr int kStridedMinBlocksPerSm = 2;
 
-template <typename T>
+template <typename T, bool kHist>
 __global__ void __launch_bounds__(kThreads, kStridedMinBlocksPerSm)
     scan_strided_kernel(const __grid_constant__ StridedBatch b) {
-  scan_tiles<T, true>(b);
+  scan_tiles<T, true, kHist>(b);
 }
 
 template <typename T>
 void launch_contig(const ContigBatch& batch, int grid, cudaStream_t stream) {
-  scan_contig_kernel<T><<<grid, kThreads, 0, stream>>>(batch);
+  if (batch.h.hist != nullptr) {
+    scan_contig_kernel<T, true><<<grid, kThreads, 0, stream>>>(batch);
+  } else {
+    scan_contig_kernel<T, false><<<grid, kThreads, 0, stream>>>(batch);
+  }
 }
 
 template <typename T>
 void launch_strided(const StridedBatch& batch, int grid, cudaStream_t stream) {
-  scan_strided_kernel<T><<<grid, kThreads, 0, stream>>>(batch);
+  if (batch.h.hist != nullptr) {
+    scan_strided_kernel<T, true><<<grid, kThreads, 0, stream>>>(batch);
+  } else {
+    scan_strided_kernel<T, false><<<grid, kThreads, 0, stream>>>(batch);
+  }
 }
 
 }  // namespace cuda
 }  // namespace zeroscan
 
-// For the per-dtype files: the two launchers of one storage type.
+// For the per-dtype files: the two launchers of one storage type (each
+// instantiates its kernel with and without kHist).
 #define ZEROSCAN_INSTANTIATE_CUDA(T)                                      \
   template void zeroscan::cuda::launch_contig<T>(                        \
       const zeroscan::cuda::ContigBatch&, int, cudaStream_t);            \
