@@ -3,10 +3,16 @@
 One fused pass over a tensor's memory counts exact zeros, subnormals,
 near-zero values, NaN/Inf and negatives, and takes min/max |x| and the
 mean/std/norm of the finite values, leaving the numbers on the device until
-they are read.
+they are read; optionally, in the same pass, a log2-magnitude histogram
+(`stats(x, histogram=True)`), from which `headroom` counts what an fp8/fp4
+cast would flush or saturate. `guard(optimizer)` skips, on the device, a step
+whose gradients hold NaN/Inf.
 """
 
 from zeroscan.checkpoint import CheckpointError, open_checkpoint, scan_checkpoint
+from zeroscan.guard import GuardReport, SkippedStep, StepGuard, guard
+from zeroscan.headroom import Bound, Headroom, headroom, headroom_of, mx_headroom
+from zeroscan.histogram import Histogram, reference_histogram
 from zeroscan.diagnosis import Diagnosis, Severity, Verdict, diagnose, diagnose_many, diagnose_stats
 from zeroscan.monitor import Finding, Monitor, Report, Thresholds
 from zeroscan.verdicts import Cause
@@ -23,6 +29,17 @@ __all__ = [
     "NUM_FIELDS",
     "Diagnosis",
     "Finding",
+    "GuardReport",
+    "Bound",
+    "Headroom",
+    "Histogram",
+    "SkippedStep",
+    "StepGuard",
+    "guard",
+    "headroom",
+    "headroom_of",
+    "mx_headroom",
+    "reference_histogram",
     "Monitor",
     "Report",
     "Severity",
