@@ -51,7 +51,7 @@ complex tensor's counts its real and imaginary parts. In the tensor table,
 --histogram adds a "binades" column (zeroscan.cli_format.fmt_binades):
 "2^-24..2^3, 99% in 2^-8..2^1" says every nonzero finite |x| is in
 [2^-24, 2^3) and at least 99% of them in [2^-8, 2^1). --plot then draws the
-histograms (zeroscan.plot.plot_histograms) instead of the scan's bars, with
+histograms (zeroscan.plot_histograms.plot_histograms) instead of the scan's bars, with
 --target-format's range marked.
 
 "shard" is the file holding the tensor, relative to the checkpoint's folder
@@ -361,7 +361,8 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
 def plot_files(files: Sequence[Any], path: str, args: argparse.Namespace) -> str:
     """Draws the scanned checkpoints to `path` (--plot): their histograms
     with --histogram, else the scan's bars; returns the file written."""
-    from zeroscan.plot import histogram_of_row, plot_histograms, plot_scan
+    from zeroscan.plot import plot_scan
+    from zeroscan.plot_histograms import histogram_of_row, plot_histograms
 
     rows = [dict(r, name=f"{Path(f.path).name}:{r['name']}") if len(files) > 1 else r for f in files for r in f.rows]
     title = Path(files[0].path).name if len(files) == 1 else f"{len(files)} checkpoints"
