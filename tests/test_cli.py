@@ -597,7 +597,9 @@ def test_demo_tours_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0 and err == ""
     for text in ("1. A healthy tensor", "HEALTHY (ok)", "EXACT_ZERO (warning)", "UNDERFLOW (warning)",
                  "NONFINITE (error)", "5. A detached layer", "(grad, detached)", "6. A parameter missing",
-                 "head.bias (param, not_in_optimizer)"):
+                 "head.bias (param, not_in_optimizer)", "7. A NaN step skipped on the device",
+                 "skipped 1 of 4 steps; step 2:", "state after the bad step: unchanged", "8. What an fp8 cast",
+                 "e4m3 none scale 1:"):
         assert text in out, text
     state = torch.random.get_rng_state()
     assert run(capsys, "demo")[1] == out  # seeded: the same tour every time

@@ -5,7 +5,9 @@ exactly zero, one that underflowed in float16, one poisoned by a NaN, a
 layer whose output is detached (its parameters get no gradient), and a
 parameter left out of the optimizer. The first four use zeroscan.diagnose on
 one tensor; the last two train a three-layer model for a few steps under
-zeroscan.Monitor. Everything is seeded, so the tour reads the same each time.
+zeroscan.Monitor. Two more show a NaN step skipped on the device by
+zeroscan.guard, and what an fp8 cast of a gradient would lose (histogram and
+headroom). Everything is seeded, so the tour reads the same each time.
 run_demo returns 1 if any case is not diagnosed as expected.
 """
 
@@ -157,6 +159,71 @@ def model_cases(tour: Tour, g: torch.Generator, plot: str | None) -> None:
     show_findings(tour, report, "not_in_optimizer")
 
 
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Copies of the weights and of every optimizer state tensor."""
+    state = [v for p in model.parameters() for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return [t.detach().clone() for t in [*model.parameters(), *state]]
+
+
+def guard_case(tour: Tour, g: torch.Generator) -> None:
+    from zeroscan.guard import guard
+
+    tour.title("A NaN step skipped on the device: zeroscan.guard(optimizer)")
+    model = Net(detach=False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    steps, poisoned_step = 4, 2
+    with guard(optimizer, names=model) as g_step:
+        for step in range(steps):
+            optimizer.zero_grad()
+            x = torch.randn(32, 8, generator=g)
+            if step == poisoned_step:
+                x[3, 5] = float("nan")  # one bad input poisons every gradient
+            y = torch.randint(0, 2, (32,), generator=g)
+            nn.functional.cross_entropy(model(x), y).backward()
+            before = snapshot(model, optimizer)
+            optimizer.step()
+            if step == poisoned_step:
+                after = snapshot(model, optimizer)
+                unchanged = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+        report = g_step.report()
+    tour.say(str(report), indent=3)
+    tour.say(
+        f"Weights and Adam's state after the bad step: {'unchanged' if unchanged else 'CHANGED'}. The "
+        "decision never left the device (no .item(), no host sync), as GradScaler's found_inf does, "
+        "but for any optimizer and without AMP.",
+        indent=3,
+    )
+    if not unchanged or report.skipped != 1 or report.skipped_steps[0].step != poisoned_step:
+        tour.unexpected.append(f"section {tour.section}: the NaN step was not skipped alone")
+
+
+def headroom_case(tour: Tour, g: torch.Generator) -> None:
+    from zeroscan.headroom import headroom
+    from zeroscan.stats import stats
+
+    tour.title("What an fp8 cast would lose: a gradient's log2-magnitude histogram")
+    grad = torch.randn(65536, generator=g) * torch.exp(2 * torch.randn(65536, generator=g)) * 1e-4
+    s = stats(grad, histogram=True)  # the same single pass, with a bin per binade
+    h = s.histogram
+    assert h is not None
+    top = int(h.exponents[h.counts.nonzero()[0][-1]])
+    low = int(h.exponents[h.counts.nonzero()[0][0]])
+    tour.say(f"|x| spans 2^{low} .. 2^{top + 1}: {top - low + 1} binades, from one scan.", indent=3)
+    unscaled = headroom(h, "e4m3", scale=1.0)
+    scaled = headroom(h, "e4m3", amax=s.max_abs)
+    tour.say(str(unscaled), indent=3)
+    tour.say(str(scaled), indent=3)
+    flushed = f"{100 * scaled.to_zero.low / h.numel:.2g}–{100 * scaled.to_zero.high / h.numel:.2g}%"
+    tour.say(
+        f"Cast as it is, most of this gradient flushes to zero in e4m3. Scaled by 448 / amax, {flushed} "
+        f"still would: {top - low + 1} binades are more than e4m3's 18 normal and subnormal ones. "
+        "The ranges are what a histogram cannot decide: values in a binade that a rounding boundary cuts.",
+        indent=3,
+    )
+    if unscaled.to_zero.low < h.numel // 2:
+        tour.unexpected.append(f"section {tour.section}: expected most values to flush unscaled")
+
+
 def run_demo(out: TextIO | None = None, plot: str | None = None) -> int:
     """Writes the tour to `out` (default stdout); draws the detached model's
     gradient flow to `plot` if given. Returns 0, or 1 if a case surprised."""
@@ -169,6 +236,8 @@ def run_demo(out: TextIO | None = None, plot: str | None = None) -> int:
         g = torch.Generator().manual_seed(0)
         tensor_cases(tour, g)
         model_cases(tour, g, plot)
+        guard_case(tour, g)
+        headroom_case(tour, g)
     tour.say()
     tour.say("Next: `zeroscan scan model.pt` (add --json, --fail-on warning, --plot scan.png), "
              "`zeroscan scan a.pt b.pt --diff`, and zeroscan.Monitor(model, optimizer) in your training loop.")
