@@ -182,3 +182,14 @@ def test_fake_kernel_and_compile() -> None:
     rows, fields = compiled(*xs)
     want_rows, want_fields = scan(*xs)
     assert torch.equal(rows, want_rows) and torch.equal(fields, want_fields)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_dict_form_round_trips(dtype: torch.dtype) -> None:
+    """Histogram.from_dict reads back what to_dict wrote (saved JSON)."""
+    x = make_values(5000, dtype, fresh_generator(), every=30)
+    h = zeroscan.stats(x, histogram=True).histogram
+    assert h is not None
+    back = Histogram.from_dict(dtype, h.to_dict())
+    assert back.to_dict() == h.to_dict() and back.counts.tolist() == h.counts.tolist()
+    assert (back.min_exponent, back.max_exponent, back.numel) == (h.min_exponent, h.max_exponent, x.numel())

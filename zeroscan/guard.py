@@ -64,6 +64,7 @@ from torch import Tensor, nn
 
 from zeroscan.ops import is_dtensor  # importing zeroscan.ops registers the native ops
 from zeroscan.record import NONFINITE
+from zeroscan.stats import device_groups
 
 OP = "zeroscan.guard"
 MISSING: Any = object()  # the optimizer had no found_inf attribute
@@ -259,7 +260,8 @@ class StepGuard:
 
     def _scan(self) -> Tensor:
         """bool [P] on the home device: which guarded gradients hold NaN/Inf."""
-        by_device: dict[torch.device, tuple[list[int], list[Tensor]]] = {}
+        present: list[int] = []  # guarded parameter index of each of grads
+        grads: list[Tensor] = []
         for i, p in enumerate(self._params):
             grad = p.grad
             if grad is None:
@@ -267,16 +269,15 @@ class StepGuard:
             if grad.layout != torch.strided or is_dtensor(grad):
                 kind = "DTensor" if is_dtensor(grad) else f"{grad.layout} tensor"
                 raise RuntimeError(f"{OP}: the gradient of {self.names[i]} is a {kind}; only dense local gradients are scanned")
-            if grad.is_complex():
-                grad = torch.view_as_real(grad)
-            indices, grads = by_device.setdefault(grad.device, ([], []))
-            indices.append(i)
-            grads.append(grad)
-        if len(by_device) == 1 and self._home in by_device and len(by_device[self._home][0]) == len(self._params):
-            return nonfinite_flags(by_device[self._home][1])  # every gradient present, one device
+            present.append(i)
+            grads.append(torch.view_as_real(grad) if grad.is_complex() else grad)
+        groups = device_groups(grads)
+        if len(groups) == 1 and len(grads) == len(self._params) and grads[0].device == self._home:
+            return nonfinite_flags(grads)  # every gradient present, one device
         flags = torch.zeros(len(self._params), dtype=torch.bool, device=self._home)
-        for indices, grads in by_device.values():
-            flags.index_copy_(0, self._index(indices), nonfinite_flags(grads).to(self._home, non_blocking=True))
+        for group in groups:
+            found = nonfinite_flags([grads[k] for k in group]).to(self._home, non_blocking=True)
+            flags.index_copy_(0, self._index([present[k] for k in group]), found)
         return flags
 
     def _index(self, indices: list[int]) -> Tensor:

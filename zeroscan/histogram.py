@@ -143,6 +143,17 @@ class Histogram:
             "nan": self.nan,
         }
 
+    @classmethod
+    def from_dict(cls, dtype: torch.dtype, doc: Mapping[str, Any]) -> Histogram:
+        """The histogram that `to_dict()` wrote (as saved JSON), of dtype `dtype`."""
+        low = int(doc["min_exponent"])
+        counts = numpy.zeros(int(doc["max_exponent"]) - low + 1, dtype=numpy.int64)
+        for exponent, count in doc["binades"].items():
+            counts[int(exponent) - low] = int(count)
+        return cls(
+            dtype, low, counts, int(doc["zeros"]), int(doc["subnormal"]), int(doc["posinf"]), int(doc["neginf"]), int(doc["nan"])
+        )
+
     def __add__(self, other: Histogram) -> Histogram:
         if other.dtype != self.dtype:
             raise TypeError(f"Histogram: cannot add a {other.dtype} histogram to a {self.dtype} one")

@@ -34,7 +34,6 @@ def histogram_of_row(row: Mapping[str, Any]) -> Any:
     JSON row (its "histogram", a Histogram.to_dict(), and its "dtype"; a
     complex tensor's is of its real and imaginary parts), so saved JSON can
     be plotted."""
-    import numpy
     import torch
 
     from zeroscan.histogram import Histogram
@@ -45,12 +44,7 @@ def histogram_of_row(row: Mapping[str, Any]) -> Any:
     dtype = getattr(torch, str(row.get("dtype")), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"histogram_of_row: row {row.get('name')!r} has dtype {row.get('dtype')!r}, not a torch dtype")
-    low = int(doc["min_exponent"])
-    counts = numpy.zeros(int(doc["max_exponent"]) - low + 1, dtype=numpy.int64)
-    for exponent, count in doc["binades"].items():
-        counts[int(exponent) - low] = int(count)
-    return Histogram(dtype.to_real(), low, counts, int(doc["zeros"]), int(doc["subnormal"]), int(doc["posinf"]),
-                     int(doc["neginf"]), int(doc["nan"]))
+    return Histogram.from_dict(dtype.to_real(), doc)
 
 
 def dtype_limits(dtype: Any) -> tuple[float, float, float]:
