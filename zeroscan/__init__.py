@@ -6,10 +6,12 @@ mean/std/norm of the finite values, leaving the numbers on the device until
 they are read; optionally, in the same pass, a log2-magnitude histogram
 (`stats(x, histogram=True)`), from which `headroom` counts what an fp8/fp4
 cast would flush or saturate. `guard(optimizer)` skips, on the device, a step
-whose gradients hold NaN/Inf.
+whose gradients hold NaN/Inf. `zeroscan.integrations` runs the Monitor inside
+transformers' Trainer, Lightning and Accelerate (each imported only when used).
 """
 
 from zeroscan.checkpoint import CheckpointError, open_checkpoint, scan_checkpoint
+from zeroscan import integrations
 from zeroscan.guard import GuardReport, SkippedStep, StepGuard, guard
 from zeroscan.headroom import Bound, Headroom, headroom, headroom_of, mx_headroom
 from zeroscan.histogram import Histogram, reference_histogram
@@ -37,6 +39,7 @@ __all__ = [
     "StepGuard",
     "guard",
     "headroom",
+    "integrations",
     "headroom_of",
     "mx_headroom",
     "reference_histogram",

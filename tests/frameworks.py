@@ -1,0 +1,100 @@
+"""The shared harness of the framework integration tests (test_integration_*.py).
+
+Every framework trains the same tiny GPT-2, built from a config (no
+download), for a few steps on CPU, healthy or with one planted problem:
+
+    frozen             one MLP block set requires_grad_(False)          -> INFO "frozen"
+    not_in_optimizer   one MLP block trains but the optimizer lacks it  -> WARNING "not_in_optimizer"
+    detached           the LM head reads a detached hidden state        -> ERROR "detached"
+    nan                one weight of the MLP set to NaN                 -> ERROR "nonfinite"
+
+`require(name)` imports a framework; where ZEROSCAN_REQUIRE_FRAMEWORKS is
+set (.ci/run sets it) a missing one fails the test instead of skipping it,
+so CI cannot pass with the integrations untested.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from zeroscan import Cause, Severity
+
+VOCAB = 96
+LENGTH = 16
+PLANTED = "transformer.h.1.mlp"  # the block each problem is planted in
+PROBLEMS: dict[str, tuple[Cause, Severity]] = {
+    "frozen": (Cause.FROZEN, Severity.INFO),
+    "not_in_optimizer": (Cause.NOT_IN_OPTIMIZER, Severity.WARNING),
+    "detached": (Cause.DETACHED, Severity.ERROR),
+    "nan": (Cause.NONFINITE, Severity.ERROR),
+}
+
+
+def require(name: str) -> ModuleType:
+    """Imports the framework `name`, skipping the test where it is missing
+    (failing it instead under ZEROSCAN_REQUIRE_FRAMEWORKS=1)."""
+    if os.environ.get("ZEROSCAN_REQUIRE_FRAMEWORKS"):
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
+
+
+def tiny_gpt2(seed: int = 0) -> nn.Module:
+    """A 2-layer GPT-2 with 32-wide embeddings, from a config."""
+    transformers = require("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def token_rows(n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """`n` rows of random token ids (input_ids [LENGTH] and labels [LENGTH])."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (LENGTH,), generator=g)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+def plant(model: nn.Module, problem: str) -> nn.Module:
+    """Plants `problem` (a key of PROBLEMS, or "healthy") in `model`; returns it."""
+    block = model.get_submodule(PLANTED)
+    if problem == "frozen":
+        block.requires_grad_(False)
+    elif problem == "detached":
+        head = model.get_submodule("lm_head")
+        head.register_forward_pre_hook(lambda module, args: (args[0].detach(),))
+    elif problem == "nan":
+        with torch.no_grad():
+            block.get_parameter("c_fc.weight")[0, 0] = float("nan")
+    elif problem not in ("healthy", "not_in_optimizer"):
+        raise ValueError(f"plant: problem must be 'healthy' or one of {sorted(PROBLEMS)}, got {problem!r}")
+    return model
+
+
+def trained_params(model: nn.Module, problem: str) -> list[nn.Parameter]:
+    """What the optimizer gets: every parameter that requires grad, less
+    the planted block's under "not_in_optimizer"."""
+    left_out = {id(p) for p in model.get_submodule(PLANTED).parameters()} if problem == "not_in_optimizer" else set()
+    return [p for p in model.parameters() if p.requires_grad and id(p) not in left_out]
+
+
+def optimizer(model: nn.Module, problem: str, lr: float = 1e-3) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(trained_params(model, problem), lr=lr)
+
+
+def finding_names(findings: list[dict[str, Any]], problem: str) -> set[str]:
+    """The names of the findings (to_dict() form) of the planted problem's cause and severity."""
+    cause, severity = PROBLEMS[problem]
+    return {
+        str(f["name"]) for f in findings
+        if f["cause"] == cause.value and f["severity"] == severity.name.lower()
+    }

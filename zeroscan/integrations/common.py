@@ -1,0 +1,104 @@
+"""What every framework integration shares: importing the framework with an
+error that names zeroscan's extra, the torch optimizer inside a wrapper,
+and the summary scalars each logs.
+
+The summary is a handful of numbers per report whatever the model's size,
+so it can ride along in a framework's own log rows (and its console
+printout); per-tensor scalars (zeroscan.loggers.scalars) are opt-in.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from zeroscan.monitor import Report, Severity
+from zeroscan.report_data import report_dict
+
+
+def require(module: str, extra: str, user: str) -> ModuleType:
+    """Imports `module` for the integration `user`, or raises an ImportError
+    that says which zeroscan extra installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(
+            f"{user} needs the {module} package ({err}); install it with: pip install 'zeroscan[{extra}]'"
+        ) from err
+
+
+def summary_scalars(report: Report | Mapping[str, Any], *, prefix: str = "zeroscan") -> dict[str, float]:
+    """A fixed handful of scalars for one report, whatever the model's size:
+
+    {prefix}.findings/error, /warning, /info   findings of each severity
+    {prefix}.grad/zero_pct                     exact zeros, % of all gradient elements scanned
+    {prefix}.grad/underflow_pct                subnormal values, % of the same
+    {prefix}.grad/nonfinite                    NaN and inf gradient elements
+    {prefix}.grad/scanned                      gradients scanned (a None gradient is not)
+
+    Tag style as zeroscan.loggers.scalars, so the two merge into one dict.
+    The gradient numbers are of the report's step; with no gradient
+    scanned, the three gradient shares are left out (not logged as 0).
+    """
+    data = report_dict(report)
+    counts = {s.name.lower(): 0 for s in (Severity.ERROR, Severity.WARNING, Severity.INFO)}
+    for f in data.get("findings", []):
+        severity = str(f.get("severity", "info")).lower()
+        if severity in counts:
+            counts[severity] += 1
+    out = {f"{prefix}.findings/{severity}": float(n) for severity, n in counts.items()}
+    grads = [t for t in data.get("tensors", []) if t.get("kind") == "grad"]
+    out[f"{prefix}.grad/scanned"] = float(len(grads))
+    grads = [t for t in grads if int(t["numel"])]  # an empty gradient has no share to add
+    numel = sum(int(t["numel"]) for t in grads)
+    if numel:
+        zeros = sum(float(t["zero_fraction"]) * int(t["numel"]) for t in grads)
+        subnormal = sum(float(t["subnormal_fraction"]) * int(t["numel"]) for t in grads)
+        out[f"{prefix}.grad/zero_pct"] = 100.0 * zeros / numel
+        out[f"{prefix}.grad/underflow_pct"] = 100.0 * subnormal / numel
+        out[f"{prefix}.grad/nonfinite"] = float(sum(int(t["nan"]) + int(t["inf"]) for t in grads))
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a framework's wrapper (Accelerate's
+    AcceleratedOptimizer, which the Trainer uses, keeps it as .optimizer).
+
+    The Monitor hooks this one because a GradScaler that finds inf/NaN
+    skips its step(): the Monitor then sees the step skipped, while the
+    wrapper's own step() runs either way."""
+    inner = optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    return inner
+
+
+MONITOR_OPTIONS = ("history", "activations", "thresholds", "histogram")
+
+
+def monitor_options(user: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments an integration passes on to zeroscan.Monitor,
+    checked by name now (the Monitor checks their values when the framework
+    creates it, at the start of training)."""
+    unknown = sorted(set(options) - set(MONITOR_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"{user}: unexpected keyword argument(s) {', '.join(unknown)}; "
+            f"the Monitor options it passes on are {', '.join(MONITOR_OPTIONS)}"
+        )
+    return dict(options)
+
+
+def check_interval(user: str, name: str, value: int | None, *, none_ok: bool) -> int | None:
+    """`value` as a step interval: an int >= 1 (or None where `none_ok`)."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        allowed = "an int >= 1 or None" if none_ok else "an int >= 1"
+        raise ValueError(f"{user}: {name} must be {allowed}, got {value!r}")
+    return value
