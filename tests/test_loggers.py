@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -218,55 +217,21 @@ def test_loggers_on_a_real_monitor_report(tmp_path: Path, caplog: pytest.LogCapt
 
 
 # --- Lightning ---------------------------------------------------------------------------
+# lightning_callback() returns zeroscan.integrations.lightning.ZeroscanCallback, tested in a
+# real Trainer by test_integration_lightning.py; here, what needs no Lightning.
 
 
-@pytest.fixture
-def fake_lightning(monkeypatch: pytest.MonkeyPatch) -> type:
-    """A stand-in for lightning.pytorch with just its Callback base class."""
-
-    class Callback:
-        pass
-
-    package = types.ModuleType("lightning")
-    module = types.ModuleType("lightning.pytorch")
-    module.Callback = Callback  # type: ignore[attr-defined]
-    package.pytorch = module  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "lightning", package)
-    monkeypatch.setitem(sys.modules, "lightning.pytorch", module)
-    return Callback
-
-
-def test_lightning_callback(fake_lightning: type) -> None:
-    g = fresh_generator()
-    model = Detached()
-    logged: list[dict[str, float]] = []
-    model.log_dict = logged.append  # type: ignore[attr-defined]
-    params = [model.a.weight, model.a.bias, model.b.weight]  # b.bias left out of the optimizer
-    opt = torch.optim.SGD(params, lr=0.1)
-    trainer = types.SimpleNamespace(optimizers=[opt])
-    cb = loggers.lightning_callback(log_every=2)
-    assert isinstance(cb, fake_lightning)
-    cb.on_fit_start(trainer, model)
-    for _ in range(5):
-        opt.zero_grad()
-        model(torch.randn(8, 4, generator=g)).square().mean().backward()
-        cb.on_before_optimizer_step(trainer, model, opt)
-        opt.step()
-    cb.on_fit_end(trainer, model)
-    assert len(logged) == 2 and "zeroscan.grad_norm/b.weight" in logged[0]
-    causes = {(f.name, f.cause) for f in cb.report.findings}
-    assert ("a.weight", "detached") in causes and ("b.bias", "not_in_optimizer") in causes
-    assert cb.monitor.closed
+def test_lightning_callback_checks_log_every_first() -> None:
+    with pytest.raises(ValueError, match=r"lightning_callback: log_every must be an int >= 1, got 0$"):
+        loggers.lightning_callback(log_every=0)
 
 
 def test_lightning_callback_needs_lightning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "lightning", None)
-    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
-    monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
-    with pytest.raises(ImportError, match="pip install lightning"):
+    for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "zeroscan.integrations.lightning", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'zeroscan\[lightning\]'"):
         loggers.lightning_callback()
-    with pytest.raises(ValueError, match="log_every must be an int >= 1"):
-        loggers.lightning_callback(log_every=0)
 
 
 # --- TensorBoard histograms (Monitor(histogram=True)) -----------------------------------

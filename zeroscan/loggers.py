@@ -21,8 +21,9 @@ and a Lightning module can hand them to whatever logger the Trainer has:
 
     self.log_dict(zeroscan.loggers.scalars(report))
 
-or use ``lightning_callback()``. tensorboard and lightning are optional; this
-module imports neither.
+or use zeroscan.integrations.lightning.ZeroscanCallback (``lightning_callback()``
+here is kept for existing code and returns one). tensorboard and lightning
+are optional; this module imports neither.
 """
 
 from __future__ import annotations
@@ -391,51 +392,17 @@ def log_report(report: object, logger: logging.Logger | None = None, *, summary_
 def lightning_callback(
     *, log_every: int = 50, logger: logging.Logger | None = None, prefix: str = "zeroscan", **monitor_kwargs: Any
 ) -> Any:
-    """A Lightning Callback running a zeroscan Monitor over the LightningModule.
-
-    It scans before each optimizer step (Lightning's on_before_optimizer_step)
-    and, every `log_every` steps, sends scalars(report) to the Trainer's
-    loggers through LightningModule.log_dict and each finding to Python
-    logging. `monitor_kwargs` go to zeroscan.Monitor (every, history,
-    activations, thresholds). The latest report is kept as `callback.report`.
+    """zeroscan.integrations.lightning.ZeroscanCallback(report_every=log_every,
+    logger=logger, prefix=prefix, per_tensor=True, **monitor_kwargs); kept
+    for existing code, so it still logs the per-tensor scalars(report) as it
+    did. Prefer that class (its docstring says what it scans, logs and when).
 
         trainer = lightning.Trainer(callbacks=[zeroscan.loggers.lightning_callback()])
     """
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"lightning_callback: log_every must be an int >= 1, got {log_every!r}")
-    try:
-        from lightning.pytorch import Callback
-    except ImportError:
-        try:
-            from pytorch_lightning import Callback
-        except ImportError:
-            raise ImportError("zeroscan.loggers.lightning_callback needs Lightning: pip install lightning") from None
-    from zeroscan.monitor import Monitor
+    # Imported here: this module never imports Lightning by itself.
+    from zeroscan.integrations.lightning import ZeroscanCallback
 
-    class ZeroscanCallback(Callback):  # type: ignore[misc,valid-type]
-        def __init__(self) -> None:
-            self.monitor: Monitor | None = None
-            self.report: Any = None
-            self.steps = 0
-
-        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-            optimizers = list(getattr(trainer, "optimizers", None) or [])
-            optimizer = optimizers[0] if len(optimizers) == 1 else None
-            self.monitor = Monitor(pl_module, optimizer, auto=False, **monitor_kwargs)
-
-        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-            if self.monitor is None:
-                return
-            self.monitor.step()
-            self.steps += 1
-            if self.steps % log_every == 0:
-                self.report = self.monitor.report()
-                pl_module.log_dict(scalars(self.report, prefix=prefix))
-                log_report(self.report, logger)
-
-        def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-            if self.monitor is not None:
-                self.report = self.monitor.report()
-                self.monitor.close()
-
-    return ZeroscanCallback()
+    options = {"per_tensor": True, **monitor_kwargs}
+    return ZeroscanCallback(report_every=log_every, logger=logger, prefix=prefix, **options)
