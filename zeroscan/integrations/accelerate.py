@@ -1,0 +1,157 @@
+"""zeroscan in a Hugging Face Accelerate training loop: monitor() builds the
+Monitor, log() sends its report to the Accelerator's trackers and to Python
+logging. The loop itself is unchanged; the Monitor is made after prepare()
+and its report read on a step where the gradients synced:
+
+    import zeroscan.integrations.accelerate
+
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    monitor = zeroscan.integrations.accelerate.monitor(accelerator, model, optimizer)
+    completed_steps = 0
+    for batch in data:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            completed_steps += 1
+            if completed_steps % 50 == 0:
+                zeroscan.integrations.accelerate.log(accelerator, monitor.report(), step=completed_steps)
+
+The Monitor watches the module that prepare() wrapped (accelerator.unwrap_model:
+its forward hooks fire when a DDP or FSDP wrapper calls into it, and its
+parameters keep their own names) and the torch optimizer inside the
+AcceleratedOptimizer. That optimizer's step() runs only on the step that
+syncs the gradients, and not at all when a GradScaler finds inf/NaN, so its
+step pre-hook, where the Monitor scans, tells the steps apart: the
+micro-steps of gradient accumulation leave the gradients to accumulate, and
+a skipped step is one whose gradients are reset with no step.
+Read monitor.report() where accelerator.sync_gradients: in the middle of an
+accumulation, report() closes the backward passes so far as a step that no
+optimizer step followed, and counts it as one.
+
+The Monitor is this process's own: in a multi-process run each process
+monitors its replica or shard, and log() writes from the main process only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from zeroscan.integrations import common
+from zeroscan.loggers import log_report, scalars
+from zeroscan.monitor import Monitor, Report
+from zeroscan.report_data import report_dict
+
+# Imported now, so that without Accelerate the import of this module fails
+# with an error that names zeroscan's extra.
+accelerate = common.require("accelerate", "accelerate", "zeroscan.integrations.accelerate")
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+__all__ = ["log", "monitor"]
+
+MONITOR = "zeroscan.integrations.accelerate.monitor"
+LOG = "zeroscan.integrations.accelerate.log"
+
+
+def monitor(
+    accelerator: Accelerator,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    every: int = 1,
+    **options: Any,
+) -> Monitor:
+    """A zeroscan.Monitor of `model` and `optimizer` as accelerator.prepare()
+    returned them (or as they were before: both are unwrapped).
+
+    every: scan one optimizer step in `every` (the micro-steps of gradient
+        accumulation are not optimizer steps).
+    options: history, activations, thresholds, histogram, passed on to
+        zeroscan.Monitor.
+
+    With an optimizer the Monitor scans at each optimizer step by itself;
+    without one, call monitor.step() once per optimizer step (where
+    accelerator.sync_gradients, after clipping, before zero_grad).
+    monitor.close() removes its hooks."""
+    _check_accelerator(MONITOR, accelerator)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{MONITOR}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{MONITOR}: optimizer must be a torch.optim.Optimizer (as accelerator.prepare returns it) or None, "
+            f"got {type(optimizer).__name__}"
+        )
+    interval = common.check_interval(MONITOR, "every", every, none_ok=False)
+    assert interval is not None  # none_ok=False
+    checked = common.monitor_options(MONITOR, options)
+    inner = None
+    if optimizer is not None:
+        inner = common.unwrap_optimizer(optimizer)
+        if isinstance(inner, accelerate.optimizer.AcceleratedOptimizer):
+            # What it wraps is no torch Optimizer (DeepSpeed's ZeRO optimizer), and the
+            # wrapper itself cannot stand in: it never ran Optimizer.__init__ (no hooks),
+            # and its step() is called at every micro-step of gradient accumulation.
+            held = type(getattr(inner, "optimizer", None)).__name__
+            raise TypeError(
+                f"{MONITOR}: optimizer holds no torch.optim.Optimizer to hook "
+                f"(the {type(inner).__name__}'s .optimizer is {held}); "
+                "pass optimizer=None and call monitor.step() once per optimizer step"
+            )
+    return Monitor(accelerator.unwrap_model(model), inner, interval, **checked)
+
+
+def log(
+    accelerator: Accelerator,
+    report: Report | Mapping[str, Any],
+    *,
+    step: int | None = None,
+    per_tensor: bool = False,
+    prefix: str = "zeroscan",
+    logger: logging.Logger | None = None,
+) -> dict[str, float]:
+    """Sends one report where an Accelerate run looks, and returns the scalars sent.
+
+    The scalars (common.summary_scalars: finding counts and the gradients'
+    zero %, underflow % and non-finite count; with per_tensor=True also
+    zeroscan.loggers.scalars: a norm, zero % and underflow % per gradient)
+    go to accelerator.log, that is to every tracker given as
+    Accelerator(log_with=...) once accelerator.init_trackers() has run (with
+    none, nothing is sent), at `step`: pass the step the loop's other logs
+    use (W&B drops a step lower than one already logged); by default the
+    report's step (the Monitor's count of optimizer steps, from 0), so that
+    a tracker never files every report under one step. On the main process,
+    each finding also goes to Python logging at its severity (`logger`,
+    default the "zeroscan" logger)."""
+    _check_accelerator(LOG, accelerator)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"{LOG}: step must be an int or None, got {step!r}")
+    if not isinstance(report, (Report, Mapping)):
+        raise TypeError(f"{LOG}: report must be a zeroscan Report or its to_dict() dict, got {type(report).__name__}")
+    data = report_dict(report)
+    values = common.summary_scalars(data, prefix=prefix)
+    if per_tensor:
+        values.update(scalars(data, prefix=prefix))
+    if step is None:
+        step = data.get("step")
+    # accelerator.log reaches the trackers on the main process only; the findings
+    # go to logging there too, so that a multi-process run prints each once.
+    accelerator.log(values, step=step)
+    if accelerator.is_main_process:
+        log_report(data, logger)
+    return values
+
+
+def _check_accelerator(user: str, accelerator: object) -> None:
+    if not isinstance(accelerator, accelerate.Accelerator):
+        raise TypeError(f"{user}: accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
