@@ -309,3 +309,29 @@ def test_trl_sft_trainer_keeps_its_own_metrics(tmp_path: Path) -> None:
     # zeroscan's rows come after, so they carry none and leave SFTTrainer's intact.
     trained = [r for r in trainer.state.log_history if "loss" in r]
     assert all("mean_token_accuracy" in r for r in trained) and not any("mean_token_accuracy" in r for r in rows)
+
+
+def test_an_optimizer_that_cannot_be_hooked_steps_from_the_callback(caplog: pytest.LogCaptureFixture) -> None:
+    # What DeepSpeed hands the Trainer: a wrapper around no torch Optimizer. The Monitor
+    # cannot hook it, so the callback steps it at on_pre_optimizer_step instead.
+    class Opaque:
+        def __init__(self, params: list[torch.nn.Parameter]) -> None:
+            self.inner = torch.optim.SGD(params, lr=0.1)
+
+        def step(self) -> None:
+            self.inner.step()
+
+    model = frameworks.tiny_gpt2()
+    opt = Opaque(list(model.parameters()))
+    callback = ZeroscanCallback()
+    state, control = transformers.TrainerState(), transformers.TrainerControl()
+    callback.on_train_begin(None, state, control, model=model, optimizer=opt)
+    for _ in range(3):
+        ids = torch.randint(0, frameworks.VOCAB, (2, frameworks.LENGTH))
+        model(input_ids=ids, labels=ids).loss.backward()
+        callback.on_pre_optimizer_step(None, state, control)
+        opt.step()
+        model.zero_grad()
+    callback.on_train_end(None, state, control)
+    assert callback.monitor is not None and callback.monitor.steps_seen == 3
+    assert callback.report is not None and callback.report.findings == [], str(callback.report)
