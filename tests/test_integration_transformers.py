@@ -243,6 +243,7 @@ def test_without_a_trainer_findings_still_reach_python_logging(caplog: pytest.Lo
         ({"every": 0}, "every must be an int >= 1, got 0"),
         ({"report_every": True}, "report_every must be an int >= 1 or None, got True"),
         ({"prefix": 3}, "prefix must be a str, got int"),
+        ({"logger": "zeroscan"}, "logger must be a logging.Logger or None, got str"),
         ({"histogram": True, "warmup": 3}, "unexpected keyword argument(s) warmup"),
     ],
 )

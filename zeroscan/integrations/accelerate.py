@@ -47,9 +47,8 @@ import torch
 from torch import nn
 
 from zeroscan.integrations import common
-from zeroscan.loggers import log_report, scalars
+from zeroscan.loggers import log_report
 from zeroscan.monitor import Monitor, Report
-from zeroscan.report_data import report_dict
 
 # Imported now, so that without Accelerate the import of this module fails
 # with an error that names zeroscan's extra.
@@ -138,10 +137,8 @@ def log(
         raise TypeError(f"{LOG}: step must be an int or None, got {step!r}")
     if not isinstance(report, (Report, Mapping)):
         raise TypeError(f"{LOG}: report must be a zeroscan Report or its to_dict() dict, got {type(report).__name__}")
-    data = report_dict(report)
-    values = common.summary_scalars(data, prefix=prefix)
-    if per_tensor:
-        values.update(scalars(data, prefix=prefix))
+    data = common.report_rows(report)
+    values = common.logged_scalars(data, prefix=prefix, per_tensor=per_tensor)
     if step is None:
         step = data.get("step")
     # accelerator.log reaches the trackers on the main process only; the findings

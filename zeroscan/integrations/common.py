@@ -1,6 +1,6 @@
 """What every framework integration shares: importing the framework with an
 error that names zeroscan's extra, the torch optimizer inside a wrapper,
-and the summary scalars each logs.
+the scalars each logs, and the callbacks' common arguments.
 
 The summary is a handful of numbers per report whatever the model's size,
 so it can ride along in a framework's own log rows (and its console
@@ -10,13 +10,15 @@ printout); per-tensor scalars (zeroscan.loggers.scalars) are opt-in.
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from collections.abc import Mapping
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from zeroscan.loggers import scalars
 from zeroscan.monitor import Report, Severity
 from zeroscan.report_data import report_dict
 
@@ -32,6 +34,15 @@ def require(module: str, extra: str, user: str) -> ModuleType:
         ) from err
 
 
+def report_rows(report: Report | Mapping[str, Any]) -> Mapping[str, Any]:
+    """What the loggers read of a report: its "step", "findings" (as dicts)
+    and "tensors". Report.to_dict() would also convert the history, P x
+    steps values, which no logged scalar uses."""
+    if isinstance(report, Report):
+        return {"step": report.step, "findings": [f.to_dict() for f in report.findings], "tensors": report.tensors}
+    return report_dict(report)
+
+
 def summary_scalars(report: Report | Mapping[str, Any], *, prefix: str = "zeroscan") -> dict[str, float]:
     """A fixed handful of scalars for one report, whatever the model's size:
 
@@ -45,7 +56,7 @@ def summary_scalars(report: Report | Mapping[str, Any], *, prefix: str = "zerosc
     The gradient numbers are of the report's step; with no gradient
     scanned, the three gradient shares are left out (not logged as 0).
     """
-    data = report_dict(report)
+    data = report_rows(report)
     counts = {s.name.lower(): 0 for s in (Severity.ERROR, Severity.WARNING, Severity.INFO)}
     for f in data.get("findings", []):
         severity = str(f.get("severity", "info")).lower()
@@ -63,6 +74,17 @@ def summary_scalars(report: Report | Mapping[str, Any], *, prefix: str = "zerosc
         out[f"{prefix}.grad/underflow_pct"] = 100.0 * subnormal / numel
         out[f"{prefix}.grad/nonfinite"] = float(sum(int(t["nan"]) + int(t["inf"]) for t in grads))
     return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def logged_scalars(report: Report | Mapping[str, Any], *, prefix: str, per_tensor: bool) -> dict[str, float]:
+    """What an integration logs of one report: summary_scalars, plus, with
+    per_tensor, zeroscan.loggers.scalars (a norm, zero % and underflow % per
+    gradient)."""
+    data = report_rows(report)
+    values = summary_scalars(data, prefix=prefix)
+    if per_tensor:
+        values.update(scalars(data, prefix=prefix))
+    return values
 
 
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -102,3 +124,39 @@ def check_interval(user: str, name: str, value: int | None, *, none_ok: bool) ->
         allowed = "an int >= 1 or None" if none_ok else "an int >= 1"
         raise ValueError(f"{user}: {name} must be {allowed}, got {value!r}")
     return value
+
+
+class CallbackSettings(NamedTuple):
+    """A framework callback's arguments, checked (see callback_settings)."""
+
+    every: int
+    report_every: int | None
+    per_tensor: bool
+    prefix: str
+    logger: logging.Logger
+    options: dict[str, Any]
+
+
+def callback_settings(
+    user: str,
+    *,
+    every: int,
+    report_every: int | None,
+    per_tensor: bool,
+    prefix: str,
+    logger: logging.Logger | None,
+    options: dict[str, Any],
+) -> CallbackSettings:
+    """The arguments the Trainer and Lightning callbacks share, checked with
+    one-line errors; `logger` None becomes the "zeroscan" logger."""
+    checked_every = check_interval(user, "every", every, none_ok=False)
+    assert checked_every is not None  # none_ok=False
+    checked_report_every = check_interval(user, "report_every", report_every, none_ok=True)
+    if not isinstance(prefix, str):
+        raise TypeError(f"{user}: prefix must be a str, got {type(prefix).__name__}")
+    if logger is not None and not isinstance(logger, logging.Logger):
+        raise TypeError(f"{user}: logger must be a logging.Logger or None, got {type(logger).__name__}")
+    return CallbackSettings(
+        checked_every, checked_report_every, bool(per_tensor), prefix,
+        logger or logging.getLogger("zeroscan"), monitor_options(user, options),
+    )

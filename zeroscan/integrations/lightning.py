@@ -50,7 +50,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from zeroscan.integrations import common
-from zeroscan.loggers import log_report, scalars
+from zeroscan.loggers import log_report
 from zeroscan.monitor import Monitor, Report
 
 USER = "zeroscan.integrations.lightning.ZeroscanCallback"
@@ -98,16 +98,12 @@ class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
         **monitor_options: Any,
     ) -> None:
         super().__init__()
-        self.every = common.check_interval(USER, "every", every, none_ok=False)
-        self.report_every = common.check_interval(USER, "report_every", report_every, none_ok=True)
-        if not isinstance(prefix, str):
-            raise TypeError(f"{USER}: prefix must be a str, got {type(prefix).__name__}")
-        if logger is not None and not isinstance(logger, logging.Logger):
-            raise TypeError(f"{USER}: logger must be a logging.Logger or None, got {type(logger).__name__}")
-        self.per_tensor = bool(per_tensor)
-        self.prefix = prefix
-        self.logger = logger or logging.getLogger("zeroscan")
-        self.options = common.monitor_options(USER, monitor_options)
+        self.every, self.report_every, self.per_tensor, self.prefix, self.logger, self.options = (
+            common.callback_settings(
+                USER, every=every, report_every=report_every, per_tensor=per_tensor, prefix=prefix,
+                logger=logger, options=monitor_options,
+            )
+        )
         self.monitor: Monitor | None = None
         self.report: Report | None = None
         self._hooks: list[RemovableHandle] = []  # the callback's step hooks on the optimizers
@@ -250,16 +246,14 @@ class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
     def _report(self, trainer: Any, pl_module: Any, *, final: bool) -> None:
         """One report: its scalars to every logger of the Trainer, its findings to Python logging."""
         assert self.monitor is not None
-        report = self.monitor.report()
-        self.report = report
+        self.report = self.monitor.report()
         self._reported_at = trainer.global_step
         self._steps_reported = self.monitor.steps_seen
-        values = common.summary_scalars(report, prefix=self.prefix)
-        if self.per_tensor:
-            values.update(scalars(report, prefix=self.prefix))
+        rows = common.report_rows(self.report)
+        values = common.logged_scalars(rows, prefix=self.prefix, per_tensor=self.per_tensor)
         # Logger.log_metrics directly, not LightningModule.log: self.log is not allowed in
         # on_train_end and would apply its own cadence (log_every_n_steps) on top of ours.
         for lg in pl_module.loggers:
             lg.log_metrics(values, step=trainer.global_step)
         if trainer.is_global_zero:
-            log_report(report, self.logger, summary_level=logging.INFO if final else logging.DEBUG)
+            log_report(rows, self.logger, summary_level=logging.INFO if final else logging.DEBUG)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from zeroscan.integrations import common
-from zeroscan.loggers import log_report, scalars
+from zeroscan.loggers import log_report
 from zeroscan.monitor import Monitor, Report
 
 transformers = common.require("transformers", "transformers", "zeroscan.integrations.transformers")
@@ -76,14 +76,12 @@ class ZeroscanCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         logger: logging.Logger | None = None,
         **options: Any,
     ) -> None:
-        self.every = common.check_interval(USER, "every", every, none_ok=False)
-        self.report_every = common.check_interval(USER, "report_every", report_every, none_ok=True)
-        if not isinstance(prefix, str):
-            raise TypeError(f"{USER}: prefix must be a str, got {type(prefix).__name__}")
-        self.per_tensor = bool(per_tensor)
-        self.prefix = prefix
-        self.logger = logger or logging.getLogger("zeroscan")
-        self.options = common.monitor_options(USER, options)
+        self.every, self.report_every, self.per_tensor, self.prefix, self.logger, self.options = (
+            common.callback_settings(
+                USER, every=every, report_every=report_every, per_tensor=per_tensor, prefix=prefix,
+                logger=logger, options=options,
+            )
+        )
         self.monitor: Monitor | None = None
         self.report: Report | None = None
         self._trainer: Any = None
@@ -154,16 +152,13 @@ class ZeroscanCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         """One report: its findings to Python logging now, its scalars to
         Trainer.log at the next _flush."""
         assert self.monitor is not None
-        report = self.monitor.report()
-        self.report = report
+        self.report = self.monitor.report()
         self._reported_at = state.global_step
         self._steps_reported = self.monitor.steps_seen
-        values = common.summary_scalars(report, prefix=self.prefix)
-        if self.per_tensor:
-            values.update(scalars(report, prefix=self.prefix))
-        self._pending = values
+        rows = common.report_rows(self.report)
+        self._pending = common.logged_scalars(rows, prefix=self.prefix, per_tensor=self.per_tensor)
         if state.is_world_process_zero:
-            log_report(report, self.logger, summary_level=logging.INFO if final else logging.DEBUG)
+            log_report(rows, self.logger, summary_level=logging.INFO if final else logging.DEBUG)
 
     def _flush(self) -> None:
         """Logs the scalars of the latest report through Trainer.log, once."""
