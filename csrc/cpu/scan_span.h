@@ -908,7 +908,6 @@ ZS_AVX512 void scan_vectors(const S* p, int64_t n, const Limits& lim,
                             double shift, Tally<S, int64_t>& t) {
   using F = Format<S>;
   constexpr int W = sizeof(S);
-  using V = Lanes<W>;
   constexpr int kLanes = 64 / W;
   constexpr bool kFloating = F::kFloating;
 
