@@ -134,3 +134,19 @@ def progress(text: str) -> None:
     script = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"
     sys.stderr.write(f"[{script} {time.perf_counter() - _START:5.0f} s] {text}\n")
     sys.stderr.flush()
+
+
+def count_syncs(fn: Callable[[], object]) -> int:
+    """Host synchronisations fn() makes on the current CUDA device, counted
+    from the warnings of torch.cuda.set_sync_debug_mode("warn"), one per sync."""
+    import warnings
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
