@@ -1,11 +1,19 @@
-"""A gloo world of spawned processes for tests of collective code.
+"""A world of spawned processes for tests of collective code: gloo on the
+CPU by default, or NCCL with one GPU per rank.
 
 `spawn_world` starts one process per rank, joined through a file store; each
 runs every check in order (a barrier between checks keeps the ranks in step)
 and writes, per check, its traceback or the text it returned to a file that
 the test process reads back. The whole run is bounded in time, so a hang
 fails the tests instead of blocking them, and every failure names its rank
-and the seed (ZEROSCAN_TEST_SEED replays it).
+and the seed (ZEROSCAN_TEST_SEED replays it). Where the backend cannot run
+(no gloo; for NCCL: no NCCL in this torch, no CUDA device, or fewer devices
+than ranks) the calling test is skipped and says why.
+
+With backend="nccl", rank r makes CUDA device r % device_count its current
+device before joining, so a check's `.to("cuda")` lands on its own GPU (NCCL
+refuses two ranks on one GPU); the default group is then NCCL, and a check
+that also wants gloo creates it with dist.new_group(backend="gloo").
 """
 
 from __future__ import annotations
@@ -78,18 +86,21 @@ def spawn_world(
     *,
     timeout_s: float,
     collective_timeout_s: float,
+    backend: str = "gloo",
 ) -> World:
-    """Runs every check on `size` spawned ranks; skips where gloo is missing.
-    `timeout_s` bounds the whole run, `collective_timeout_s` each collective."""
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with gloo is not available")
+    """Runs every check on `size` spawned ranks of a `backend` ("gloo" or
+    "nccl") world; skips where that backend cannot run here (see the module
+    doc). `timeout_s` bounds the whole run, `collective_timeout_s` each collective."""
+    skip_unless_backend_runs(backend, size)
     seed = fresh_seed(below=2**31)
-    tmp = tmp_path_factory.mktemp(f"world{size}")
+    tmp = tmp_path_factory.mktemp(f"world{size}_{backend}")
     store = str(tmp / "store")
     ctx = multiprocessing.get_context("spawn")  # fork would copy this process's torch threads and state
     procs = [
         ctx.Process(
-            target=_run_rank, args=(rank, size, store, str(tmp), seed, dict(checks), collective_timeout_s), daemon=True
+            target=_run_rank,
+            args=(rank, size, backend, store, str(tmp), seed, dict(checks), collective_timeout_s),
+            daemon=True,
         )
         for rank in range(size)
     ]
@@ -109,15 +120,43 @@ def spawn_world(
     return World(size, seed, timeout_s, hung, [p.exitcode for p in procs], records)
 
 
+def skip_unless_backend_runs(backend: str, size: int) -> None:
+    """pytest.skip, saying why, unless a `size`-rank `backend` world can run here."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"spawn_world: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not dist.is_available():
+        pytest.skip("this torch has no torch.distributed")
+    if backend == "gloo" and not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            pytest.skip("torch.distributed with NCCL is not available (this torch is built without NCCL)")
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if devices == 0:
+            pytest.skip("NCCL needs a CUDA device, and none is available")
+        if devices < size:
+            pytest.skip(f"NCCL needs one CUDA device per rank: {size} ranks, {devices} device(s)")
+
+
 def _run_rank(
-    rank: int, size: int, store: str, out_dir: str, seed: int, checks: dict[str, Check], collective_timeout_s: float
+    rank: int,
+    size: int,
+    backend: str,
+    store: str,
+    out_dir: str,
+    seed: int,
+    checks: dict[str, Check],
+    collective_timeout_s: float,
 ) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     record: RankRecord = {"outcomes": {}, "world_error": None}
     path = Path(out_dir, f"rank{rank}.json")
     try:
+        if backend == "nccl":
+            # Before joining: NCCL binds each rank's communicator to the current device.
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{store}",
             rank=rank,
             world_size=size,
@@ -129,11 +168,20 @@ def _run_rank(
             except Exception:
                 record["outcomes"][name] = {"error": traceback.format_exc(), "output": ""}
             _write(path, record)  # kept if a later check hangs: it tells how far this rank got
-            dist.barrier()
+            _barrier(backend)
         dist.destroy_process_group()
     except Exception:
         record["world_error"] = traceback.format_exc()
     _write(path, record)
+
+
+def _barrier(backend: str) -> None:
+    if backend == "nccl":
+        # NCCL's barrier is an all_reduce on some GPU: name this rank's own
+        # rather than let torch guess it (and warn).
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
 
 
 def _write(path: Path, record: RankRecord) -> None:
