@@ -14,10 +14,7 @@ import copy
 import gc
 import inspect
 import math
-import sys
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -25,6 +22,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from helpers import fresh_seed
+from steps import Batch, assert_moved, assert_same, batches, bits, everything, host_reads_refused, make_model
 from zeroscan.guard import GuardReport, SkippedStep, StepGuard, guard, nonfinite_flags
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -42,24 +40,9 @@ VARIANTS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {
 BAD_VALUES = [math.nan, math.inf, -math.inf]
 GUARD_FILE = inspect.getsourcefile(StepGuard)
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def make_model(g: torch.Generator) -> nn.Sequential:
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
-    return model
-
-
 def make_optimizer(model: nn.Module, config: str, variant: str) -> torch.optim.Optimizer:
     cls, kwargs = CONFIGS[config]
     return cls(model.parameters(), **kwargs, **VARIANTS[variant])
-
-
-def batches(g: torch.Generator, n: int) -> list[Batch]:
-    return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
 
 
 def backward(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch) -> None:
@@ -81,35 +64,6 @@ def plant(model: nn.Sequential, g: torch.Generator, value: float) -> str:
     i, j = (int(torch.randint(0, n, (), generator=g)) for n in grad.shape)
     grad[i, j] = value
     return "2.weight"
-
-
-def everything(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Copies of every weight and every tensor of the optimizer's state."""
-    out = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
-    for n, p in model.named_parameters():
-        for key, t in opt.state.get(p, {}).items():
-            if isinstance(t, torch.Tensor):
-                out[f"state {n} {key}"] = t.detach().clone()
-    return out
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, exact: bool = True) -> None:
-    """Same names, and every tensor bit-identical (exact) or equal in value."""
-    assert sorted(got) == sorted(want)
-    for name in want:
-        a, b = got[name], want[name]
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        same = torch.equal(bits(a), bits(b)) if exact else torch.equal(a, b)
-        assert same, f"{name}: {a} != {b}"
-
-
-def assert_moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
-    """The step did change the weights: the no-op checks are not vacuous."""
-    assert any(not torch.equal(bits(before[n]), bits(after[n])) for n in before if n.startswith("param"))
 
 
 # ---- the step is a no-op exactly when it should be -------------------------
@@ -360,38 +314,6 @@ def test_a_step_that_raises_leaves_no_found_inf_behind() -> None:
 
 # ---- no host sync on the step path ----------------------------------------
 
-HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
-def called_from_guard() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename == GUARD_FILE:
-            return True
-        frame = frame.f_back
-    return False
-
-
-@contextmanager
-def host_reads_refused(monkeypatch: pytest.MonkeyPatch, *, anywhere: bool) -> Iterator[list[str]]:
-    """Every host read of a tensor fails: anywhere, or (anywhere=False) when
-    the guard's code is on the stack (torch's non-capturable Adam reads its
-    CPU step count with .item() itself)."""
-    calls: list[str] = []
-    with monkeypatch.context() as patch:
-        for name in HOST_READS:
-            original = getattr(torch.Tensor, name)
-
-            def refusing(self: torch.Tensor, *args: object, _name: str = name, _original=original, **kwargs: object):
-                if anywhere or called_from_guard():
-                    calls.append(_name)
-                    raise AssertionError(f"host read Tensor.{_name} during optimizer.step()")
-                return _original(self, *args, **kwargs)
-
-            patch.setattr(torch.Tensor, name, refusing)
-        yield calls
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("config", ["sgd_momentum_wd", "adam_amsgrad"])
 def test_the_step_path_reads_nothing_on_the_host(config: str, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -405,16 +327,16 @@ def test_the_step_path_reads_nothing_on_the_host(config: str, variant: str, monk
         backward(model, opt, batch)
         if step == 1:
             plant(model, g, math.nan)
-        with host_reads_refused(monkeypatch, anywhere=anywhere) as calls:
+        with host_reads_refused(monkeypatch, only_from=None if anywhere else GUARD_FILE) as calls:
             opt.step()
         assert calls == []
     assert guarded.report().skipped_steps == [SkippedStep(1, ["2.weight"])]
 
 
 def test_the_refusal_itself_works(monkeypatch: pytest.MonkeyPatch) -> None:
-    with host_reads_refused(monkeypatch, anywhere=True), pytest.raises(AssertionError, match="Tensor.item"):
+    with host_reads_refused(monkeypatch), pytest.raises(AssertionError, match="Tensor.item"):
         torch.ones(()).item()
-    with host_reads_refused(monkeypatch, anywhere=True), pytest.raises(AssertionError, match="Tensor.__bool__"):
+    with host_reads_refused(monkeypatch), pytest.raises(AssertionError, match="Tensor.__bool__"):
         bool(torch.ones(()))
 
 

@@ -1,0 +1,88 @@
+"""The small training step that the guard's and the Monitor's step tests
+share: a model, its batches, copies of everything a step may change, the
+checks on them, and host reads made to fail."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_model(g: torch.Generator) -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+    return model
+
+
+def batches(g: torch.Generator, n: int) -> list[Batch]:
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+def everything(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Copies of every weight and every tensor of the optimizer's state."""
+    out = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for key, t in opt.state.get(p, {}).items():
+            if isinstance(t, torch.Tensor):
+                out[f"state {n} {key}"] = t.detach().clone()
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, exact: bool = True) -> None:
+    """Same names, and every tensor bit-identical (exact) or equal in value."""
+    assert sorted(got) == sorted(want)
+    for name in want:
+        a, b = got[name], want[name]
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        same = torch.equal(bits(a), bits(b)) if exact else torch.equal(a, b)
+        assert same, f"{name}: {a} != {b}"
+
+
+def assert_moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
+    """The step did change the weights: the no-op checks are not vacuous."""
+    assert any(not torch.equal(bits(before[n]), bits(after[n])) for n in before if n.startswith("param"))
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def called_from(filename: str) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename == filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextmanager
+def host_reads_refused(monkeypatch: pytest.MonkeyPatch, *, only_from: str | None = None) -> Iterator[list[str]]:
+    """Every host read of a tensor fails: anywhere, or only while the code of
+    the file `only_from` is on the stack (torch's non-capturable Adam reads
+    its CPU step count with .item() itself). Yields the reads refused."""
+    calls: list[str] = []
+    with monkeypatch.context() as patch:
+        for name in HOST_READS:
+            original = getattr(torch.Tensor, name)
+
+            def refusing(self: torch.Tensor, *args: object, _name: str = name, _original=original, **kwargs: object):
+                if only_from is None or called_from(only_from):
+                    calls.append(_name)
+                    raise AssertionError(f"host read Tensor.{_name} during optimizer.step()")
+                return _original(self, *args, **kwargs)
+
+            patch.setattr(torch.Tensor, name, refusing)
+        yield calls
