@@ -1,0 +1,109 @@
+"""The GPU job's scripts, run where CI runs (no GPU): benchmarks/gpu_check.sh,
+benchmarks/bench_cuda.py, benchmarks/cuda_training.py and benchmarks/small_scan.py.
+
+A GPU comes to few sessions, for 30 minutes; a typo found there costs a
+rerun. So every code path of these scripts that does not need CUDA runs
+here: the benchmark's sections at smoke sizes on the CPU, the small scan's
+checks against the float64 reference, and the shell script's stage and
+deadline handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zeroscan
+from zeroscan.testing import DISTRIBUTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def run_script(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(args), cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+
+
+@pytest.fixture
+def small_scan(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import small_scan
+
+    return small_scan
+
+
+def test_bench_cuda_smoke_runs_every_section(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = run_script(sys.executable, "benchmarks/bench_cuda.py", "--device", "cpu", "--smoke", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for table in results["bandwidth"]:
+        assert table["dtype"] in ("float32", "bfloat16")
+        for row in table["rows"]:
+            assert set(row["stats_s"]) == set(DISTRIBUTIONS)  # every distribution was timed
+            assert all(t > 0 for t in row["stats_s"].values()) and row["worst"] in row["stats_s"]
+            assert row["stats_s"][row["worst"]] == max(row["stats_s"].values())
+    assert [t["tensors"] for t in results["many"]] == [21, 200]  # the tiny model's shapes; the small tensors
+    assert results["syncs"] == {} and results["graphs"] == {}  # CUDA only
+    assert results["training"]["params"] > 0 and "overhead" in results["training"]
+    assert "## Summary" in done.stdout and "needs CUDA" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--only", "bandwidth,nope"], "--only takes bandwidth, many, syncs, graphs, training; got nope"),
+        (["--device", "cpu"], "--device cpu is only for --smoke"),
+    ],
+)
+def test_bench_cuda_refuses_bad_arguments(args: list[str], message: str) -> None:
+    done = run_script(sys.executable, "benchmarks/bench_cuda.py", *args, timeout=60)
+    assert done.returncode != 0 and message in done.stderr
+
+
+def test_small_scan_agrees_with_the_reference_on_cpu(small_scan, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(sys, "argv", ["small_scan.py", "--device", "cpu", "--seed", str(torch.seed() % 2**31)])
+    assert small_scan.main() == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_small_scan_reports_a_wrong_scan(small_scan, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    # A scan that misses the last element of each tensor must be caught.
+    real = zeroscan.stats
+    monkeypatch.setattr(small_scan.zeroscan, "stats", lambda x, **kw: real(x.flatten()[:-1], **kw) if x.numel() > 1 else real(x, **kw))
+    monkeypatch.setattr(sys, "argv", ["small_scan.py", "--device", "cpu"])
+    assert small_scan.main() == 1
+    captured = capsys.readouterr()
+    assert "FAILED" in captured.out and "numel: " in captured.err
+    monkeypatch.setattr(small_scan.zeroscan, "stats", real)
+
+
+def test_kernels_only_says_whether_this_build_has_cuda_kernels(small_scan, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    missing = small_scan.missing_cuda_kernels()
+    if torch.cuda.is_available():
+        assert missing == []  # a GPU machine must run a CUDA build
+    monkeypatch.setattr(sys, "argv", ["small_scan.py", "--kernels-only"])
+    assert small_scan.main() == (1 if missing else 0)
+    out = capsys.readouterr().out
+    assert ("NOT " + ", ".join(missing)) in out if missing else "every op" in out
+
+
+def test_gpu_check_refuses_an_unknown_stage() -> None:
+    done = run_script("bash", "benchmarks/gpu_check.sh", "env", "benchmark", timeout=60)
+    assert done.returncode == 2
+    assert "unknown stage 'benchmark'" in done.stderr and "env build tests kernels sanitize bench" in done.stderr
+
+
+def test_gpu_check_reports_stages_past_its_deadline(tmp_path: Path) -> None:
+    done = run_script("bash", "benchmarks/gpu_check.sh", "env", "bench", env={"OUT": str(tmp_path), "DEADLINE_S": "0"}, timeout=60)
+    assert done.returncode == 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| env | not run: 0 s of DEADLINE_S=0 left |" in summary
+    assert "| bench | not run:" in summary
