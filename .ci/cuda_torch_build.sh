@@ -60,7 +60,7 @@ git ls-files -co --exclude-standard | grep -v '^zeroscan/_C' | tar -cf - -T - | 
 
 # torch's CUDA headers include cuBLAS, cuSPARSE and cuSOLVER headers, which the
 # wheel's nvidia packages carry (a full toolkit has them under $CUDA_HOME).
-nvidia_include=$("$PY" -c "import nvidia, pathlib; print(*sorted(str(p) for p in pathlib.Path(nvidia.__path__[0]).glob('cu*/include')), sep=':')")
+nvidia_include=$("$PY" -c "import nvidia, pathlib; print(*sorted(str(p) for p in pathlib.Path(nvidia.__path__[0]).glob('cu[0-9]*/include')), sep=':')")
 echo "== building with ZEROSCAN_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} (include: $nvidia_include)"
 (
   cd "$SRC"
