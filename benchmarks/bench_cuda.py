@@ -50,7 +50,7 @@ import torch
 import zeroscan
 from bench_cpu import Support, naive
 from cuda_training import training_tables
-from timing import count_syncs, describe_machine, device_sync, dtype_name, fmt_time, progress, time_batches, write_json
+from timing import count_syncs, describe_machine, device_sync, dtype_name, fmt_time, free_memory, progress, time_batches, write_json
 from zeroscan.testing import distributions_for, make_distribution
 
 MB = 1 << 20
@@ -88,12 +88,6 @@ class Plan:
 
 def fmt_bytes(n: int) -> str:
     return f"{n / (1 << 30):.0f} GB" if n >= 1 << 30 else f"{n / MB:.0f} MB"
-
-
-def free_cached(device: torch.device) -> None:
-    """Hands cached blocks back, so the next section's large tensors fit."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def on_device(name: str, numel: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> torch.Tensor:
@@ -141,7 +135,7 @@ def dtype_bandwidth(plan: Plan, dtype: torch.dtype, g: torch.Generator) -> dict[
             }
         )
     print_bandwidth(name, plan.sizes, dists, rows)
-    free_cached(plan.device)
+    free_memory()
     return {"dtype": name, "distributions": list(dists), "rows": rows}
 
 
@@ -254,7 +248,7 @@ def many_table(plan: Plan, label: str, shapes: list[tuple[int, ...]]) -> dict[st
     size = numel * params[0].element_size()
     times = many_times(plan, params, torch.randn(numel, device=device, dtype=dtype))
     del params
-    free_cached(device)
+    free_memory()
     flat_s = times["stats(flat): one tensor, same bytes"]
     print(f"| {label}: {len(shapes):,} tensors, {numel / 1e9:.3g}B × {dtype_name(dtype)} = {fmt_bytes(size)} | time | GB/s | / flat |")
     print("|---|---|---|---|")

@@ -23,7 +23,6 @@ real run: 1.14 B parameters, ~40 GB), "small" (a few M, a quick GPU run), "smoke
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -36,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import zeroscan
 from bench_monitor import SmallLM
 from timing import (
-    count_syncs, describe_machine, device_sync, fmt_time, progress, seconds_per_call, time_batches, write_json,
+    count_syncs, describe_machine, device_sync, fmt_time, free_memory, progress, seconds_per_call, time_batches, write_json,
 )
 
 GB = 1e9
@@ -144,12 +143,6 @@ def first_line(err: BaseException | None) -> str:
         lines.append(f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:160]}")
         err = err.__context__
     return " <- ".join(lines)
-
-
-def free_memory() -> None:
-    gc.collect()  # hooks and Monitors form reference cycles with their models
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def print_table(title: str, rows: Iterable[tuple[str, object]]) -> None:

@@ -16,6 +16,7 @@ processes sharing the cores do not count.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -134,6 +135,15 @@ def progress(text: str) -> None:
     script = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"
     sys.stderr.write(f"[{script} {time.perf_counter() - _START:5.0f} s] {text}\n")
     sys.stderr.flush()
+
+
+def free_memory() -> None:
+    """Drops unreachable objects (hooks and Monitors form reference cycles with
+    their models) and hands the CUDA allocator's cached blocks back, so that the
+    next section's large tensors fit."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def count_syncs(fn: Callable[[], object]) -> int:

@@ -27,6 +27,17 @@ def batches(g: torch.Generator, n: int) -> list[Batch]:
     return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
 
 
+def loss_of(model: nn.Module, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    return (model(x) - y).square().mean()
+
+
+def backward(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch) -> None:
+    """Gradients of one batch, from zero."""
+    opt.zero_grad()
+    loss_of(model, batch).backward()
+
+
 def everything(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Copies of every weight and every tensor of the optimizer's state."""
     out = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}

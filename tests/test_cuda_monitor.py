@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 import zeroscan
 from helpers import DEVICES, fresh_generator, serious
-from steps import assert_moved, assert_same, batches, everything, host_reads_refused, make_model
+from steps import Batch, assert_moved, assert_same, backward, batches, everything, host_reads_refused, loss_of, make_model
 from zeroscan.guard import GuardReport, SkippedStep, guard
 from zeroscan.monitor import Cause, Monitor, Report, Severity, Slot, records
 from zeroscan.record import Column, decode
@@ -44,7 +44,6 @@ from zeroscan.record import Column, decode
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-Batch = tuple[Tensor, Tensor]
 
 MONITOR_OPTIONS: dict[str, dict[str, bool]] = {
     "plain": {},
@@ -88,14 +87,8 @@ def on(device: str, data: list[Batch]) -> list[Batch]:
     return [(x.to(device), y.to(device)) for x, y in data]
 
 
-def loss_of(model: nn.Module, batch: Batch) -> Tensor:
-    x, y = batch
-    return (model(x) - y).square().mean()
-
-
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch) -> None:
-    opt.zero_grad()
-    loss_of(model, batch).backward()
+    backward(model, opt, batch)
     opt.step()
 
 

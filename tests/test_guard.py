@@ -22,7 +22,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from helpers import fresh_seed
-from steps import Batch, assert_moved, assert_same, batches, bits, everything, host_reads_refused, make_model
+from steps import Batch, assert_moved, backward, assert_same, batches, bits, everything, host_reads_refused, make_model
 from zeroscan.guard import GuardReport, SkippedStep, StepGuard, guard, nonfinite_flags
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -43,12 +43,6 @@ GUARD_FILE = inspect.getsourcefile(StepGuard)
 def make_optimizer(model: nn.Module, config: str, variant: str) -> torch.optim.Optimizer:
     cls, kwargs = CONFIGS[config]
     return cls(model.parameters(), **kwargs, **VARIANTS[variant])
-
-
-def backward(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch) -> None:
-    opt.zero_grad()
-    x, y = batch
-    (model(x) - y).square().mean().backward()
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, data: list[Batch]) -> None:
