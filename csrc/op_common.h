@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
+#include <c10/util/safe_numerics.h>
 
 #include <algorithm>
 #include <cmath>
@@ -89,6 +90,39 @@ inline std::ostream& operator<<(std::ostream& out, const ArgName& a) {
   return out;
 }
 
+// The bytes of x's storage that its sizes, strides and offset reach: [first,
+// end) from the start of the storage, or false when they overflow int64.
+inline bool storage_reach(const at::Tensor& x, int64_t& first, int64_t& end) {
+  int64_t low = x.storage_offset(), high = x.storage_offset();
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    int64_t reach = 0;
+    if (c10::mul_overflows(x.size(d) - 1, x.stride(d), &reach)) return false;
+    if (c10::add_overflows(reach < 0 ? low : high, reach, reach < 0 ? &low : &high)) return false;
+  }
+  const int64_t size = static_cast<int64_t>(x.element_size());
+  return !c10::mul_overflows(low, size, &first) &&
+         !c10::add_overflows(high, int64_t{1}, &high) &&
+         !c10::mul_overflows(high, size, &end);
+}
+
+// A tensor whose storage is smaller than its shape says would be read past
+// the storage's end: FSDP frees an unsharded parameter's memory with
+// untyped_storage().resize_(0) and leaves its shape as it was.
+inline void check_storage(const char* op, ArgName what, const at::Tensor& x) {
+  if (x.numel() == 0) return;
+  TORCH_CHECK(x.has_storage(), op, ": ", what,
+              " has no storage of its own to scan (a wrapper tensor)");
+  const int64_t held = static_cast<int64_t>(x.storage().nbytes());
+  int64_t first = 0, end = 0;
+  const bool fits = storage_reach(x, first, end);
+  TORCH_CHECK(fits && first >= 0 && end <= held, op, ": ", what,
+              " has no data to scan: its storage holds ", held,
+              " bytes but its shape ", x.sizes(), " and strides ", x.strides(),
+              " reach ", fits ? std::to_string(end) : std::string("beyond int64"),
+              " (a parameter whose memory was freed, as FSDP frees an unsharded "
+              "parameter with untyped_storage().resize_(0))");
+}
+
 inline void check_input(const char* op, ArgName what, const at::Tensor& x) {
   TORCH_CHECK(x.defined(), op, ": ", what,
               " is an undefined tensor (a gradient that was never computed "
@@ -107,6 +141,7 @@ inline void check_input(const char* op, ArgName what, const at::Tensor& x) {
                     "int32 and int64");
   TORCH_CHECK(x.dim() <= kMaxDims, op, ": ", what, " has ", x.dim(),
               " dimensions; at most ", kMaxDims, " are supported");
+  check_storage(op, what, x);
 }
 
 inline Layout layout_of(const at::Tensor& x) {
@@ -121,6 +156,7 @@ inline void check_rows(const char* op, const at::Tensor& rows) {
               op, ": rows must be an int64 [W, N, ", int(kNumFields),
               "] tensor of result rows with W >= 1, got ", rows.scalar_type(),
               " of shape ", rows.sizes());
+  check_storage(op, ArgName{"rows", -1}, rows);
 }
 
 // Histogram fields of one tensor of dtype `t` (histogram.h).

@@ -152,13 +152,13 @@ def test_diagnose_many_uses_one_scan(monkeypatch: pytest.MonkeyPatch) -> None:
     g = fresh_generator()
     xs = [normal(64, torch.float32, g), torch.zeros(10), subnormal(5, torch.float32, g), normal(3, torch.float16, g)]
     calls = []
-    real = zeroscan.diagnosis.stats_many
+    real = zeroscan.diagnosis.scan_many
 
-    def counting(tensors, *, tol=None):  # type: ignore[no-untyped-def]
+    def counting(op, tensors, *, tol=None):  # type: ignore[no-untyped-def]
         calls.append(len(list(tensors)))
-        return real(tensors, tol=tol)
+        return real(op, tensors, tol=tol)
 
-    monkeypatch.setattr(zeroscan.diagnosis, "stats_many", counting)
+    monkeypatch.setattr(zeroscan.diagnosis, "scan_many", counting)
     ds = diagnose_many(xs)
     assert calls == [4]
     assert [d.verdict for d in ds] == [diagnose(x).verdict for x in xs]

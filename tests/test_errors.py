@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
+from torch import nn
 
 import zeroscan
-from helpers import fresh_generator, make_values
+import zeroscan.distributed
+from helpers import DEVICES, assert_matches_reference, fresh_generator, make_values
 from zeroscan import reference_stats
 
 
@@ -45,7 +48,7 @@ def test_sparse_and_meta() -> None:
 def test_complex_is_refused_with_a_way_out() -> None:
     with pytest.raises(RuntimeError, match=r"x is complex.*x.abs\(\)"):
         zeroscan.stats(torch.randn(4, dtype=torch.complex64))
-    with pytest.raises(RuntimeError, match=r"xs\[1\] is complex"):
+    with pytest.raises(RuntimeError, match=r"^zeroscan.stats_many: tensors\[1\] is complex"):
         zeroscan.stats_many([torch.ones(2), torch.randn(3, dtype=torch.complex128)])
 
 
@@ -149,6 +152,54 @@ def test_fields_read_under_grad_and_jvp_are_right() -> None:
     assert torch.allclose(grad, torch.full_like(x, want["std"]), rtol=1e-12)  # the stats are constants to autograd
 
 
+@pytest.mark.parametrize("transform", ["grad", "jvp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_every_scan_reads_its_fields_under_grad_and_jvp(transform: str, dtype: torch.dtype) -> None:
+    g = fresh_generator()
+    x = make_values(300, dtype, g)
+    other = make_values(77, torch.float32, g)
+    seen: dict[str, object] = {}
+
+    def f(y: torch.Tensor) -> torch.Tensor:
+        seen["stats"] = zeroscan.stats(y).to_dict()
+        seen["stats(histogram)"] = zeroscan.stats(y, histogram=True).to_dict()
+        seen["stats_many"] = zeroscan.stats_many([y, other]).to_dicts()
+        seen["stats_many(histogram)"] = zeroscan.stats_many([y, other], histogram=True).to_dicts()
+        seen["ones"] = zeroscan.stats_many([torch.ones(3)])[0].to_dict()
+        seen["diagnose"] = zeroscan.diagnose(y).to_dict()
+        seen["diagnose_many"] = [d.to_dict() for d in zeroscan.diagnose_many([y, other])]
+        return (y.float() * 2).sum()
+
+    if transform == "grad":
+        torch.func.grad(f)(x)
+    else:
+        torch.func.jvp(f, (x,), (torch.ones_like(x),))
+    # The same calls outside the transform, themselves checked against the float64 reference.
+    assert_matches_reference(zeroscan.stats(x), x)
+    assert_matches_reference(zeroscan.stats(other), other)
+    want = {
+        "stats": zeroscan.stats(x).to_dict(),
+        "stats(histogram)": zeroscan.stats(x, histogram=True).to_dict(),
+        "stats_many": zeroscan.stats_many([x, other]).to_dicts(),
+        "stats_many(histogram)": zeroscan.stats_many([x, other], histogram=True).to_dicts(),
+        "ones": zeroscan.stats(torch.ones(3)).to_dict(),
+        "diagnose": zeroscan.diagnose(x).to_dict(),
+        "diagnose_many": [d.to_dict() for d in zeroscan.diagnose_many([x, other])],
+    }
+    assert repr(seen) == repr(want)  # repr: NaN fields compare equal
+
+
+def test_histograms_under_vmap_are_refused_by_name() -> None:
+    batch = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match=r"^zeroscan.stats: x is batched by torch.func.vmap"):
+        torch.func.vmap(lambda y: y * zeroscan.stats(y, histogram=True).max_abs)(batch)
+    with pytest.raises(RuntimeError, match=r"^zeroscan.stats_many: tensors\[1\] is batched by torch.func.vmap"):
+        torch.func.vmap(lambda y: y * zeroscan.stats_many([batch, y], histogram=True)[1].max_abs)(batch)
+    want = zeroscan.stats(batch, histogram=True).max_abs
+    out = torch.func.vmap(lambda y: y * zeroscan.stats(batch, histogram=True).max_abs)(torch.ones(3, 2))
+    assert torch.equal(out, torch.full((3, 2), want))
+
+
 def test_vmap_over_the_scanned_tensor_is_refused_by_name() -> None:
     batch = torch.randn(3, 8)
     with pytest.raises(RuntimeError, match=r"zeroscan.stats: x is batched by torch.func.vmap.*stats_many"):
@@ -176,3 +227,133 @@ def test_requires_grad_and_views_are_fine() -> None:
     s = zeroscan.stats(w)  # no autograd graph is recorded for the scan
     assert s.numel == 100
     assert not s.buffer.requires_grad
+
+
+# ---- Refusals name the call and the argument the caller used --------------------------
+# Whatever the native op refuses, and whichever native op a public call uses
+# underneath (stats(histogram=True) runs stats_many_hist), the error begins
+# with the public call and the caller's own argument name.
+
+def _public_calls(bad: torch.Tensor) -> list[tuple[str, Callable[[], object]]]:
+    ok = torch.ones(2, device=bad.device if not bad.is_meta else "cpu")
+    return [
+        ("zeroscan.stats: x", lambda: zeroscan.stats(bad)),
+        ("zeroscan.stats: x", lambda: zeroscan.stats(bad, histogram=True)),
+        ("zeroscan.stats_many: tensors[1]", lambda: zeroscan.stats_many([ok, bad])),
+        ("zeroscan.stats_many: tensors[1]", lambda: zeroscan.stats_many([ok, bad], histogram=True)),
+        ("zeroscan.scan_buffers: tensors[1]", lambda: zeroscan.scan_buffers([ok, bad])),
+        ("zeroscan.diagnose: x", lambda: zeroscan.diagnose(bad)),
+        ("zeroscan.diagnose_many: tensors[1]", lambda: zeroscan.diagnose_many([ok, bad])),
+        ("zeroscan.distributed.stats: x", lambda: zeroscan.distributed.stats(bad)),
+        ("zeroscan.distributed.stats_many: tensors[1]", lambda: zeroscan.distributed.stats_many([ok, bad])),
+        ("zeroscan.headroom_of: x", lambda: zeroscan.headroom_of(bad, "e4m3")),
+    ]
+
+
+def _unscanned_dtype(name: str) -> Callable[[str], torch.Tensor]:
+    return lambda device: torch.zeros(16, dtype=torch.uint8, device=device).view(getattr(torch, name))
+
+
+def _freed(device: str) -> torch.Tensor:
+    """A parameter whose memory was freed as FSDP frees it, shape kept."""
+    p = nn.Parameter(torch.randn(64, 3, device=device))
+    p.untyped_storage().resize_(0)
+    return p
+
+
+def _shrunk(device: str) -> torch.Tensor:
+    """A tensor whose storage holds 8 of the 96 bytes its shape needs."""
+    x = torch.randn(4, 6, device=device)
+    x.untyped_storage().resize_(8)
+    return x
+
+
+def _view_past_the_end(device: str) -> torch.Tensor:
+    """A strided view whose offset and strides reach past a shrunk storage."""
+    base = torch.randn(100, device=device, dtype=torch.bfloat16)
+    view = base[40:].view(6, 10)[:, ::3]
+    base.untyped_storage().resize_(2 * 50)
+    return view
+
+
+REFUSED = {
+    **{name: _unscanned_dtype(name) for name in (
+        "uint16", "uint32", "uint64", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "uint1", "uint4",
+        "int2", "int7", "float4_e2m1fn_x2",
+    ) if hasattr(torch, name)},
+    "lazy parameter": lambda device: nn.UninitializedParameter(device=device),
+    "freed parameter": _freed,
+    "shrunk storage": _shrunk,
+    "view past the end": _view_past_the_end,
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", REFUSED)
+def test_every_refusal_names_the_call_and_argument_used(kind: str, device: str) -> None:
+    bad = REFUSED[kind](device)
+    for prefix, call in _public_calls(bad):
+        with pytest.raises((RuntimeError, ValueError)) as info:
+            call()
+        message = str(info.value)
+        assert message.startswith(prefix + " "), (prefix, message)
+        assert "\n" not in message.strip(), message
+        assert info.value.__context__ is None or info.value.__suppress_context__, "one error, not a chain of two"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["freed parameter", "shrunk storage", "view past the end"])
+def test_freed_memory_is_never_read(kind: str, device: str) -> None:
+    # Errors are caught broadly and checked here: pytest's report of an error raised
+    # through frames that hold the freed tensor would print it, and printing it crashes.
+    bad = REFUSED[kind](device)
+    for prefix, call in _public_calls(bad):
+        with pytest.raises((RuntimeError, ValueError)) as info:
+            call()
+        assert info.type is ValueError, str(info.value)
+        assert re.match(rf"{re.escape(prefix)} has no data to scan: its storage holds \d+ bytes", str(info.value))
+    # The native ops themselves check it too (direct torch.ops callers, the Monitor's and the guard's fast paths).
+    ok = torch.ones(3, device=device)
+    native = {
+        "zeroscan.stats: x": lambda: torch.ops.zeroscan.stats.default(bad, None),
+        "zeroscan.stats_many: xs[1]": lambda: torch.ops.zeroscan.stats_many.default([ok, bad], None),
+        "zeroscan.stats_many_hist: xs[0]": lambda: torch.ops.zeroscan.stats_many_hist.default([bad], None),
+    }
+    if device == "cpu":
+        native["zeroscan.stats_many_mapped: xs[1]"] = lambda: torch.ops.zeroscan.stats_many_mapped.default(
+            [ok, bad], None, True
+        )
+    for prefix, call in native.items():
+        with pytest.raises((RuntimeError, ValueError)) as info:
+            call()
+        assert str(info.value).startswith(f"{prefix} has no data to scan"), str(info.value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_freed_rows_are_refused_by_combine_rows(device: str) -> None:
+    rows = torch.zeros(2, 3, 16, dtype=torch.int64, device=device)
+    rows.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match=r"^combine_rows: gathered has no data to scan"):
+        zeroscan.distributed.combine_rows(rows)
+    with pytest.raises(RuntimeError, match=r"^zeroscan.combine_rows: rows has no data to scan"):
+        torch.ops.zeroscan.combine_rows.default(rows)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_memory_given_back_scans_as_usual(device: str) -> None:
+    g = fresh_generator()
+    values = make_values(1000, torch.float32, g)
+    p = nn.Parameter(values.clone().to(device))
+    p.untyped_storage().resize_(0)
+    with pytest.raises((RuntimeError, ValueError)) as info:  # see test_freed_memory_is_never_read
+        zeroscan.stats(p)
+    assert info.type is ValueError and "has no data to scan" in str(info.value), str(info.value)
+    p.untyped_storage().resize_(values.numel() * 4)  # FSDP's all-gather gives the memory back
+    with torch.no_grad():
+        p.copy_(values)
+    empty = torch.empty(0, 5, device=device)
+    empty.untyped_storage().resize_(0)  # holds no element: nothing to read
+    got = zeroscan.stats_many([p, empty, values.to(device)[::7]])
+    assert_matches_reference(got[0], values)
+    assert got[1].numel == 0
+    assert_matches_reference(got[2], values[::7])

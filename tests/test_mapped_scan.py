@@ -70,7 +70,7 @@ def test_rows_equal_stats_many(tmp_path: Path) -> None:
 def test_inputs_refused_by_name() -> None:
     with pytest.raises(TypeError, match=r"stats_many_mapped: tensors\[1\] is None"):
         stats_many_mapped([torch.ones(2), None])  # type: ignore[list-item]
-    with pytest.raises(RuntimeError, match=r"stats_many_mapped: xs\[1\] has unsupported dtype \(UInt16\)"):
+    with pytest.raises(RuntimeError, match=r"^zeroscan.stats_many_mapped: tensors\[1\] has unsupported dtype \(UInt16\)"):
         stats_many_mapped([torch.ones(2), torch.zeros(2, dtype=torch.uint16)])
     with pytest.raises(ValueError, match=r"stats_many_mapped: tensors\[0\] is on the meta device"):
         stats_many_mapped([torch.ones(2, device="meta")])
@@ -82,7 +82,7 @@ def test_inputs_refused_by_name() -> None:
 def test_cuda_tensors_refused_in_one_line() -> None:
     with pytest.raises(RuntimeError) as error:
         stats_many_mapped([torch.ones(3), torch.ones(3, device="cuda")])
-    want = "zeroscan.stats_many_mapped: xs[1] is on cuda:0; it scans memory-mapped CPU tensors"
+    want = "zeroscan.stats_many_mapped: tensors[1] is on cuda:0; it scans memory-mapped CPU tensors"
     assert str(error.value).strip() == want
 
 

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroscan.stats import Stats, stats_many
-from zeroscan.stats import stats as scan
+from zeroscan.stats import Stats, scan_many, scan_one
 from zeroscan.verdicts import MOSTLY_ZERO, PARTIAL_UNDERFLOW, Cause, Severity, check_fraction
 from zeroscan.words import count_noun, is_are
 
@@ -115,7 +114,7 @@ def diagnose(
         which the verdict is PARTIAL_UNDERFLOW (default 0.01).
     """
     _check_thresholds("zeroscan.diagnose", mostly_zero, partial_underflow)
-    return diagnose_stats(scan(x, tol=tol), mostly_zero=mostly_zero, partial_underflow=partial_underflow)
+    return diagnose_stats(scan_one("zeroscan.diagnose", x, tol=tol), mostly_zero=mostly_zero, partial_underflow=partial_underflow)
 
 
 def diagnose_many(
@@ -127,7 +126,7 @@ def diagnose_many(
 ) -> list[Diagnosis]:
     """diagnose() for many tensors with one stats_many call (one per device)."""
     _check_thresholds("zeroscan.diagnose_many", mostly_zero, partial_underflow)
-    batch = stats_many(tensors, tol=tol)
+    batch = scan_many("zeroscan.diagnose_many", tensors, tol=tol)
     return [
         diagnose_stats(s, mostly_zero=mostly_zero, partial_underflow=partial_underflow)
         for s in batch

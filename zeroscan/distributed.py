@@ -59,7 +59,7 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from zeroscan.ops import check_tensor, check_tol, is_dtensor
+from zeroscan.ops import check_tensor, check_tol, is_dtensor, refused
 from zeroscan.record import NUM_FIELDS, empty_rows
 from zeroscan.replicas import ReplicaMismatch, ReplicaReport, replica_report, rows_agree
 
@@ -68,7 +68,7 @@ __all__ = [
     "combine_rows", "comm_device", "compare_replicas", "drop_uncounted", "empty_rows", "gather_rows",
     "local_part", "merge_stats", "replica_report", "rows_agree", "stats", "stats_many",
 ]
-from zeroscan.stats import Readout, Stats, StatsBatch, TensorMeta, device_groups, scan_buffers
+from zeroscan.stats import Readout, Stats, StatsBatch, TensorMeta, buffers_of, device_groups
 
 MODE_LOCAL = "local"
 MODE_CONCATENATED = "concatenated"
@@ -147,7 +147,10 @@ def combine_rows(gathered: torch.Tensor) -> torch.Tensor:
         )
     if gathered.shape[0] == 0:
         raise ValueError("combine_rows: gathered holds no rank (W == 0)")
-    return torch.ops.zeroscan.combine_rows.default(gathered)
+    try:
+        return torch.ops.zeroscan.combine_rows.default(gathered)
+    except RuntimeError as e:  # freed memory, say
+        refused("combine_rows", [("gathered", gathered)], e)
 
 
 # ------------------------------------------------------------ the collective
@@ -242,10 +245,13 @@ def _rows_of(items: Sequence[Stats], device: torch.device) -> torch.Tensor:
     return torch.stack([s.buffer.to(device) for s in items])
 
 
-def _scan_rows(tensors: list[torch.Tensor], tol: float | None, device: torch.device) -> torch.Tensor:
+def _scan_rows(
+    op: str, tensors: list[torch.Tensor], tol: float | None, device: torch.device, names: Callable[[int], str]
+) -> torch.Tensor:
     """int64 [N, 16] on `device`: one row per tensor, in order, from one native
-    call per device (no copy when all are on `device`)."""
-    buffers = scan_buffers(tensors, tol=tol)
+    call per device (no copy when all are on `device`); a refusal names
+    `op` and the tensor as names(i)."""
+    buffers = buffers_of(op, tensors, tol, names)
     groups = device_groups(tensors)
     if len(groups) == 1 and buffers[0].device == device:
         return buffers[0]
@@ -370,8 +376,22 @@ def stats_many(
     op = "zeroscan.distributed.stats_many"
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use stats(x)")
-    tol = check_tol(op, tol)
     xs = [check_tensor(op, "tensors", t, i, collective=True) for i, t in enumerate(tensors)]
+    return _stats_many(op, xs, lambda i: f"tensors[{i}]", tol=tol, group=group, async_op=async_op)
+
+
+def _stats_many(
+    op: str,
+    xs: list[torch.Tensor],
+    names: Callable[[int], str],
+    *,
+    tol: float | None,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+) -> StatsBatch | PendingMerge[StatsBatch]:
+    """stats_many of checked tensors as the public call `op` makes it: a
+    refusal names tensor i as names(i)."""
+    tol = check_tol(op, tol)
     if not xs:
         empty = StatsBatch([])
         return PendingMerge(None, lambda: empty) if async_op else empty
@@ -389,7 +409,7 @@ def stats_many(
 
     locals_ = [p.tensor for p in parts]
     device = comm_device(pg, locals_[0].device) if collective else locals_[0].device
-    rows = _scan_rows(locals_, tol, device)
+    rows = _scan_rows(op, locals_, tol, device, names)
 
     def build(final: torch.Tensor, world: int) -> StatsBatch:
         readout = Readout(final)
@@ -434,7 +454,9 @@ def stats(
     """zeroscan.stats for a tensor spread over ranks. For a DTensor the result
     equals zeroscan.stats(x.full_tensor()) without gathering the tensor; its
     `mode` says how it was merged (see the module doc)."""
-    result = stats_many([check_tensor("zeroscan.distributed.stats", "x", x, collective=True)], tol=tol, group=group, async_op=async_op)
+    op = "zeroscan.distributed.stats"
+    result = _stats_many(op, [check_tensor(op, "x", x, collective=True)], lambda i: "x", tol=tol, group=group,
+                         async_op=async_op)
     if isinstance(result, PendingMerge):
         return result.then(lambda batch: batch[0])  # type: ignore[return-value]
     return result[0]  # type: ignore[return-value]
@@ -470,7 +492,7 @@ def compare_replicas(
         tol = check_tol(op, tol)
         xs = [check_tensor(op, "tensors_or_stats", t, i, collective=True) for i, t in enumerate(tensors_or_stats)]
         device = comm_device(pg, xs[0].device if xs else torch.device("cpu"))
-        rows = _scan_rows(xs, tol, device) if xs else torch.empty((0, NUM_FIELDS), dtype=torch.int64, device=device)
+        rows = _scan_rows(op, xs, tol, device, lambda i: f"tensors_or_stats[{i}]") if xs else torch.empty((0, NUM_FIELDS), dtype=torch.int64, device=device)
     pending = gather_rows(rows, pg, async_op=True)
     report = pending.then(lambda gathered: gathered.replica_report(names, rtol=rtol))  # type: ignore[union-attr]
     return report if async_op else report.wait()

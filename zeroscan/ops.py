@@ -15,6 +15,7 @@ a sparse gradient rather than refuse it) and the one DTensor detector.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -112,14 +113,28 @@ def _stats_vmap(
     return torch.ops.zeroscan.stats.default(x, tol), None
 
 
+def _refuse_batched(op: str, in_dims: tuple[object, ...]) -> None:
+    """Refuses a list of tensors of which vmap batches one, named as the
+    native ops name it (zeroscan.ops.refused gives the caller's names)."""
+    batched = [i for i, d in enumerate(in_dims[0]) if d is not None]  # type: ignore[arg-type]
+    if batched:
+        raise RuntimeError(f"{op}: xs[{batched[0]}] is batched by torch.func.vmap; {VMAP_HINT}")
+
+
 @torch.library.register_vmap("zeroscan::stats_many")
 def _stats_many_vmap(
     info: object, in_dims: tuple[object, ...], xs: list[torch.Tensor], tol: float | None = None
 ) -> tuple[torch.Tensor, int | None]:
-    batched = [i for i, d in enumerate(in_dims[0]) if d is not None]  # type: ignore[union-attr]
-    if batched:
-        raise RuntimeError(f"zeroscan.stats_many: tensors[{batched[0]}] is batched by torch.func.vmap; {VMAP_HINT}")
+    _refuse_batched("zeroscan.stats_many", in_dims)
     return torch.ops.zeroscan.stats_many.default(xs, tol), None
+
+
+@torch.library.register_vmap("zeroscan::stats_many_hist")
+def _stats_many_hist_vmap(
+    info: object, in_dims: tuple[object, ...], xs: list[torch.Tensor], tol: float | None = None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int | None, int | None]]:
+    _refuse_batched("zeroscan.stats_many_hist", in_dims)
+    return torch.ops.zeroscan.stats_many_hist.default(xs, tol), (None, None)
 
 
 def is_dtensor(x: object) -> bool:
@@ -156,7 +171,27 @@ def unreadable(x: torch.Tensor, *, collective: bool = False) -> str | None:
             f"is a {x.layout} tensor; zeroscan scans dense tensors "
             "(pass x.to_dense(), or x.values() for the stored entries only)"
         )
+    held, needed = storage_bytes(x)
+    if held < needed:
+        return (
+            f"has no data to scan: its storage holds {held} bytes but its shape {list(x.shape)} needs {needed} "
+            "(its memory was freed, as FSDP frees an unsharded parameter with untyped_storage().resize_(0))"
+        )
     return None
+
+
+def storage_bytes(x: torch.Tensor) -> tuple[int, int]:
+    """The bytes x's storage holds and the bytes its shape, strides and offset
+    reach (0 for an empty tensor); (0, 0) for a tensor with no storage of its
+    own to ask (a torch.func wrapper), which the native op checks unwrapped."""
+    if x.numel() == 0:
+        return 0, 0
+    try:
+        held = x.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return 0, 0
+    last = x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
+    return held, (last + 1) * x.element_size()
 
 
 def check_tensor(
@@ -186,13 +221,30 @@ def require_readable(op: str, name: str, x: object, *, collective: bool = False)
     return x
 
 
-def refused(op: str, named: Sequence[tuple[str, object]], error: NotImplementedError) -> NoReturn:
-    """Raises the error naming the first of the (name, tensor) pairs that the
-    native op could not be dispatched for, or `error` itself when every
-    tensor is readable."""
+# How the native checks (csrc/op_common.h) begin a refusal: the native op,
+# then its argument ("x", "xs[3]" or "rows").
+NATIVE_REFUSAL = re.compile(r"zeroscan\.\w+: (?:x|rows|xs\[(\d+)\]) ")
+
+
+def refused(op: str, named: Sequence[tuple[str, object]], error: Exception) -> NoReturn:
+    """Raises why the native op refused one of the (name, tensor) pairs, in
+    the words of the call the caller made: the first tensor that cannot be
+    read is named by `op` and its name; a native check's refusal (a dtype,
+    too many dimensions) is `error` with the native op and argument replaced
+    by `op` and the name of that tensor, `named` listing the native op's
+    arguments in order; any other error is `error` itself."""
     for name, x in named:
-        require_readable(op, name, x)
-    raise error
+        try:
+            require_readable(op, name, x)
+        except (TypeError, ValueError) as why:
+            raise why from None  # the native error it explains is not shown beside it
+    message = str(error)
+    found = NATIVE_REFUSAL.match(message)
+    if found is None or not isinstance(error, RuntimeError):
+        raise error
+    index = int(found.group(1) or 0)
+    name = named[index][0] if index < len(named) else f"tensors[{index}]"
+    raise RuntimeError(f"{op}: {name} {message[found.end():]}") from None
 
 
 def scannable_form(x: torch.Tensor) -> tuple[torch.Tensor | None, str]:

@@ -71,7 +71,7 @@ class Readout:
 
     def _array(self) -> numpy.ndarray:
         if self._host is None:
-            self._host = self.buffer.detach().cpu().numpy()
+            self._host = host_array(self.buffer)
         return self._host
 
     def count(self, index: int, column: int) -> int:
@@ -90,7 +90,7 @@ class Readout:
         if self.fields is None:
             return None
         if self._host_fields is None:
-            self._host_fields = self.fields.detach().cpu().numpy()
+            self._host_fields = host_array(self.fields)
         return Histogram.from_fields(dtype, self._host_fields[index], self.row(index))
 
     def row(self, index: int) -> Row:
@@ -99,6 +99,19 @@ class Readout:
         if row is None:
             row = self._rows[index] = row_from_words(self._row_words(index))
         return row
+
+
+def host_array(buffer: torch.Tensor) -> numpy.ndarray:
+    """An int64 result buffer copied to the host as a numpy array.
+
+    Inside torch.func.grad or jvp the buffer is a functorch wrapper, which
+    has no storage for numpy to read; its values are then read through
+    tolist(), which every wrapper answers."""
+    host = buffer.detach().cpu()
+    try:
+        return host.numpy()
+    except RuntimeError:
+        return numpy.array(host.tolist(), dtype=numpy.int64).reshape(tuple(host.shape))
 
 
 # What a Stats says about the scanned tensor besides its statistics:
@@ -288,19 +301,27 @@ def stats(x: torch.Tensor, *, tol: float | None = None, histogram: bool = False)
     error that names zeroscan.distributed.stats, the collective call that
     every rank of its mesh makes to get the statistics of the full tensor.
     """
-    x = check_tensor("zeroscan.stats", "x", x)
-    tol = check_tol("zeroscan.stats", tol)
-    check_flag("zeroscan.stats", "histogram", histogram)
+    return scan_one("zeroscan.stats", x, tol=tol, histogram=histogram)
+
+
+def scan_one(op: str, x: object, *, tol: object = None, histogram: object = False) -> Stats:
+    """stats() as the public call `op` (zeroscan.diagnose, say) makes it:
+    every refusal names `op` and its argument x."""
+    x = check_tensor(op, "x", x)
+    tol = check_tol(op, tol)
+    check_flag(op, "histogram", histogram)
+    # What the native op refuses (a quantized or nested tensor, a dtype it
+    # does not read, freed memory) is named as the caller named it.
     if histogram:
         try:
             rows, fields = torch.ops.zeroscan.stats_many_hist.default([x], tol)
-        except NotImplementedError as e:
-            refused("zeroscan.stats", [("x", x)], e)
+        except RuntimeError as e:
+            refused(op, [("x", x)], e)
         return Stats(Readout(rows, fields), 0, meta_of(x), tol)
     try:
         buffer = torch.ops.zeroscan.stats.default(x, tol)
-    except NotImplementedError as e:  # a quantized or nested tensor
-        refused("zeroscan.stats", [("x", x)], e)
+    except RuntimeError as e:
+        refused(op, [("x", x)], e)
     return Stats(Readout(buffer), 0, meta_of(x), tol)
 
 
@@ -314,7 +335,12 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None, his
     per device, so reading any one field copies each device's buffer once.
     Never a collective: DTensors are refused, as by stats().
     """
-    op = "zeroscan.stats_many"
+    return scan_many("zeroscan.stats_many", tensors, tol=tol, histogram=histogram)
+
+
+def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, histogram: object = False) -> StatsBatch:
+    """stats_many() as the public call `op` makes it: every refusal names
+    `op` and the tensor as tensors[i]."""
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use zeroscan.stats(x)")
     tol = check_tol(op, tol)
@@ -327,9 +353,10 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None, his
     # checks every tensor itself. Anything else it refuses -- None, mixed
     # devices, sparse or DTensor inputs -- takes the careful path below, which
     # names the offending argument or splits the work by device.
+    # (A lazy parameter's __torch_function__ raises ValueError.)
     try:
         readout: Readout | None = scan(xs, tol)
-    except (RuntimeError, TypeError, NotImplementedError):
+    except (RuntimeError, TypeError, ValueError):
         readout = None
     if readout is not None and not readout.buffer.is_meta:  # meta inputs reach the fake kernel
         device = readout.buffer.device
@@ -338,7 +365,11 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None, his
     xs = [require_readable(op, f"tensors[{i}]", x) for i, x in enumerate(xs)]
     items: list[Stats | None] = [None] * len(xs)
     for indices in device_groups(xs):
-        readout = scan([xs[i] for i in indices], tol)
+        group = [xs[i] for i in indices]
+        try:
+            readout = scan(group, tol)
+        except RuntimeError as e:
+            refused(op, [(f"tensors[{i}]", xs[i]) for i in indices], e)
         for row, i in enumerate(indices):
             items[i] = Stats(readout, row, meta_of(xs[i]), tol)
     return StatsBatch(items)  # type: ignore[arg-type]
@@ -383,7 +414,7 @@ def stats_many_mapped(
     # refuses (None, a meta, sparse or quantized tensor) is then named here.
     try:
         rows, faulted, fields = torch.ops.zeroscan.stats_many_mapped.default(xs, tol, histogram)
-    except (RuntimeError, TypeError, NotImplementedError) as e:
+    except (RuntimeError, TypeError, ValueError) as e:
         refused(op, [(f"tensors[{i}]", x) for i, x in enumerate(xs)], e)
     if rows.is_meta:  # meta inputs reach the fake kernel
         refused(op, [(f"tensors[{i}]", x) for i, x in enumerate(xs)], RuntimeError(op))
@@ -416,8 +447,18 @@ def scan_buffers(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor")
     tol = check_tol(op, tol)
-    xs = [check_tensor(op, "tensors", t, i) for i, t in enumerate(tensors)]
-    try:
-        return [torch.ops.zeroscan.stats_many.default([xs[i] for i in g], tol) for g in device_groups(xs)]
-    except NotImplementedError as e:  # a quantized or nested tensor
-        refused(op, [(f"tensors[{i}]", x) for i, x in enumerate(xs)], e)
+    return buffers_of(op, [check_tensor(op, "tensors", t, i) for i, t in enumerate(tensors)], tol)
+
+
+def buffers_of(
+    op: str, xs: list[torch.Tensor], tol: float | None, names: Callable[[int], str] = lambda i: f"tensors[{i}]"
+) -> list[torch.Tensor]:
+    """scan_buffers of checked tensors, as the public call `op` makes it:
+    a refusal names tensor i as names(i)."""
+    buffers = []
+    for group in device_groups(xs):
+        try:
+            buffers.append(torch.ops.zeroscan.stats_many.default([xs[i] for i in group], tol))
+        except RuntimeError as e:  # a quantized or nested tensor, a dtype not read, freed memory
+            refused(op, [(names(i), xs[i]) for i in group], e)
+    return buffers
