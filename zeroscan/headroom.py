@@ -35,7 +35,10 @@ one binade per boundary. The source's subnormal bin maps to (0, tiny*s) and
 is bounded likewise unless it lies wholly below m/2. When `amax` is given, the top binade's image ends at
 amax*s, and the one value at amax counts towards `low` of its class: so
 "amax" and "amax_pow2" scaling never saturate, exactly. Zeros are reported as
-`zeros` (never as flushed); NaN and Inf as `nonfinite` (passed through).
+`zeros` (never as flushed); NaN and Inf as `nonfinite` (passed through). A
+tensor with no nonzero finite value (all zero like a fresh LoRA B, empty,
+all NaN/Inf) has amax 0: no scale changes any count, so the amax scalings
+report s = 1 and the three counts are 0.
 
 MX block scaling (`mx_headroom`) cannot come from one per-tensor histogram:
 it makes its own exact float64 torch pass over the tensor.
@@ -50,7 +53,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zeroscan.histogram import Histogram
-from zeroscan.stats import stats
+from zeroscan.stats import scan_one
 
 ZERO, SUBNORMAL, NORMAL, SATURATED = range(4)  # rounding classes, in order of |x*s|
 
@@ -171,7 +174,8 @@ class Headroom:
     binades mapping onto [m/2, m), [n/2, n) and [2^emax, 2^(emax+1)) of the
     target, and the source subnormals when tiny*s > m/2. mx_headroom's counts
     are always exact. zeros (already zero), nonfinite (NaN, +-Inf, passed
-    through) and total are exact. `scale` is nan and `block` set for MX.
+    through) and total are exact. `scale` is nan and `block` set for MX, and
+    1 under the amax scalings when x holds no nonzero finite value.
     """
 
     target: str
@@ -256,6 +260,10 @@ def _resolve_scale(fmt: Format, scaling: str | None, amax: float | None, scale: 
         raise ValueError(f"headroom: scale= goes with scaling='none', got scale={scale!r} with scaling={scaling!r}")
     if amax is None:
         raise ValueError(f"headroom: scaling={scaling!r} needs amax= (zeroscan.stats(x).max_abs), got amax=None")
+    if amax == 0.0:
+        # No nonzero finite value to scale (headroom() checks that against the
+        # histogram): whatever s is, every count is 0, so s = 1 rather than M/0.
+        return scaling, 1.0
     amax = _check_positive_finite("headroom", "amax", amax)
     if scaling == "amax":
         s = fmt.max_finite / amax
@@ -306,7 +314,9 @@ def headroom(
     down to a power of two) or "none" (s = `scale`, default 1; the default
     where scale= is given). `amax` is x's exact largest finite |x|
     (zeroscan.stats(x).max_abs where x holds no Inf); the amax scalings need
-    it, and given with any scaling it narrows the top binade's bounds.
+    it, and given with any scaling it narrows the top binade's bounds. amax
+    0 says the histogram holds no nonzero finite value: the amax scalings
+    then report s = 1 and count nothing.
     """
     fmt = format_of(target)
     if not isinstance(hist, Histogram):
@@ -366,17 +376,20 @@ def headroom_of(
     """headroom() of one tensor: its histogram, and amax from zeroscan.stats.
 
     amax is the largest finite |x|: where x holds +-Inf (stats' max_abs is
-    then inf) it is found by one extra torch pass over x."""
+    then inf) it is found by one extra torch pass over x; it is 0 where x
+    holds no nonzero finite value (all zero, empty, all NaN/Inf), which
+    every scaling counts (module doc)."""
     format_of(target)  # a bad target is reported before x is scanned
-    scanned = stats(x, histogram=True)  # amax and the histogram from one pass
+    scanned = scan_one("zeroscan.headroom_of", x, histogram=True)  # amax and the histogram from one pass
     amax = scanned.max_abs
     if amax == math.inf:
         v = x.detach()
         amax = float(torch.where(v.isfinite(), v.abs(), 0).max().to(torch.float64))
-    known = amax if math.isfinite(amax) else None  # nan: x holds no non-NaN value
+    # nan: x holds no non-NaN value (empty or all NaN), so no finite one either.
+    finite_amax = amax if math.isfinite(amax) else 0.0
     histogram = scanned.histogram
     assert histogram is not None
-    return headroom(histogram, target, scaling=scaling, amax=known, scale=scale)
+    return headroom(histogram, target, scaling=scaling, amax=finite_amax, scale=scale)
 
 
 _MX_SCALE_EXPONENTS = (-127, 127)  # the range of the E8M0 shared scale
