@@ -84,9 +84,12 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any, TextIO, TypeVar
 
 from zeroscan.cli_format import (
@@ -98,6 +101,7 @@ from zeroscan.cli_format import (
     fmt_num,
     fmt_percent,
     fmt_shape,
+    fit_to_console,
     printable,
     render_table,
 )
@@ -635,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Is this tensor truly zero, underflowed, non-finite, or healthy? "
         "Scan checkpoints, tour the verdicts.",
         epilog="exit status: 0 ok, 1 a finding at or above --fail-on (default error), "
-        "2 an unreadable file or a usage error",
+        "2 an unreadable file or a usage error, 130 interrupted (Ctrl-C)",
     )
     parser.add_argument("--version", action="version", version=f"zeroscan {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -700,7 +704,57 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line `argv` (default sys.argv[1:]) and returns the exit status."""
+    """Runs the command line `argv` (default sys.argv[1:]) and returns the
+    exit status. Ctrl-C, pressed any number of times, ends it with one line
+    "zeroscan: interrupted" and EXIT_INTERRUPTED."""
+    for stream in (sys.stdout, sys.stderr):
+        fit_to_console(stream)  # first: --help and usage errors print too
+    previous = stop_on_first_interrupt()
+    interrupted = False
+    try:
+        return run_command(argv)
+    except KeyboardInterrupt:
+        interrupted = True
+        say("zeroscan: interrupted")
+        return EXIT_INTERRUPTED
+    finally:
+        # A program that calls main(argv) gets its own Ctrl-C back. The
+        # process's command line (argv None) stays deaf to it once
+        # interrupted, so a later press cannot break the exit with a traceback.
+        if previous is not None and not (interrupted and argv is None):
+            signal.signal(signal.SIGINT, previous)
+
+
+def stop_on_first_interrupt() -> Callable[[int, FrameType | None], Any] | None:
+    """Makes the first SIGINT raise KeyboardInterrupt and every later one do
+    nothing: presses that follow it (a user pressing again, a terminal
+    sending two) would otherwise land in the cleanup, the "interrupted" line
+    or the exit, and print a traceback. Returns the handler it replaced;
+    None where it installs none: off the main thread, or where SIGINT is
+    already ignored or handled the program's own way."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        return None
+    stopping = False
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if stopping:  # a press that reached Python before SIG_IGN took over
+            return
+        stopping = True
+        # Ignored by the OS from here on, through the interpreter's exit
+        # (which would reset a Python handler to the default and die of SIGINT).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    return previous
+
+
+def run_command(argv: Sequence[str] | None) -> int:
+    """main() without its Ctrl-C handling: parses `argv` and runs its command."""
     if sys.stdout is None:  # `zeroscan ... >&-`: no report can be written, so do no work
         return fail("stdout is closed: nothing to write the report to")
     parser = build_parser()
@@ -726,9 +780,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         where = f"{e.filename}: " if e.filename else ""
         return fail(f"{where}{e.strerror or e}")
-    except KeyboardInterrupt:
-        say("zeroscan: interrupted")
-        return EXIT_INTERRUPTED
     except Exception as e:
         if os.environ.get("ZEROSCAN_DEBUG"):
             raise

@@ -5,10 +5,13 @@ and not under NO_COLOR), and bytes-scanned progress on stderr.
 Text that comes from a file (tensor names, dtype strings) or from the user
 (file names) goes through printable() before it reaches a terminal, so a
 name holding an escape sequence, a newline or a bidi override is shown, not
-obeyed."""
+obeyed. On a console whose encoding lacks a character (PYTHONIOENCODING=ascii
+or latin-1, a Windows cp1252 console) fit_to_console() makes it print an ASCII
+fallback ("…" as "...") instead of failing."""
 
 from __future__ import annotations
 
+import codecs
 import math
 import os
 import sys
@@ -59,6 +62,50 @@ def display_width(text: str) -> int:
     return sum(
         0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1 for ch in text
     )
+
+
+# --- consoles that cannot encode every character ---------------------------------
+
+# What a console lacking one of these characters shows instead (the reports'
+# own symbols, and a few common in tensor names' prose); any other character
+# it lacks is written as its escape (escape()), so a name stays recognisable.
+ASCII_FALLBACKS = {
+    "…": "...", "∈": " in ", "μ": "mu", "σ": "sigma", "‖": "||", "∞": "inf", "–": "-", "—": "--",
+    "·": "-", "≤": "<=", "≥": ">=", "≠": "!=", "≈": "~", "±": "+-", "×": "x", "→": "->", "←": "<-", "²": "^2",
+    "‘": "'", "’": "'", "“": '"', "”": '"',
+}  # fmt: skip
+ASCII_FALLBACK_ERRORS = "zeroscan.ascii_fallback"  # the codecs error handler's name
+
+
+def ascii_fallback(error: UnicodeError) -> tuple[str, int]:
+    """The codecs error handler ASCII_FALLBACK_ERRORS: what the encoding
+    cannot write becomes its ASCII_FALLBACKS entry or its escape."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    lost = error.object[error.start : error.end]
+    return "".join(ASCII_FALLBACKS.get(ch) or escape(ch) for ch in lost), error.end
+
+
+codecs.register_error(ASCII_FALLBACK_ERRORS, ascii_fallback)
+
+
+def fit_to_console(stream: TextIO | None) -> None:
+    """Makes the text stream `stream` write the characters its encoding
+    lacks as ASCII fallbacks rather than raise UnicodeEncodeError mid-report.
+    A stream that encodes them all (UTF-8), or cannot be reconfigured (a
+    StringIO, a closed stream's None), is left as it is."""
+    encoding = getattr(stream, "encoding", None)
+    reconfigure = getattr(stream, "reconfigure", None)
+    if not encoding or reconfigure is None:
+        return
+    try:
+        "".join(ASCII_FALLBACKS).encode(encoding)
+        return
+    except UnicodeEncodeError:
+        pass
+    except LookupError:  # an encoding Python does not know: nothing to reconfigure it with
+        return
+    reconfigure(errors=ASCII_FALLBACK_ERRORS)
 
 
 # --- numbers, tables, colours ----------------------------------------------------
