@@ -97,3 +97,30 @@ def host_reads_refused(monkeypatch: pytest.MonkeyPatch, *, only_from: str | None
 
             patch.setattr(torch.Tensor, name, refusing)
         yield calls
+
+
+def is_freed(t: torch.Tensor | None) -> bool:
+    """Whether t's memory was freed with its shape kept (FSDP's resize_(0))."""
+    return t is not None and t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+def step_past_freed_memory(opt: torch.optim.Optimizer) -> None:
+    """Makes opt's steps leave out a parameter whose memory (or its
+    gradient's) is freed, as FSDP's optimizer only ever sees what is there.
+    Hooks registered after zeroscan's: zeroscan sees the freed tensors."""
+    hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def hide(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if is_freed(p) or is_freed(p.grad):
+                    hidden.append((p, p.grad))
+                    p.grad = None
+
+    def give_back(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        for p, grad in hidden:
+            p.grad = grad
+        hidden.clear()
+
+    opt.register_step_pre_hook(hide)
+    opt.register_step_post_hook(give_back)

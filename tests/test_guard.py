@@ -22,7 +22,10 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from helpers import fresh_seed
-from steps import Batch, assert_moved, backward, assert_same, batches, bits, everything, host_reads_refused, make_model
+from steps import (
+    Batch, assert_moved, assert_same, backward, batches, bits, everything, host_reads_refused, make_model,
+    step_past_freed_memory,
+)
 from zeroscan.guard import GuardReport, SkippedStep, StepGuard, guard, nonfinite_flags
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -249,6 +252,7 @@ def test_report_keeps_the_last_skipped_steps_in_a_ring() -> None:
         "steps": 9,
         "skipped": 5,
         "skipped_steps": [{"step": s, "params": bad_steps[s]} for s in (4, 5, 7)],
+        "not_scanned": {},
     }
 
 
@@ -506,3 +510,33 @@ def test_a_guarded_optimizer_can_be_garbage_collected() -> None:
     del opt
     gc.collect()
     assert gone() is None
+
+
+# ---- a gradient whose memory was freed -------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [None, *BAD_VALUES], ids=str)
+@pytest.mark.parametrize("variant", ["loop", "foreach"])
+def test_a_freed_gradient_is_left_out_and_named(variant: str, bad: float | None) -> None:
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = make_model(g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, **VARIANTS[variant])
+    guarded = guard(opt, names=model)
+    step_past_freed_memory(opt)
+    for batch in batches(g, 2):
+        backward(model, opt, batch)
+        model[0].weight.grad.untyped_storage().resize_(0)  # freed, shape kept
+        if bad is not None:
+            plant(model, g, bad)
+        before = everything(model, opt)
+        opt.step()
+        if bad is None:
+            assert_moved(before, everything(model, opt))
+        else:
+            assert_same(everything(model, opt), before)
+    report = guarded.report()
+    assert (report.steps, report.skipped) == (2, 0 if bad is None else 2)
+    assert list(report.not_scanned) == ["0.weight"]
+    assert report.not_scanned["0.weight"].startswith("the gradient has no data to scan: its storage holds 0 bytes")
+    assert "not scanned at some steps: 0.weight" in str(report)
+    assert report.to_dict()["not_scanned"] == report.not_scanned

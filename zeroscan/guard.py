@@ -56,13 +56,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from zeroscan.ops import is_dtensor  # importing zeroscan.ops registers the native ops
+from zeroscan.ops import is_dtensor, unreadable  # importing zeroscan.ops registers the native ops
 from zeroscan.record import NONFINITE
 from zeroscan.stats import device_groups
 
@@ -91,18 +91,23 @@ class GuardReport:
     steps: int
     skipped: int
     skipped_steps: list[SkippedStep]  # the last `keep` skipped steps, oldest first
+    # Guarded gradients left out of a step's scan because their memory could
+    # not be read (freed, as FSDP frees with resize_(0)): name -> why, the latest.
+    not_scanned: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
         text = f"skipped {self.skipped} of {self.steps} steps"
-        if not self.skipped_steps:
-            return text
-        shown = [f"step {s.step}: {_some(s.params)}" for s in self.skipped_steps]
-        if self.skipped > len(self.skipped_steps):
-            text += f" (the last {len(self.skipped_steps)} listed)"
-        return text + "; " + "; ".join(shown) + " (NaN/Inf in gradients)"
+        if self.skipped_steps:
+            shown = [f"step {s.step}: {_some(s.params)}" for s in self.skipped_steps]
+            if self.skipped > len(self.skipped_steps):
+                text += f" (the last {len(self.skipped_steps)} listed)"
+            text += "; " + "; ".join(shown) + " (NaN/Inf in gradients)"
+        if self.not_scanned:
+            text += f"; not scanned at some steps: {_some(list(self.not_scanned))} (their memory could not be read)"
+        return text
 
 
 def _some(names: list[str], most: int = 4) -> str:
@@ -154,6 +159,7 @@ class StepGuard:
         self._ring_steps = torch.full((keep + 1,), -1, dtype=torch.int64, device=self._home)
         self._ring_flags = torch.zeros((keep + 1, len(self._params)), dtype=torch.bool, device=self._home)
         self._indices: dict[tuple[int, ...], Tensor] = {}
+        self._not_scanned: dict[str, str] = {}  # GuardReport.not_scanned
         self._open: _OpenStep | None = None
         self._handles = [
             optimizer.register_step_pre_hook(self._before_step),
@@ -197,7 +203,7 @@ class StepGuard:
         for n in range(max(0, skipped - self.keep), skipped):
             held = ring_flags[n % self.keep].nonzero().flatten().tolist()
             listed.append(SkippedStep(ring_steps[n % self.keep], [self.names[i] for i in held]))
-        return GuardReport(steps, skipped, listed)
+        return GuardReport(steps, skipped, listed, dict(self._not_scanned))
 
     def __repr__(self) -> str:
         how = "fused found_inf" if self.fused else "snapshot and select"
@@ -271,6 +277,26 @@ class StepGuard:
                 raise RuntimeError(f"{OP}: the gradient of {self.names[i]} is a {kind}; only dense local gradients are scanned")
             present.append(i)
             grads.append(torch.view_as_real(grad) if grad.is_complex() else grad)
+        try:
+            return self._flags(present, grads)
+        except RuntimeError:
+            # The native check refused a gradient before scanning anything. One whose
+            # memory was freed (FSDP frees with resize_(0)) is left out, like a None one,
+            # and named in the report; any other refusal stands.
+            kept = []
+            for k, grad in enumerate(grads):
+                why = unreadable(grad)
+                if why is None:
+                    kept.append(k)
+                else:
+                    self._not_scanned[self.names[present[k]]] = f"the gradient {why}"
+            if len(kept) == len(grads):
+                raise
+            return self._flags([present[k] for k in kept], [grads[k] for k in kept])
+
+    def _flags(self, present: list[int], grads: list[Tensor]) -> Tensor:
+        """bool [P] on the home device from the gradients `grads` of the guarded
+        parameters `present` (indices), the others False."""
         groups = device_groups(grads)
         if len(groups) == 1 and len(grads) == len(self._params) and grads[0].device == self._home:
             return nonfinite_flags(grads)  # every gradient present, one device
