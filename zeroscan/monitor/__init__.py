@@ -39,6 +39,11 @@ float8_e4m3fnuz or a quantized one, say: zeroscan.ops.scannable_form) is
 left out, with one INFO "not_scanned" finding naming it and its dtype; the
 rest of the model is scanned as always.
 
+The Monitor lives as long as its user holds it: its hooks hold it weakly,
+and neither a pickled nor a copied model carries them (hooks.py). report()
+may be called from another thread while training runs (a lock makes the
+two take turns; see Monitor.report).
+
 Why a gradient is None is the cause analysis of causes.py (a walk of the
 autograd graph from the outputs, and a probe of one forward pass, only when
 an unexplained None gradient shows up). What the records mean is rules.py,

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from zeroscan.monitor.hooks import Hooks
 from zeroscan.monitor.records import Param
 from zeroscan.monitor.report import Finding
 from zeroscan.verdicts import Cause, Severity
@@ -140,8 +141,9 @@ class CauseFinder:
     """The cause analysis of one Monitor: the outputs' graph of the current
     step, the probe, and the causes found so far that cannot change."""
 
-    def __init__(self, model: nn.Module, params: list[Param]) -> None:
+    def __init__(self, model: nn.Module, params: list[Param], hooks: Hooks) -> None:
         self.model = model
+        self._hooks = hooks  # the Monitor's: the probe's hooks go with its others
         self._params = params
         self._pindex = {id(p.tensor): p.index for p in params}
         self._probe: Probe | None = None
@@ -198,8 +200,8 @@ class CauseFinder:
                 if probe.active:
                     probe.leave_module()
 
-            probe.handles.append(module.register_forward_pre_hook(pre))
-            probe.handles.append(module.register_forward_hook(post, always_call=True))
+            probe.handles.append(self._hooks.forward_pre(module, pre))
+            probe.handles.append(self._hooks.forward(module, post, always_call=True))
         self._probe = probe
 
     def drop(self) -> None:
@@ -210,7 +212,7 @@ class CauseFinder:
             probe.__exit__(None, None, None)
             probe.active = False
         for h in probe.handles:
-            h.remove()
+            self._hooks.remove(h)
         probe.handles.clear()
         self._probe = None
 

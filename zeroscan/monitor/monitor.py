@@ -7,6 +7,8 @@ rules.py, and the exchange across ranks is ranks.py.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -18,6 +20,7 @@ from zeroscan.monitor import records
 from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched
 from zeroscan.monitor.causes import CauseFinder, cleared_cause, output_grad_fns, unregistered_state
 from zeroscan.monitor.histograms import check_histogram, free_earlier_fields, latest_histograms
+from zeroscan.monitor.hooks import Hooks, WeakHook
 from zeroscan.monitor.ranks import RankExchange, check_group
 from zeroscan.monitor.records import (
     Scan, StepRecord, decode_records, grad_row, renumber, softmax_gap, unit_peak, weight_row,
@@ -95,12 +98,20 @@ class Monitor:
         group = check_group(op, process_group, self._params)
         self.histogram = check_histogram(op, histogram, group)
         self._ranks = None if group is None else RankExchange(group, self._params, self.thresholds.replica_rtol)
-        self._causes = CauseFinder(model, self._params)
+        # Every hook holds this Monitor weakly and is left out of a pickled or copied
+        # model (hooks.py); the finalizer removes them when the Monitor is freed.
+        self._hooks = Hooks()
+        self._finalizer = weakref.finalize(self, Hooks.remove_all, self._hooks)
+        self._finalizer.atexit = False  # at exit the process, hooks and all, goes anyway
+        # The step path (hooks, possibly on autograd's threads) and report() from any
+        # thread take turns; reentrant, since a hook may run inside another.
+        self._lock = threading.RLock()
+        self._training_thread: int | None = None  # the thread of the latest forward pass
+        self._causes = CauseFinder(model, self._params, self._hooks)
         self._records: deque[StepRecord] = deque(maxlen=history)
         self._count = 0
         self._closed = False
         self._fast = True  # one native call for the whole step, until that fails once
-        self._handles: list[Any] = []
         self._acts: list[tuple[str, str, torch.Tensor]] = []
         self._act_calls: dict[str, int] = {}
         self._act_notes: list[tuple[str, str]] = []
@@ -108,18 +119,18 @@ class Monitor:
         self._auto = bool(auto and optimizer is not None)
         self._open: OpenStep | None = None
         self._open_touched = False
-        self._watch = BackwardWatch(self._backward_started, self._backward_finished)
+        self._watch = BackwardWatch(WeakHook(self, "_backward_started"), WeakHook(self, "_backward_finished"))
         self._structure = StructureWatch(model)
-        self._handles.append(model.register_forward_pre_hook(self._root_pre))
-        self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
+        self._hooks.forward_pre(model, WeakHook(self, "_root_pre"))
+        self._hooks.forward(model, WeakHook(self, "_root_post"), always_call=True)
         if activations:
             for name, module in model.named_modules():
                 tag = "softmax" if isinstance(module, nn.Softmax) else "relu" if isinstance(module, RELU_FAMILY) else None
                 if tag is not None:
-                    self._handles.append(module.register_forward_hook(self._activation_hook(name or "(model)", tag)))
+                    self._hooks.forward(module, WeakHook(self, "_on_activation", name or "(model)", tag))
         if self._auto:
             assert optimizer is not None
-            self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_step))
+            self._hooks.keep(optimizer.register_step_pre_hook(WeakHook(self, "_on_optimizer_step")))
         self._causes.arm()  # the first monitored forward pass is probed
 
     # ---- lifecycle -------------------------------------------------------
@@ -134,16 +145,15 @@ class Monitor:
     def close(self) -> None:
         """Removes every hook this Monitor registered; safe to call twice.
         report() keeps working on what was recorded."""
-        if self._closed:
-            return
-        self._closed = True
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._structure.remove()
-        self._causes.drop()
-        self._causes.roots = []
-        self._acts = []
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._causes.drop()
+            self._hooks.remove_all()
+            self._structure.remove()
+            self._causes.roots = []
+            self._acts = []
 
     @property
     def closed(self) -> bool:
@@ -167,22 +177,25 @@ class Monitor:
     # ---- hooks -----------------------------------------------------------
 
     def _root_pre(self, module: nn.Module, args: Any) -> None:
-        self._watch.reset()
-        if self._monitored():
-            self._causes.forward_started()
+        with self._lock:
+            self._training_thread = threading.get_ident()
+            self._watch.reset()
+            if self._monitored():
+                self._causes.forward_started()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        roots: list[Any] = []
-        if torch.is_grad_enabled() and not self._closed:
-            output_grad_fns(output, roots)
-            self._watch.watch(roots)
-        self._causes.forward_finished(roots, self._monitored())
+        with self._lock:
+            roots: list[Any] = []
+            if torch.is_grad_enabled() and not self._closed:
+                output_grad_fns(output, roots)
+                self._watch.watch(roots)
+            self._causes.forward_finished(roots, self._monitored())
 
-    def _activation_hook(self, name: str, tag: str) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self._monitored() or not isinstance(output, torch.Tensor):
-                return
-            if not output.is_floating_point() or output.layout != torch.strided:
+    def _on_activation(self, name: str, tag: str, module: nn.Module, args: Any, output: Any) -> None:
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.layout != torch.strided:
+            return
+        with self._lock:
+            if not self._monitored():
                 return
             calls = self._act_calls.get(name, 0)
             if calls >= MAX_CALLS_PER_STEP:
@@ -200,22 +213,26 @@ class Monitor:
             except Exception as err:  # report, never break the forward pass
                 self._act_notes.append((key, f"not scanned: {err}"))
 
-        return hook
-
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._in_auto = True
-        try:
-            self._advance(None)
-        finally:
-            self._in_auto = False
+        with self._lock:
+            self._in_auto = True
+            try:
+                self._advance(None)
+            finally:
+                self._in_auto = False
 
     def _backward_started(self) -> None:
         # Read now, before this pass accumulates into .grad: gradients left as the
         # last backward pass left them mean gradient accumulation (the step goes on).
-        open_step = self._open
-        self._open_touched = open_step is not None and grads_touched(self._params, open_step.grads)
+        with self._lock:
+            open_step = self._open
+            self._open_touched = open_step is not None and grads_touched(self._params, open_step.grads)
 
     def _backward_finished(self) -> None:
+        with self._lock:
+            self._on_backward_finished()
+
+    def _on_backward_finished(self) -> None:
         if self._closed:
             return
         self._refresh_structure()
@@ -247,7 +264,8 @@ class Monitor:
             )
         if loss is not None and not isinstance(loss, torch.Tensor):
             raise TypeError(f"zeroscan.Monitor.step: loss must be a tensor or None, got {type(loss).__name__}")
-        self._advance(loss)
+        with self._lock:
+            self._advance(loss)
 
     def _advance(self, loss: torch.Tensor | None) -> None:
         """The optimizer step runs now: the step that backward opened ends,
@@ -337,10 +355,21 @@ class Monitor:
         With no step recorded it scans the gradients as they are now (as the
         last backward pass left them) and says that no step was seen.
         With a process group it first waits for the recorded steps' gathers;
-        it issues no collective itself (see the package doc)."""
+        it issues no collective itself (see the package doc).
+
+        Safe from any thread while training runs (a logger's, a dashboard's):
+        the training thread's hooks wait while a report is being made, and a
+        report made on another thread than the training one judges the steps
+        that have ended, leaving a step that is between backward and
+        optimizer.step() open."""
+        with self._lock:
+            return self._report()
+
+    def _report(self) -> Report:
         self._refresh_structure(check=True)
         open_step = self._open
-        if open_step is not None:
+        on_training_thread = self._training_thread in (None, threading.get_ident())
+        if open_step is not None and on_training_thread:
             # A backward pass with no step after it: GradScaler skipped the step (its
             # unscaling bumps no version counter, so nothing else tells), or no step
             # follows at all. Judged as such: a skip only if its gradients hold inf/NaN.
@@ -405,7 +434,7 @@ class Monitor:
             self._open = OpenStep(self._open.record, grads)
         self._params = params
         self._causes.drop()
-        self._causes = CauseFinder(self.model, params)
+        self._causes = CauseFinder(self.model, params, self._hooks)
         self._causes.arm()
 
     def _optimizer_view(self) -> OptimizerView:

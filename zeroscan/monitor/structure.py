@@ -3,19 +3,31 @@ replaced or removed after the Monitor was made (a new classification head,
 say), so that the Monitor judges the model as it is now.
 
 torch calls its global module and parameter registration hooks on every
-`module.name = ...` and register_*(); `StructureWatch` keeps those hooks and
-flags a change when the module assigned to belongs to the watched model.
-A step then costs one flag read; the model is walked again only after a
-change. `del module.name` calls no hook: report() compares the parameters
-themselves, which catches that too.
+`module.name = ...` and register_*(). zeroscan registers one pair of them
+for the whole process, the first time a StructureWatch is made; they tell
+every live StructureWatch, which flags a change when the module assigned to
+belongs to its model. The process-wide hooks hold the watches weakly, so
+they never keep a Monitor or its model alive. A step then costs one flag
+read; the model is walked again only after a change. `del module.name`
+calls no hook: report() compares the parameters themselves, which catches
+that too.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from torch import nn
 from torch.nn.modules import module as module_hooks
+
+_WATCHES: weakref.WeakSet[StructureWatch] = weakref.WeakSet()
+_REGISTERED: list[Any] = []  # the process-wide hooks' handles, once registered
+
+
+def _on_assign(module: nn.Module, name: str, value: Any) -> None:
+    for watch in list(_WATCHES):
+        watch.assigned(module)
 
 
 class StructureWatch:
@@ -26,12 +38,12 @@ class StructureWatch:
         self._model = model
         self._ids = {id(m) for m in model.modules()}
         self.changed = False
-        self._handles = [
-            module_hooks.register_module_module_registration_hook(self._on_assign),
-            module_hooks.register_module_parameter_registration_hook(self._on_assign),
-        ]
+        if not _REGISTERED:
+            _REGISTERED.append(module_hooks.register_module_module_registration_hook(_on_assign))
+            _REGISTERED.append(module_hooks.register_module_parameter_registration_hook(_on_assign))
+        _WATCHES.add(self)
 
-    def _on_assign(self, module: nn.Module, name: str, value: Any) -> None:
+    def assigned(self, module: nn.Module) -> None:
         if id(module) in self._ids:
             self.changed = True
 
@@ -41,6 +53,4 @@ class StructureWatch:
         self.changed = False
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        _WATCHES.discard(self)
