@@ -22,6 +22,7 @@ import zeroscan.monitor.monitor as monitor_module
 import zeroscan.monitor.rules as rules_module
 import zeroscan.monitor.steps as steps_module
 from helpers import fresh_generator
+from steps import step_past_freed_memory
 from zeroscan import Cause, Monitor, Report, Severity, Thresholds
 from zeroscan.monitor import GLOBAL_NAME, Slot
 from zeroscan.monitor.records import Param, StepRecord, tensor_dict
@@ -110,6 +111,68 @@ def test_every_odd_parameter_is_named_in_one_finding() -> None:
         assert f"0.{name} ({dtype_name(t.dtype)})" in message
     if len(odd) > 6:
         assert f"and {len(odd) - 6} more" in message
+
+
+# ---- memory freed under the Monitor (FSDP frees unsharded parameters with resize_(0)) ----
+
+
+def free_gradient(p: torch.Tensor) -> None:
+    assert p.grad is not None
+    p.grad.untyped_storage().resize_(0)
+
+
+@pytest.mark.parametrize("histogram", [False, True])
+@pytest.mark.parametrize("what", ["weight", "grad", "weight and grad"])
+def test_freed_memory_is_left_out_with_a_note(what: str, histogram: bool) -> None:
+    g = fresh_generator()
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    freed = model[0].weight
+    monitor = Monitor(model, opt, histogram=histogram)
+    step_past_freed_memory(opt)
+    for step in range(3):
+        opt.zero_grad()
+        if step:  # the memory comes back for forward, as FSDP's all-gather gives it back
+            freed.untyped_storage().resize_(freed.numel() * freed.element_size())
+            with torch.no_grad():
+                freed.normal_(generator=g)
+        if "grad" in what:  # freed before the Monitor's scan at the end of backward
+            handle = freed.register_post_accumulate_grad_hook(free_gradient)
+        model(torch.randn(16, 4, generator=g)).square().mean().backward()
+        if "grad" in what:
+            handle.remove()
+        if "weight" in what:
+            freed.untyped_storage().resize_(0)
+        norms = {name: float(p.detach().double().norm()) for name, p in model.named_parameters() if p is not freed}
+        opt.step()
+    report = monitor.report()
+    notes = [f for f in report.findings if f.cause == Cause.NOT_SCANNED]
+    left_out = {"weight": [("0.weight", "weight")], "grad": [("0.weight", "grad")],
+                "weight and grad": [(GLOBAL_NAME, "param")]}[what]
+    assert [(f.name, f.kind, f.severity) for f in notes] == [(n, k, Severity.INFO) for n, k in left_out], str(report)
+    assert "has no data to scan" in notes[0].message and "0.weight" in notes[0].message
+    scanned = {(t["name"], t["kind"]): t for t in report.tensors}
+    gone = {("0.weight", k) for k in ("weight", "grad") if k in what}
+    assert set(scanned) == {(n, k) for n, _ in model.named_parameters() for k in ("grad", "weight")} - gone, str(report)
+    for name, norm in norms.items():  # the rest is scanned, and right
+        assert scanned[(name, "weight")]["norm"] == pytest.approx(norm, rel=1e-6)
+    assert not [f for f in report.findings if f.severity >= Severity.WARNING], str(report)
+
+
+def test_a_gradient_freed_after_backward_keeps_its_row_from_backward() -> None:
+    g = fresh_generator()
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = Monitor(model, opt)
+    step_past_freed_memory(opt)
+    model(torch.randn(16, 4, generator=g)).square().mean().backward()
+    want = float(model[0].weight.grad.double().norm())
+    model[0].weight.grad.untyped_storage().resize_(0)  # freed between backward and the step
+    opt.step()
+    report = monitor.report()
+    (row,) = [t for t in report.tensors if (t["name"], t["kind"]) == ("0.weight", "grad")]
+    assert row["norm"] == pytest.approx(want, rel=1e-6)
+    assert not [f for f in report.findings if f.severity >= Severity.WARNING], str(report)
 
 
 # ---- report() read column-wise equals a plain loop over rows -------------------

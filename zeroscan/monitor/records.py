@@ -214,13 +214,17 @@ def scan_by_device(
 ) -> list[Scan]:
     """One native scan per device of what can be scanned of `tensors` (at
     Slot rows `slots`; see zeroscan.ops.scannable_form): a tensor that
-    cannot be scanned goes to record.unscanned, and the rest is scanned."""
+    cannot be scanned goes to record.unscanned (unless the record holds its
+    row from an earlier scan: a gradient freed after backward ended), and
+    the rest is scanned."""
     by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+    earlier = {r for rows, _ in record.groups for r in rows}
     for t, row in zip(tensors, slots):
         ready, why = scannable_form(t)
         if ready is None:
-            slot = Slot.at_row(row)
-            record.unscanned.append(Unscanned(params[slot.param].name, slot.kind, dtype_name(t.dtype), why))
+            if row not in earlier:  # else the row scanned when backward ended stands
+                slot = Slot.at_row(row)
+                record.unscanned.append(Unscanned(params[slot.param].name, slot.kind, dtype_name(t.dtype), why))
             continue
         entry = by_device.setdefault(ready.device, ([], []))
         entry[0].append(row)

@@ -16,7 +16,7 @@ import torch
 from zeroscan.monitor.records import Activation, Param, Slot, StepRecord, Unscanned, dtype_name, nonfinite_words
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
 from zeroscan.monitor.series import COUNT_COLUMNS, Series
-from zeroscan.monitor.steps import judged_records, step_findings
+from zeroscan.monitor.steps import judged_records, nothing_ran, step_findings
 from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
 from zeroscan.record import Column, Row
 from zeroscan.verdicts import Cause, Severity
@@ -77,6 +77,10 @@ def _latest_findings(
     subnormal = rec.rows.gather(series.grad_rows, [Column.SUBNORMAL])[0] if rec.rows is not None else None
     underflowing = subnormal is not None and bool((subnormal > 0).any())
     whole = _all_zero_finding(series) if rec.stepped is not False else None
+    # No step and no gradient yet: step_findings says so once, for every parameter.
+    quiet_none = nothing_ran(params, records)
+    # A gradient that exists but could not be read has its own note (not_scanned).
+    unread_grads = {u.name for u in rec.unscanned if u.kind == "grad"}
     if whole is not None:
         out.append((-1, whole))
     for p in params:
@@ -99,7 +103,8 @@ def _latest_findings(
             ))))
             continue
         if grad is None:
-            out.append((i, _none_finding(p, series)))
+            if not quiet_none and name not in unread_grads:
+                out.append((i, _none_finding(p, series)))
             continue
         if rec.stepped is False:  # skipped: scaled, non-finite gradients (see the skipped_steps finding)
             continue

@@ -4,7 +4,9 @@ A record is a step taken (optimizer.step() or Monitor.step() ran on its
 gradients), a step skipped (its gradients were reset after backward with no
 step, and they held inf/NaN: GradScaler), or a backward pass that no step
 followed, with finite gradients, which is no step of this model (a GAN's
-generator pass through the monitored discriminator). Which records the
+generator pass through the monitored discriminator). A step taken on
+inf/NaN gradients that left the weights finite (zeroscan.guard) is reported
+as skipped too. Which records the
 per-parameter rules judge, which the history shows, the skipped-steps and
 no-step findings, and where non-finite gradients began live here.
 """
@@ -13,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from zeroscan.monitor.records import Param, StepRecord
+from zeroscan.monitor.records import Param, StepRecord, grad_row, weight_row
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
+from zeroscan.record import Column
 from zeroscan.verdicts import Cause, Severity
 from zeroscan.words import count_noun, listed
 
@@ -50,6 +53,16 @@ def history_records(params: list[Param], records: list[StepRecord]) -> list[Step
     return [r for r in records if r.stepped or skipped(params, r)] or records
 
 
+def nothing_ran(params: list[Param], records: list[StepRecord]) -> bool:
+    """Whether the report has only the scan report() made itself (no step or
+    backward pass was recorded) and it found no gradient: one fact, which one
+    finding states (step_findings) instead of one per parameter."""
+    if len(records) != 1 or records[0].step >= 0 or records[0].rows is None:
+        return False
+    rows = records[0].rows
+    return all(rows.row(grad_row(p.index)) is None for p in params)
+
+
 def first_nonfinite(params: list[Param], records: list[StepRecord]) -> tuple[int, list[str]] | None:
     """The first of `records` (its position) whose gradients hold inf/NaN, and in which parameters."""
     for k, r in enumerate(records):
@@ -68,13 +81,56 @@ def first_nonfinite_words(records: list[StepRecord], first: tuple[int, list[str]
     return f"non-finite gradients first appeared at step {step}{earlier}, in {listed(names, 3)}"
 
 
+def undone(params: list[Param], records: list[StepRecord], k: int) -> bool:
+    """Whether optimizer.step() ran on the inf/NaN gradients of records[k] and
+    the weights at the next record hold none: the update was skipped inside
+    the step or undone after it (zeroscan.guard, a fused optimizer given a
+    found_inf), not applied. The latest record has no next one to tell."""
+    r = records[k]
+    return bool(r.stepped) and k + 1 < len(records) and bool(nonfinite_grads(params, r)) and (
+        not nonfinite_weights(params, records[k + 1])
+    )
+
+
+def nonfinite_weights(params: list[Param], r: StepRecord) -> bool:
+    """Whether a weight scanned at record `r` holds NaN or inf."""
+    if r.rows is None:
+        return False
+    counts, _ = r.rows.gather(np.array([weight_row(p.index) for p in params], dtype=np.int64), [
+        Column.NAN, Column.POSINF, Column.NEGINF,
+    ])
+    return bool(counts.any())
+
+
+def skipped_words(params: list[Param], skips: list[StepRecord], most: int = 6) -> str:
+    """Each of `skips` by its step number and the gradients that held inf/NaN."""
+    shown = [f"step {r.step}: {listed(nonfinite_grads(params, r), 3)}" for r in skips[:most]]
+    more = f"; and {count_noun(len(skips) - most, 'more step')}" if len(skips) > most else ""
+    return "; ".join(shown) + more
+
+
 def step_findings(params: list[Param], records: list[StepRecord], th: Thresholds) -> list[tuple[int, Finding]]:
-    """Whether the optimizer steps ran: skipped steps, or no step at all."""
+    """Whether the optimizer steps ran: skipped steps, or no step at all.
+
+    A step is skipped when its gradients hold inf/NaN and either
+    optimizer.step() did not run (GradScaler, or a check of the user's own)
+    or it ran and left the weights finite (`undone`: zeroscan.guard). Every
+    such step of the kept history is listed, whether or not the latest one is."""
+    if nothing_ran(params, records):
+        return [(-1, Finding(GLOBAL_NAME, "grad", Severity.WARNING, Cause.NO_STEP, (
+            "nothing has run yet: no training step was seen and no parameter has a gradient (no backward "
+            "pass through the model); gradients are judged once training steps have run (optimizer.step() "
+            "after backward(), or Monitor.step() in a loop without an optimizer)"
+        )))]
     closed = [r for r in records if r.stepped is not None and (r.stepped or skipped(params, r))]
-    skips = [r for r in closed if not r.stepped]
+    # While the latest gradients still hold inf/NaN, the findings about them (and
+    # where they began) say it; steps taken on them are not called skipped then.
+    latest_bad = bool(nonfinite_grads(params, records[-1]))
+    guarded = set() if latest_bad else {id(r) for k, r in enumerate(records) if undone(params, records, k)}
+    skips = [r for r in closed if not r.stepped or id(r) in guarded]
     run = 0
     for r in reversed(closed):
-        if r.stepped:
+        if r.stepped and id(r) not in guarded:
             break
         run += 1
     first = first_nonfinite(params, records)
@@ -89,14 +145,30 @@ def step_findings(params: list[Param], records: list[StepRecord], th: Thresholds
             severity, what = Severity.WARNING, (
                 f"optimizer.step() was skipped at the last {run} monitored steps ({n} of {m} in all)"
             )
+        elif guarded:
+            severity, what = Severity.INFO, f"optimizer.step() was skipped at {n} of {m} monitored steps"
         else:
             severity, what = Severity.INFO, (
                 f"optimizer.step() was skipped at {n} of {m} monitored steps (a GradScaler calibrating "
                 "its loss scale skips a few, early in training)"
             )
+        by_scaler = sum(1 for r in skips if not r.stepped)
+        how = []
+        if by_scaler:
+            how.append(
+                f"{'at ' + str(by_scaler) + ' of them ' if by_scaler < n else ''}optimizer.step() did not run: "
+                "GradScaler skips a step whose gradients hold inf/NaN and lowers its scale, as does a check of "
+                "your own"
+            )
+        if n - by_scaler:
+            how.append(
+                f"{'at ' + str(n - by_scaler) + ' of them ' if by_scaler else ''}optimizer.step() ran and the "
+                "weights stayed finite: the update was skipped or undone (zeroscan.guard, or a fused optimizer "
+                "given found_inf)"
+            )
         return [(-1, Finding(GLOBAL_NAME, "grad", severity, Cause.SKIPPED_STEPS, (
-            f"{what}; the gradients of the skipped steps held inf/NaN, which makes GradScaler skip the "
-            f"step and lower its scale; {first_words}"
+            f"{what}, because their gradients held inf/NaN ({skipped_words(params, skips)}); "
+            f"{'; '.join(how)}; {first_words}"
         )))]
     out: list[tuple[int, Finding]] = []
     if records and not any(r.stepped for r in records):
