@@ -24,11 +24,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import assert_matches_reference, fresh_generator, make_values
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 
 import zeroscan
 from zeroscan.checkpoint import CheckpointError, TensorEntry, dtype_name, scan_checkpoint
-from zeroscan.checkpoint_dcp import MetadataReader, looks_like_dcp, open_dcp, read_metadata
+from zeroscan.checkpoint_dcp import Box, MetadataReader, first_overlap, looks_like_dcp, open_dcp, read_metadata
 from zeroscan.checkpoint_reads import TensorPiece
 from zeroscan.cli import main
 
@@ -631,3 +631,139 @@ def copy_folder(folder: Path, tmp_path: Path) -> Path:
     for name in os.listdir(folder):
         (out / name).write_bytes((folder / name).read_bytes())
     return out
+
+
+# --- chunks that overlap, shapes no tensor can have, torch's warnings ------------------------------
+
+
+def set_chunks(folder: Path, fqn: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+               size: tuple[int, ...] | None = None) -> None:
+    """The metadata of tensor `fqn` rewritten to list `boxes` (offsets, sizes)
+    as its chunks, each stored where its first chunk was, and `size` as its
+    shape where given."""
+
+    def change(md: Metadata) -> None:
+        entry = md.state_dict_metadata[fqn]
+        stored = [index for index in md.storage_data if index.fqn == fqn]
+        info = md.storage_data[stored[0]]
+        for index in stored:
+            del md.storage_data[index]
+        entry.chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in boxes]  # type: ignore[union-attr]
+        for offsets, _ in boxes:
+            md.storage_data[MetadataIndex(fqn, torch.Size(offsets))] = info
+        if size is not None:
+            entry.size = torch.Size(size)  # type: ignore[union-attr]
+
+    rewrite_metadata(folder, change)
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Path:
+    folder = tmp_path / "small"
+    save_one_process(folder, {"w": torch.tensor([1.0, 2.0, 3.0, 4.0]), "m": torch.arange(8.0).reshape(4, 2),
+                              "r": torch.arange(8.0).reshape(2, 4)})
+    return folder
+
+
+# label: a tensor of `small` and chunks for it, (offsets, sizes) each, whose sizes add up to its numel
+OVERLAPPING_CHUNKS: dict[str, tuple[str, list[Box]]] = {
+    "listed twice": ("w", [((0,), (2,)), ((0,), (2,))]),  # elements 2 and 3 never read
+    "one inside another": ("w", [((0,), (3,)), ((1,), (1,))]),
+    "rows": ("m", [((0, 0), (2, 2)), ((1, 0), (2, 2))]),  # rows 0-1 and 1-2 of a 4x2 tensor
+    "columns": ("r", [((0, 0), (2, 3)), ((0, 2), (2, 1))]),  # columns 0-2 and 2 of a 2x4 tensor
+}
+
+
+@pytest.mark.parametrize("label", list(OVERLAPPING_CHUNKS))
+def test_chunks_that_overlap_are_refused_naming_the_metadata_and_the_tensor(
+    capsys: pytest.CaptureFixture[str], small: Path, label: str
+) -> None:
+    """Elements read twice made the copied count match, so the elements never
+    read were scanned as whatever memory held (min_abs 3e-41 of [1, 2])."""
+    fqn, boxes = OVERLAPPING_CHUNKS[label]
+    set_chunks(small, fqn, boxes)
+    capsys.readouterr()
+    assert main(["scan", str(small)]) == 2
+    out, err = capsys.readouterr()
+    where = f"{small / '.metadata'}: tensor {fqn!r} "
+    assert out == "" and err.startswith(f"zeroscan: error: {where}") and err.count("\n") == 1, err
+    twice = boxes[0] == boxes[1]
+    assert ("lists its chunk at (0,) twice" if twice else "has chunks that overlap") in err
+    with pytest.raises(CheckpointError, match=f"^{small / '.metadata'}: tensor {fqn!r}"):
+        open_dcp(small)
+
+
+def brute_overlap(boxes: list[Box]) -> bool:
+    return any(all(o < p + m and p < o + n for o, n, p, m in zip(a[0], a[1], b[0], b[1]))
+               and all(n > 0 for n in a[1]) and all(m > 0 for m in b[1])
+               for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def random_grid(g: torch.Generator, rank: int) -> list[Box]:
+    """The boxes of a tensor cut at random places along each dim: a partition, some boxes empty."""
+    cuts = []
+    for _ in range(rank):
+        size = int(torch.randint(0, 9, (), generator=g))
+        inner = sorted({int(c) for c in torch.randint(0, size + 1, (3,), generator=g)})
+        cuts.append(sorted({0, size, *inner}) if size else [0, 0])
+    boxes: list[Box] = [((), ())]
+    for points in cuts:
+        boxes = [(o + (a,), n + (b - a,)) for o, n in boxes for a, b in zip(points, points[1:])]
+    return boxes
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_first_overlap_agrees_with_comparing_every_pair(rank: int) -> None:
+    g = fresh_generator()
+    for _ in range(200):
+        boxes = random_grid(g, rank)
+        assert first_overlap(boxes) is None and not brute_overlap(boxes)
+        grown = list(boxes)
+        i = int(torch.randint(0, len(grown), (), generator=g))
+        offsets, sizes = grown[i]
+        grown[i] = (offsets, tuple(n + int(torch.randint(0, 2, (), generator=g)) for n in sizes))  # may reach a neighbour
+        pair = first_overlap(grown)
+        assert (pair is not None) == brute_overlap(grown), grown
+        if pair is not None:
+            assert brute_overlap(list(pair)) and grown.index(pair[0]) <= grown.index(pair[1])
+    assert first_overlap([((), ()), ((), ())]) == (((), ()), ((), ()))  # both chunks of a scalar hold its element
+
+
+@pytest.mark.parametrize(
+    "size, words",
+    [((0, 2**62, 4), "has the shape [0, 4611686018427387904, 4], whose strides or byte size overflow 64 bits"),
+     ((2**40, 2**40, 2**40), "whose strides or byte size overflow 64 bits"),
+     ((0, 2**61, 1), "whose strides or byte size overflow 64 bits"),  # 2**61 elements of 4 bytes: 2**63
+     ((1,) * 2000, "has 2,000 dimensions, more than the 1,024")],
+    ids=["zero dim first", "numel", "byte stride", "rank"],
+)
+def test_shapes_no_tensor_can_have_are_refused_naming_the_metadata(
+    capsys: pytest.CaptureFixture[str], small: Path, size: tuple[int, ...], words: str
+) -> None:
+    set_chunks(small, "m", [((0,) * len(size), size)], size=size)
+    capsys.readouterr()
+    assert main(["scan", str(small)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"zeroscan: error: {small / '.metadata'}: tensor 'm' ") and words in err, err
+
+
+def test_a_negative_dim_is_refused_naming_the_metadata(small: Path) -> None:
+    set_chunks(small, "m", [((0, 0), (4, 2))], size=(4, -2))
+    with pytest.raises(CheckpointError, match=r"\.metadata: tensor 'm' has no valid shape and chunk list"):
+        open_dcp(small)
+
+
+def test_a_chunk_holding_a_sparse_tensor_is_one_line_on_stderr(small: Path) -> None:
+    """torch warns as it loads a sparse CSR tensor (once per process: so in a
+    fresh one); only zeroscan's error reaches stderr."""
+    archive = small / "__9_0.distcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.save(torch.eye(4).to_sparse_csr(), archive)
+    point_chunk_at(small, "w", archive.name, 0, archive.stat().st_size)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.run([sys.executable, "-m", "zeroscan", "scan", str(small)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"zeroscan: error: {archive}: cannot read the chunks of ['w'] ")

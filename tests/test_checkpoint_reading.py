@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
 import textwrap
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -21,7 +23,15 @@ from helpers import assert_matches_reference, fresh_generator, make_values, save
 from safetensors.torch import save_file
 
 import zeroscan
-from zeroscan.checkpoint import open_checkpoint, scan_checkpoint
+import zeroscan.cli
+from zeroscan.checkpoint import (
+    COMPLEX_DTYPES,
+    CheckpointError,
+    dtype_name,
+    dtype_skip_reason,
+    open_checkpoint,
+    scan_checkpoint,
+)
 from zeroscan.checkpoint_reads import FileChangedError
 from zeroscan.ops import MAX_DIMS, scannable_form
 
@@ -102,6 +112,97 @@ def test_a_file_truncated_during_a_diff_is_an_error_not_a_crash(tmp_path: Path, 
     assert done.returncode == 0, f"the diff died (return code {done.returncode}): {done.stderr[-2000:]}"
     lines = done.stdout.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"ERROR {b}: changed while it was being "), lines
+
+
+# The command line in a fresh interpreter, with every file of the checkpoint
+# (argv[3:]) cut to an eighth of its size, inside its first tensor, at a
+# chosen moment: "opened", as soon as open_checkpoint has opened it
+# (torch.load has mapped it, a safetensors header or DCP .metadata is read),
+# or "scanning", after the first batch of 64 kB. With "unlocated", torch's
+# storages are not matched to the zip's records, so the scan reads torch's
+# own mapping of the file.
+TRUNCATE_IN_CLI = """
+    import os, sys
+    import zeroscan.checkpoint as checkpoint
+    from zeroscan.cli import main
+
+    path, when, *victims = sys.argv[1:]
+
+    def truncate():
+        for victim in victims:
+            os.truncate(victim, os.path.getsize(victim) // 8)
+
+    opened, scan = checkpoint.open_checkpoint, checkpoint.scan_checkpoint
+
+    def open_then_truncate(p):
+        table = opened(p)
+        if when == "opened":
+            truncate()
+        return table
+
+    def scan_in_small_batches(p, **kwargs):
+        if when == "opened":
+            return scan(p, **kwargs)
+        shown = kwargs["progress"]
+        def progress(done, total):
+            if done and not progress.cut:
+                progress.cut = True
+                truncate()
+            shown(done, total)
+        progress.cut = False
+        return scan(p, **{**kwargs, "progress": progress, "batch_bytes": 64 << 10})
+
+    if when == "unlocated":
+        checkpoint.locate_in_zip = lambda file, tensors: {}
+    checkpoint.open_checkpoint = open_then_truncate
+    checkpoint.scan_checkpoint = scan_in_small_batches
+    sys.exit(main(["scan", path]))
+"""
+
+
+def save_layout(layout: str, folder: Path, tensors: dict[str, torch.Tensor]) -> tuple[Path, list[Path]]:
+    """`tensors` saved as `layout`: the path to scan and the files that hold their bytes."""
+    if layout in ("torch", "safetensors"):
+        folder.mkdir()
+        path = folder / f"model.{'pt' if layout == 'torch' else layout}"
+        save(layout, path, tensors)
+        return path, [path]
+    if layout in ("sharded safetensors", "sharded torch"):
+        folder.mkdir()
+        fmt = layout.split()[1]
+        items = list(tensors.items())
+        halves = [dict(items[: len(items) // 2]), dict(items[len(items) // 2 :])]
+        files = [folder / f"model-0000{k}-of-00002.{'safetensors' if fmt == 'safetensors' else 'bin'}" for k in (1, 2)]
+        for half, f in zip(halves, files):
+            save(fmt, f, half)
+        return folder, files
+    assert layout == "dcp"
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, checkpoint_id=folder, no_dist=True)
+    return folder, sorted(folder.glob("*.distcp"))
+
+
+@pytest.mark.parametrize(
+    "layout, when",
+    [(layout, "opened") for layout in ("torch", "safetensors", "sharded safetensors", "sharded torch", "dcp")]
+    + [(layout, "scanning") for layout in ("sharded safetensors", "sharded torch", "dcp")]
+    + [("torch", "unlocated")],
+)
+def test_a_checkpoint_truncated_in_place_is_an_error_not_a_crash(tmp_path: Path, layout: str, when: str) -> None:
+    """os.truncate on the files of an opened checkpoint, of every format: the
+    scan ends with zeroscan's error and exit status 2, never a SIGBUS, an
+    internal error or another format's wording."""
+    g = fresh_generator()
+    tensors = {f"layers.{i}.weight": torch.randn(128, 256, generator=g) for i in range(6)}
+    path, victims = save_layout(layout, tmp_path / "ckpt", tensors)
+    done = run_python(TRUNCATE_IN_CLI, str(path), when, *map(str, victims))
+    assert done.returncode == 2, f"the scan ended with {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
+    assert any(done.stderr.startswith(f"zeroscan: error: {v}: changed while it was being scanned (now ")
+               for v in victims), done.stderr
 
 
 def test_a_short_read_names_the_tensor_and_its_bytes(tmp_path: Path) -> None:
@@ -325,3 +426,88 @@ def test_a_torch_file_of_the_other_byte_order_is_scanned_as_torch_loads_it(tmp_p
             dst.writestr(info.filename, data)
     (row,) = scan_checkpoint(swapped).rows
     assert_matches_reference(as_record(row), x)
+
+
+# --- a file is read as what it holds, whatever its name --------------------------------
+
+
+def save_as(fmt: str, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    if fmt == "torch-legacy":
+        torch.save(tensors, path, _use_new_zipfile_serialization=False)
+    else:
+        save(fmt, path, tensors)
+
+
+@pytest.mark.parametrize(
+    "fmt, name",
+    [("torch", "model.safetensors"), ("torch-legacy", "model.safetensors"), ("safetensors", "model.pt"),
+     ("safetensors", "pytorch_model.bin"), ("safetensors", "last.ckpt"), ("torch-legacy", "model.pth"),
+     ("torch", "model.bin")],
+)  # fmt: skip
+def test_a_file_is_read_as_what_it_holds_whatever_its_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fmt: str, name: str
+) -> None:
+    """The formats are told apart by content (a torch.save file named
+    model.safetensors once read as a corrupt safetensors header)."""
+    g = fresh_generator()
+    tensors = {"w": make_values(300, torch.float32, g).reshape(30, 10), "b": make_values(10, torch.bfloat16, g)}
+    path = tmp_path / name
+    save_as(fmt, path, tensors)
+    result = scan_checkpoint(path)
+    assert result.format == fmt and sorted(r["name"] for r in result.rows) == sorted(tensors)
+    for row in result.rows:
+        assert_matches_reference(as_record(row), tensors[str(row["name"])])
+    capsys.readouterr()
+    assert zeroscan.cli.main(["scan", str(path), "--json", "--fail-on", "none"]) == 0
+    (f,) = json.loads(capsys.readouterr().out)["files"]
+    assert f["format"] == fmt and sorted(r["name"] for r in f["tensors"]) == sorted(tensors)
+
+
+def test_a_damaged_safetensors_file_is_still_named_by_its_name(tmp_path: Path) -> None:
+    """A file that is neither format by its first bytes is read as its name says."""
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(4)}, path)
+    path.write_bytes(path.read_bytes()[:20])
+    with pytest.raises(CheckpointError, match=f"^{path}: corrupt safetensors file: "):
+        scan_checkpoint(path)
+
+
+# --- the dtypes a scan skips ----------------------------------------------------------------
+
+SCANNED_DTYPES = {*zeroscan.ops.FLOAT_DTYPES, *zeroscan.ops.INT_DTYPES, *COMPLEX_DTYPES}
+ALL_TORCH_DTYPES = {d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+@pytest.mark.parametrize("dtype", sorted(ALL_TORCH_DTYPES - SCANNED_DTYPES, key=str), ids=str)
+def test_the_skip_reason_names_exactly_the_dtypes_a_scan_reads(dtype: torch.dtype) -> None:
+    """True of every dtype skipped: uint16 is an integer dtype and float8_e4m3fnuz
+    a floating one, yet neither is read, so the reason lists what is."""
+    assert_names_what_is_read(dtype_name(dtype), dtype_skip_reason(dtype_name(dtype)))
+
+
+def assert_names_what_is_read(name: str, reason: str | None) -> None:
+    """`reason` skips dtype `name` and names, of all torch's dtypes, exactly those a scan reads."""
+    assert reason is not None and reason.startswith(f"dtype {name} is not scanned (zeroscan reads "), reason
+    named = set(re.findall(r"\w+", reason.removeprefix(f"dtype {name} is not scanned"))) & {
+        dtype_name(d) for d in ALL_TORCH_DTYPES}
+    assert named == {dtype_name(d) for d in SCANNED_DTYPES}, reason
+
+
+@pytest.mark.parametrize("dtype", sorted(SCANNED_DTYPES, key=str), ids=str)
+def test_no_skip_reason_for_a_dtype_a_scan_reads(dtype: torch.dtype) -> None:
+    assert dtype_skip_reason(dtype_name(dtype)) is None
+
+
+def test_skipped_tensors_of_unread_dtypes_give_that_reason(tmp_path: Path) -> None:
+    g = fresh_generator()
+    w = make_values(50, torch.float32, g)
+    odd = {d: torch.zeros(3, dtype=d) for d in (torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fnuz,
+                                                 torch.float8_e5m2fnuz)}
+    path = tmp_path / "odd.pt"
+    torch.save({"w": w, **{dtype_name(d): t for d, t in odd.items()}}, path)
+    result = scan_checkpoint(path)
+    (row,) = result.rows
+    assert_matches_reference(as_record(row), w)
+    assert sorted(s["name"] for s in result.skipped) == sorted(dtype_name(d) for d in odd)
+    for skipped in result.skipped:
+        assert_names_what_is_read(str(skipped["name"]), str(skipped["reason"]))

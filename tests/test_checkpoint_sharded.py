@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -238,3 +240,148 @@ def test_a_copy_of_the_shards_in_a_second_folder_scans_alike(tmp_path: Path) -> 
     one, two = (scan_checkpoint(tmp_path / n) for n in ("a", "b"))
     assert one.rows == two.rows
     check_scan(tmp_path / "b", shards, weight_map)
+
+
+# --- an index that leaves shards out ------------------------------------------------------------
+
+
+def rewrite_weight_map(index: Path, change: Callable[[dict[str, str]], dict[str, str]]) -> None:
+    doc = json.loads(index.read_text())
+    doc["weight_map"] = change(doc["weight_map"])
+    index.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("how", ["folder", "index file"])
+@pytest.mark.parametrize("shards_beside", [True, False], ids=["shards beside it", "alone"])
+def test_an_index_naming_no_tensor_is_an_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, how: str, shards_beside: bool
+) -> None:
+    """It once scanned as "0 tensors ... no findings" beside an all-NaN shard."""
+    save_sharded(tmp_path, [{"w": torch.full((4,), math.nan)}])
+    index = tmp_path / "model.safetensors.index.json"
+    rewrite_weight_map(index, lambda weight_map: {})
+    if not shards_beside:
+        (tmp_path / "model-00001-of-00001.safetensors").unlink()
+    path = tmp_path if how == "folder" else index
+    with pytest.raises(CheckpointError) as refused:
+        open_checkpoint(path)
+    message = str(refused.value)
+    assert message.startswith(f"{index}: names no tensor (its \"weight_map\" is empty)") and "\n" not in message
+    assert ("model-00001-of-00001.safetensors" in message) == shards_beside
+    capsys.readouterr()
+    assert main(["scan", str(path)]) == 2
+    assert capsys.readouterr() == ("", f"zeroscan: error: {message}\n")
+
+
+@pytest.mark.parametrize("how", ["folder", "index file"])
+def test_shards_of_a_set_the_index_leaves_out_are_scanned(tmp_path: Path, how: str) -> None:
+    """An index naming shards 1 and 3 of model-*-of-00003 beside shard 2 (which holds the NaN)."""
+    shards = model(fresh_generator(), torch.float32)
+    weight_map = save_sharded(tmp_path, shards)
+    index = tmp_path / "model.safetensors.index.json"
+    rewrite_weight_map(index, lambda wm: {k: v for k, v in wm.items() if v != "model-00002-of-00003.safetensors"})
+    check_scan(tmp_path if how == "folder" else index, shards, weight_map)
+
+
+def test_files_beside_an_index_that_it_does_not_name_are_scanned_too(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A trainer's checkpoint folder: the model's shards and index, and an optimizer.pt beside them."""
+    g = fresh_generator()
+    shards = model(g, torch.float32)
+    folder = tmp_path / "checkpoint-500"
+    save_sharded(folder, shards)
+    poisoned = make_values(40, torch.float32, g, specials=False)
+    poisoned[int(torch.randint(0, 40, (), generator=g))] = math.nan
+    torch.save({"state": {"0": {"exp_avg": poisoned}}}, folder / "optimizer.pt")
+    index, optimizer = folder / "model.safetensors.index.json", folder / "optimizer.pt"
+    assert expand_paths([str(folder)]) == [str(index), str(optimizer)]
+    assert expand_paths([str(folder / "*.safetensors")]) == [str(index)]  # the shards named by their index
+    capsys.readouterr()
+    assert main(["scan", str(folder), "--json"]) == 1
+    model_file, optimizer_file = json.loads(capsys.readouterr().out)["files"]
+    assert model_file["path"] == str(index) and len(model_file["tensors"]) == sum(map(len, shards))
+    (row,) = optimizer_file["tensors"]
+    assert row["name"] == "state.0.exp_avg" and row["severity"] == "error"
+    assert_matches_reference(as_record(row), poisoned)
+    with pytest.raises(CheckpointError, match=r"is a folder of 2 separate checkpoints \(model.safetensors.index.json, "
+                                              r"optimizer.pt\), not one"):
+        open_checkpoint(folder)
+
+
+# --- a folder is scanned whole, or refused ------------------------------------------------------
+
+
+def dcp_folder(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, checkpoint_id=folder, no_dist=True)
+
+
+def nan_tensor(g: torch.Generator) -> dict[str, torch.Tensor]:
+    x = make_values(30, torch.float32, g, specials=False)
+    x[int(torch.randint(0, 30, (), generator=g))] = math.nan
+    return {"hidden.weight": x}
+
+
+def layout_of(kind: str, root: Path, g: torch.Generator) -> list[str]:
+    """A folder whose one checkpoint of its own sits beside more checkpoints, the
+    NaN in one of those; the paths expand_paths must list for it, relative to root."""
+    root.mkdir()
+    if kind == "one file, checkpoint folders":  # the issue's runs/
+        torch.save({"w": torch.randn(8, generator=g)}, root / "llama.pt")
+        save_sharded(root / "step_100", [nan_tensor(g)])
+        save_sharded(root / "step_200", [{"w": torch.randn(8, generator=g)}], index=False)
+        return ["llama.pt", "step_100", "step_200"]
+    if kind == "one file, a plain folder of checkpoints":
+        save_file({"w": torch.randn(8, generator=g)}, str(root / "model.safetensors"))
+        (root / "old" / "deeper").mkdir(parents=True)
+        torch.save(nan_tensor(g), root / "old" / "deeper" / "a.pt")
+        torch.save({"w": torch.randn(8, generator=g)}, root / "old" / "deeper" / "b.pt")
+        return ["model.safetensors", "old/deeper/a.pt", "old/deeper/b.pt"]
+    if kind == "an index, a sub-folder":  # Meta's original/ weights beside the converted shards
+        save_sharded(root, [{"w": torch.randn(8, generator=g)}, {"v": torch.randn(8, generator=g)}])
+        (root / "original").mkdir()
+        torch.save(nan_tensor(g), root / "original" / "consolidated.00.pth")
+        return ["model.safetensors.index.json", "original"]
+    if kind == "shards, a sub-folder":
+        save_sharded(root, [{"a": torch.ones(3)}, {"b": torch.ones(3)}], index=False)
+        save_sharded(root / "ema", [nan_tensor(g)], index=False)
+        return ["ema", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert kind == "DCP, a file"
+    dcp_folder(root, {"w": torch.randn(8, generator=g)})
+    torch.save(nan_tensor(g), root / "train_state.pt")
+    return [".metadata", "train_state.pt"]
+
+
+LAYOUTS = ["one file, checkpoint folders", "one file, a plain folder of checkpoints", "an index, a sub-folder",
+           "shards, a sub-folder", "DCP, a file"]
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_a_folder_is_scanned_whole_never_in_part(capsys: pytest.CaptureFixture[str], tmp_path: Path, kind: str) -> None:
+    """A folder with one checkpoint of its own once scanned as that one alone,
+    passing over the rest (the NaN here) in silence."""
+    root = tmp_path / "runs"
+    want = [str(root / p) for p in layout_of(kind, root, fresh_generator())]
+    assert expand_paths([str(root)]) == want
+    capsys.readouterr()
+    assert main(["scan", str(root), "--json"]) == 1
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert [f["path"] for f in files] == want
+    nan = [(f["path"], r["name"]) for f in files for r in f["tensors"] if r["nan"]]
+    assert len(nan) == 1 and nan[0][1] == "hidden.weight"
+    with pytest.raises(CheckpointError, match=f"^{root}: is a folder of {len(want)} separate checkpoints"):
+        open_checkpoint(root)
+
+
+def test_a_link_back_up_the_tree_is_followed_once(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    root.mkdir()
+    torch.save({"w": torch.ones(2)}, root / "a.pt")
+    (root / "sub").mkdir()
+    torch.save({"w": torch.ones(2)}, root / "sub" / "b.pt")
+    (root / "sub" / "up").symlink_to(root)
+    assert expand_paths([str(root)]) == [str(root / "a.pt"), str(root / "sub" / "b.pt")]

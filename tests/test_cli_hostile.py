@@ -243,6 +243,46 @@ def test_unreadable_dtypes_give_an_unread_row(tmp_path: Path) -> None:
     assert rows["sparse"]["status"] == "unread" and "sparse" in rows["sparse"]["reason"]
 
 
+# --- torch's warnings while a checkpoint loads ---------------------------------------------------------
+
+
+def scan_with_warnings_shown(path: Path) -> subprocess.CompletedProcess[str]:
+    """`python -m zeroscan scan --json PATH` in a fresh interpreter with Python's default warning
+    filters (torch warns of a sparse CSR tensor once per process: a test in this one would see
+    nothing after the first)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    return subprocess.run([sys.executable, "-m", "zeroscan", "scan", "--json", str(path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+SPARSE_LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sparse_csr": lambda x: x.to_sparse_csr(),
+    "sparse_csc": lambda x: x.to_sparse_csc(),
+    "sparse_bsr": lambda x: x.to_sparse_bsr((2, 2)),
+    "sparse_bsc": lambda x: x.to_sparse_bsc((2, 2)),
+}
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+@pytest.mark.parametrize("layout", list(SPARSE_LAYOUTS))
+def test_torch_warnings_while_loading_never_reach_stderr(tmp_path: Path, layout: str, zipped: bool) -> None:
+    """A sparse compressed tensor is skipped with zeroscan's reason; torch's
+    "support is in beta state" warning and its source line are not printed."""
+    g = fresh_generator()
+    w = torch.randn(4, 4, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        odd = SPARSE_LAYOUTS[layout](torch.eye(4))
+    path = tmp_path / "model.pt"
+    torch.save({"w": w, "odd": odd}, path, _use_new_zipfile_serialization=zipped)
+    proc = scan_with_warnings_shown(path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    (f,) = json.loads(proc.stdout)["files"]
+    assert [r["name"] for r in f["tensors"]] == ["w"] and f["tensors"][0]["max_abs"] == float(w.abs().max())
+    (skipped,) = f["skipped"]
+    assert skipped["name"] == "odd" and f"torch.{layout} tensor" in skipped["reason"]
+
+
 # --- stdout or stderr closed -------------------------------------------------------------------------
 
 

@@ -207,6 +207,18 @@ HOSTILE_HEADERS: dict[str, tuple[bytes, tuple[str, ...], bool]] = {
     "a byte range the wrong size for its dtype": (
         safetensors_bytes(f'{{"a":{one(dtype=F64)}}}', ONE),
         ("a tensor's data_offsets span a different number of bytes than its shape needs in its dtype",), True),
+    "a zero dim before dims whose strides overflow": (
+        safetensors_bytes(f'{{"w":{one(shape=f"[0,{2**62},4]", offsets="[0,0]")}}}'),
+        (f"tensor 'w' has the shape [0, {2**62}, 4], whose strides or byte size overflow 64 bits",), False),
+    "a zero dim between dims whose strides overflow": (
+        safetensors_bytes(f'{{"w":{one(shape=f"[{2**31},0,{2**31},{2**31}]", offsets="[0,0]")}}}'),
+        ("tensor 'w' has the shape", "whose strides or byte size overflow 64 bits"), False),
+    "byte strides that overflow": (  # 2**61 elements apart fit int64; 2**64 bytes apart do not
+        safetensors_bytes(f'{{"w":{one(dtype=F64, shape=f"[0,{2**60},2]", offsets="[0,0]")}}}'),
+        ("whose strides or byte size overflow 64 bits",), False),
+    "2000 dims": (
+        safetensors_bytes(f'{{"w":{one(shape=str([1] * 2000))}}}', ONE),
+        ("tensor 'w' has 2,000 dimensions, more than the 1,024",), False),
     "a 4-bit tensor that ends mid-byte": (
         safetensors_bytes(f'{{"a":{one(dtype=json.dumps("F4"), shape="[3]", offsets="[0,2]")}}}', ONE[:2]),
         ("a tensor of a 4- or 6-bit dtype does not end on a byte boundary",), True),
@@ -275,6 +287,23 @@ def test_legal_layouts_still_read(tmp_path: Path) -> None:
     result = scan_checkpoint(path)
     assert [r["name"] for r in result.rows] == ["e1", "e2", "w"]
     assert [s["name"] for s in result.skipped] == ["packed"]
+
+
+@pytest.mark.parametrize("shape", [[2**62, 0], [0] * 70, [2**31, 2**31, 0], [1] * 1024],
+                         ids=["2**62 by 0", "70 zero dims", "2**31 by 2**31 by 0", "1024 dims of 1"])
+def test_empty_tensors_whose_shapes_fit_are_scanned(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                    shape: list[int]) -> None:
+    """Strides that fit int64 (torch counts a zero dim as 1), more dims than
+    the native scan takes (flattened), and a rank at the limit: the tensor is
+    scanned like any other, and the one beside it too."""
+    numel = 1 if 0 not in shape else 0
+    path = tmp_path / "edge.safetensors"
+    path.write_bytes(safetensors_bytes(f'{{"e":{one(shape=str(shape), offsets=f"[0,{4 * numel}]")},'
+                                       f'"w":{one(offsets=f"[{4 * numel},{4 * numel + 4}]")}}}', ONE * (numel + 1)))
+    rows = {r["name"]: r for r in scan_checkpoint(path).rows}
+    assert rows["e"]["shape"] == shape and rows["e"]["numel"] == numel and rows["w"]["max_abs"] == 1.0
+    capsys.readouterr()
+    assert main(["scan", str(path), "--fail-on", "none"]) == 0 and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("change, what", [

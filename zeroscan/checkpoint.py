@@ -1,6 +1,7 @@
 """Reading checkpoints tensor by tensor, without loading them whole.
 
-A checkpoint file is one of two formats:
+A checkpoint file is one of two formats, told apart by content whatever its
+name (open_file):
 
 * torch.save files, loaded with ``weights_only=True`` (no pickled code is
   ever run) and memory-mapped (``torch.load(mmap=True)``) when the file uses
@@ -42,13 +43,14 @@ from zeroscan.checkpoint_reads import (
     FileChangedError,
     FileSource,
     FileTensor,
+    MappedSource,
     ScanSource,
     TensorFile,
     TensorPiece,
     contiguous_file_tensor,
     locate_in_zip,
 )
-from zeroscan.ops import SCANNABLE_DTYPES, unreadable
+from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES, SCANNABLE_DTYPES, unreadable
 from zeroscan.stats import Stats
 from zeroscan.torch_io import TorchFileError, load_torch_file
 from zeroscan.safetensors_io import (
@@ -198,9 +200,13 @@ class Checkpoint(TensorTable):
         gives them: a legacy torch file's, which torch.load read whole, and
         those with no data in the file (meta, sparse)."""
         if self._located is None:
-            self._located = {}
+            located = {}
             if self.format == "torch":
-                self._located = locate_in_zip(self.file(), {e.name: self._get(e.name) for e in self.entries})
+                located = locate_in_zip(self.file(), {e.name: self._get(e.name) for e in self.entries})
+                # A zip directory that no longer reads (the file truncated since
+                # torch.load mapped it) is a changed file, not one to read otherwise.
+                self.file().check_unchanged()
+            self._located = located
         return self._located
 
     def read(self, name: str) -> torch.Tensor:
@@ -209,10 +215,10 @@ class Checkpoint(TensorTable):
         truncated meanwhile is a CheckpointError naming it, never a SIGBUS. It
         holds the bytes the tensor views: an expanded view's few, a whole
         tensor's all. The others are tensor() itself."""
-        where = self.located().get(name)
-        if where is None:
-            return self.tensor(name)
         try:
+            where = self.located().get(name)
+            if where is None:
+                return self.tensor(name)
             return self.file().read_tensor(name, where)
         except FileChangedError as e:
             raise CheckpointError(str(e)) from None
@@ -220,7 +226,8 @@ class Checkpoint(TensorTable):
     def scan_items(self, batch_bytes: int) -> Iterator[tuple[TensorEntry, ScanSource]]:
         """Each entry, in file order, with what scan_checkpoint scans: where
         the file holds it, the tensor itself (one torch.load read whole, or
-        one with no place in the file), or why it is not scanned."""
+        one with no place in the file: in torch's mapping of a zip file, a
+        MappedSource), or why it is not scanned."""
         located = self.located()
         for entry in self.entries:
             reason = dtype_skip_reason(entry.dtype)
@@ -233,7 +240,12 @@ class Checkpoint(TensorTable):
                 continue
             t = self.tensor(entry.name)
             why = unreadable(t)
-            yield entry, t if why is None else f"the tensor {why}"
+            if why is not None:
+                yield entry, f"the tensor {why}"
+            elif self.format == "torch":  # in torch's mapping of the file: read where SIGBUS is caught
+                yield entry, MappedSource(self.file(), t)
+            else:
+                yield entry, t
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor `name`, memory-mapped where the format allows (reading a
@@ -259,10 +271,10 @@ def open_checkpoint(path: str | os.PathLike[str]) -> TensorTable:
     """Opens a checkpoint: a torch.save file or a .safetensors file
     (recognised by content, not by name); a sharded model's folder or its
     index file (zeroscan.checkpoint_sharded); a torch.distributed.checkpoint
-    folder (zeroscan.checkpoint_dcp). Each has the same interface: entries,
-    entry(), read(), scan_items(), close(). Raises CheckpointError with a
-    one-line reason."""
-    from zeroscan.checkpoint_paths import INDEX_SUFFIX
+    folder or its `.metadata` file (zeroscan.checkpoint_dcp). Each has the
+    same interface: entries, entry(), read(), scan_items(), close(). Raises
+    CheckpointError with a one-line reason."""
+    from zeroscan.checkpoint_paths import DCP_METADATA, INDEX_SUFFIX
 
     p = Path(path)
     if p.is_dir():
@@ -271,14 +283,23 @@ def open_checkpoint(path: str | os.PathLike[str]) -> TensorTable:
         from zeroscan.checkpoint_sharded import open_index
 
         return open_index(p)
+    if p.name == DCP_METADATA and p.is_file():  # the DCP checkpoint alone, in a folder holding others too
+        from zeroscan.checkpoint_dcp import open_dcp
+
+        return open_dcp(p.parent)
     return open_file(p)
 
 
 def open_folder(p: Path) -> TensorTable:
     """A folder that is one checkpoint (zeroscan.checkpoint_paths.checkpoint_kind)."""
-    from zeroscan.checkpoint_paths import checkpoint_files, checkpoint_kind, index_files
+    from zeroscan.checkpoint_paths import checkpoint_files, checkpoint_kind, folder_contents, index_files, model_kind
 
     kind = checkpoint_kind(p)
+    if kind is None and model_kind(p) == "index":
+        # Its index's own errors (a shard missing) first: they say more than its other checkpoints.
+        from zeroscan.checkpoint_sharded import open_index
+
+        open_index(index_files(p)[0]).close()
     if kind == "dcp":
         from zeroscan.checkpoint_dcp import open_dcp
 
@@ -293,17 +314,35 @@ def open_folder(p: Path) -> TensorTable:
         return open_shards(p, checkpoint_files(p))
     if kind == "single":
         return open_file(checkpoint_files(p)[0])
-    files = checkpoint_files(p)
-    if not files:
+    inside = folder_contents(p)
+    if not inside:
         raise CheckpointError(f"{p}: is a folder holding no checkpoint (no shard index, .metadata or checkpoint file)")
+    names = ", ".join(os.path.relpath(c, p) for c in inside[:4])
+    names += f" and {len(inside) - 4} more" if len(inside) > 4 else ""
     raise CheckpointError(
-        f"{p}: is a folder of {len(files)} separate checkpoints, not one; name one of them "
+        f"{p}: is a folder of {len(inside)} separate checkpoints ({names}), not one; name one of them "
         "(`zeroscan scan` scans each of a folder's checkpoints)"
     )
 
 
+# How torch.save files begin: a zip's first local header, or (the legacy
+# format) a pickle's PROTO opcode and protocol, then torch's magic number as
+# a 10-byte LONG1. Neither can begin a safetensors file whose header length
+# is within the 100 MB the package reads.
+ZIP_MAGIC = b"PK\x03\x04"
+LEGACY_MAGIC_AT_2 = b"\x8a\x0a\x6c\xfc\x9c\x46\xf9"
+
+
+def looks_like_torch(head: bytes) -> bool:
+    return head.startswith(ZIP_MAGIC) or (head[:1] == b"\x80" and head[2:9] == LEGACY_MAGIC_AT_2)
+
+
 def open_file(p: Path) -> Checkpoint:
-    """A torch.save or .safetensors file."""
+    """A torch.save or .safetensors file, told apart by content: a file is
+    read as what it holds, whatever its name says (a torch.save file named
+    model.safetensors, a safetensors file named model.bin). Only a file that
+    is neither by its first bytes is read as its name says, so that a damaged
+    .safetensors file is named as one."""
     size = regular_file_size(p)
     try:
         with open(p, "rb") as f:
@@ -312,9 +351,11 @@ def open_file(p: Path) -> Checkpoint:
         raise CheckpointError(f"{p}: cannot read ({e.strerror or e})") from None
     if size == 0:
         raise CheckpointError(f"{p}: empty file, not a checkpoint")
-    if looks_like_safetensors(head, size) or p.suffix == ".safetensors":
+    if looks_like_safetensors(head, size):
         return open_safetensors(p)
-    return open_torch(p)
+    if looks_like_torch(head) or p.suffix != ".safetensors":
+        return open_torch(p)
+    return open_safetensors(p)
 
 
 SPECIAL_FILE_KINDS = (
@@ -348,12 +389,32 @@ def regular_file_size(p: Path) -> int:
 
 
 def open_torch(p: Path) -> Checkpoint:
+    """A torch.save file. It is opened before torch.load maps it, and torch
+    loads it through that descriptor (TensorFile.descriptor_path): the file
+    that scans read from and check for changes is the one torch mapped, so a
+    file truncated after torch.load is a changed file to the scan, not a
+    SIGBUS when torch's mapping is read. The same size and time after
+    torch.load show that it did not change while torch read it."""
     try:
-        tensors, zipped = load_torch_file(p)
+        file = TensorFile(p)
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read ({e.strerror or e})") from None
+    try:
+        tensors, zipped = load_torch_file(p, file.descriptor_path)
+        now, then = os.fstat(file.raw.fileno()), file.opened
+        if (now.st_size, now.st_mtime_ns) != (then.st_size, then.st_mtime_ns):
+            raise CheckpointError(f"{p}: changed while it was being opened; open it again once it is written")
     except TorchFileError as e:
+        file.close()
         raise CheckpointError(str(e)) from None
+    except BaseException:
+        file.close()
+        raise
+    if not zipped:  # the legacy format: torch.load read it whole, so nothing more is read from the file
+        file.close()
     entries = [TensorEntry(name, dtype_name(t.dtype), shape_of(t), stored_bytes(t)) for name, t in tensors.items()]
-    return Checkpoint(p, "torch" if zipped else "torch-legacy", entries, tensors.__getitem__, tensors.clear)
+    return Checkpoint(p, "torch" if zipped else "torch-legacy", entries, tensors.__getitem__, tensors.clear,
+                      file=file if zipped else None)
 
 
 def shape_of(t: torch.Tensor) -> tuple[int, ...]:
@@ -524,6 +585,15 @@ def unscannable_reason(entry: TensorEntry) -> str | None:
     return dtype_skip_reason(entry.dtype)
 
 
+def scanned_dtypes_words() -> str:
+    """The dtypes a scan reads, by name, from the tables that decide it
+    (zeroscan.ops): "floating and integer" would be untrue of uint16, the
+    float8 fnuz types and every sub-byte dtype, none of which is read."""
+    read = ", ".join(dtype_name(d) for d in (*FLOAT_DTYPES, *INT_DTYPES))
+    parts = " and ".join(dtype_name(d) for d in sorted(COMPLEX_DTYPES, key=lambda d: d.itemsize))
+    return f"zeroscan reads {read}, and {parts} as their real and imaginary parts"
+
+
 @functools.lru_cache(maxsize=256)
 def dtype_skip_reason(dtype_label: str) -> str | None:
     """Why tensors of this dtype (a TensorEntry's label) are not scanned;
@@ -532,7 +602,7 @@ def dtype_skip_reason(dtype_label: str) -> str | None:
     if not isinstance(dtype, torch.dtype):
         return f"dtype {dtype_label} has no torch equivalent here"
     if not scannable(dtype):
-        return f"dtype {dtype_label} is not scanned (zeroscan reads floating, integer and bool tensors)"
+        return f"dtype {dtype_label} is not scanned ({scanned_dtypes_words()})"
     return None
 
 

@@ -36,6 +36,7 @@ import os
 import pathlib
 import pickle
 import stat
+import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,7 +56,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.futures import Future
 
 from zeroscan.checkpoint import CheckpointError, TensorEntry, TensorTable, dtype_name, dtype_skip_reason
-from zeroscan.checkpoint_reads import ScanSource, TensorPiece
+from zeroscan.checkpoint_reads import ScanSource, TensorPiece, shape_problem
 from zeroscan.safetensors_io import brief
 from zeroscan.torch_io import one_line, refused_pickle
 
@@ -177,9 +178,12 @@ def is_file_name(name: object) -> bool:
 
 def tensor_files(p: Path, fqn: str, md: TensorStorageMetadata, storage: dict[Any, Any]) -> list[str]:
     """The files holding the chunks of the tensor `fqn`, sorted, after checking
-    its entry in the metadata file p: a dtype, a shape, and chunks of that
-    rank inside the shape, each with a place in a file. Fields are read with
-    getattr: a pickle can build a record without some of them."""
+    its entry in the metadata file p: a dtype, a shape a tensor can have, and
+    chunks of that rank inside the shape, no two of them overlapping, each
+    with a place in a file. Fields are read with getattr: a pickle can build
+    a record without some of them. (Chunks that leave part of the tensor
+    uncovered are found when it is read, as DCP copies fewer elements than
+    asked for.)"""
     where = f"{p}: tensor {brief(fqn)}"
     dtype = getattr(getattr(md, "properties", None), "dtype", None)
     if not isinstance(dtype, torch.dtype):
@@ -187,6 +191,9 @@ def tensor_files(p: Path, fqn: str, md: TensorStorageMetadata, storage: dict[Any
     size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
     if not is_size(size) or not isinstance(chunks, list):
         raise CheckpointError(f"{where} has no valid shape and chunk list (got {brief(size)})")
+    problem = shape_problem(tuple(size), dtype.itemsize)
+    if problem is not None:
+        raise CheckpointError(f"{where} {problem}")
     files = set()
     for chunk in chunks:
         offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
@@ -206,7 +213,43 @@ def tensor_files(p: Path, fqn: str, md: TensorStorageMetadata, storage: dict[Any
             at = tuple(offsets)  # type: ignore[arg-type]
             raise CheckpointError(f"{where}: its chunk at {at} has no valid place in a file (got {brief(info)})")
         files.add(info.relative_path)
+    overlap = first_overlap([(tuple(c.offsets), tuple(c.sizes)) for c in chunks])
+    if overlap is not None:
+        (a, a_sizes), (b, b_sizes) = overlap
+        what = (f"lists its chunk at {a} twice" if (a, a_sizes) == (b, b_sizes)
+                else f"has chunks that overlap (at {a} of size {a_sizes} and at {b} of size {b_sizes})")
+        # Copies counted per read would still add up to the tensor's size, so
+        # the elements read twice would hide those never read.
+        raise CheckpointError(f"{where} {tuple(size)} {what}: some of its elements would be read twice, others never")
     return sorted(files)
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
+
+
+def first_overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
+    """Two of the boxes that share an element, the earlier-listed first, or
+    None. A sweep along the dimension where the boxes start at the most
+    places (the one a tensor was split along) compares each box only with
+    those still open there: about n log n for the chunks of a real
+    checkpoint, rather than n**2 comparisons."""
+    order = {box: i for i, box in reversed(list(enumerate(boxes)))}  # each box's first listing
+    solid = [box for box in boxes if all(n > 0 for n in box[1])]  # an empty box holds no element
+    if len(solid) < 2:
+        return None
+    rank = len(solid[0][0])
+    if rank == 0:  # two chunks of a scalar both hold its one element
+        return solid[0], solid[1]
+    dim = max(range(rank), key=lambda d: len({box[0][d] for box in solid}))
+    open_boxes: list[Box] = []
+    for box in sorted(solid, key=lambda b: b[0][dim]):
+        start = box[0][dim]
+        open_boxes = [o for o in open_boxes if o[0][dim] + o[1][dim] > start]
+        for other in open_boxes:
+            if all(o < b + m and b < o + n for o, n, b, m in zip(other[0], other[1], box[0], box[1])):
+                return (other, box) if order[other] <= order[box] else (box, other)
+        open_boxes.append(box)
+    return None
 
 
 def is_descriptor_list(value: object) -> bool:
@@ -325,12 +368,22 @@ class MetadataReader(FileSystemReader):
     own pickle.load never runs. Before DCP reads a file, the file is checked
     (a regular file, holding every chunk asked of it, each chunk an
     uncompressed archive), and DCP reads one file at a time so that an error
-    names the file."""
+    names the file. A file that changes after the checkpoint was opened (its
+    size or time) is an error naming it, as a changed checkpoint file is."""
 
     def __init__(self, path: Path, metadata: Metadata) -> None:
         super().__init__(path)
         self.folder = path
         self.metadata = metadata
+        self.opened: dict[str, tuple[int, int] | None] = {}  # file name: (size, mtime) on opening; None: absent
+        names = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()}
+        for name in filter(is_file_name, names):  # only those checked to name a file in the folder
+            try:
+                st = os.stat(path / name)
+            except OSError:  # absent or unreadable: said when a tensor is read from it
+                self.opened[name] = None
+            else:
+                self.opened[name] = (st.st_size, st.st_mtime_ns)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.metadata
@@ -343,12 +396,16 @@ class MetadataReader(FileSystemReader):
             p = self.folder / name
             self.check_file(p, [self.storage_data[i.storage_index] for i in items])
             try:
-                super().read_data(LoadPlan(items), planner).wait()
+                with warnings.catch_warnings():  # torch's, about the chunk: never to stderr (zeroscan.torch_io)
+                    warnings.simplefilter("ignore")
+                    super().read_data(LoadPlan(items), planner).wait()
             except Exception as e:  # torch.load and DCP raise many types for a damaged chunk
+                self.check_unchanged(p)
                 tensors = brief(sorted({i.dest_index.fqn for i in items}))
                 refused = isinstance(e, pickle.UnpicklingError) and "GLOBAL" in str(e)
                 why = refused_pickle(str(e)) if refused else one_line(e)
                 raise CheckpointError(f"{p}: cannot read the chunks of {tensors} ({why})") from None
+            self.check_unchanged(p)  # rewritten in place while it was read: the chunks may mix two saves
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -370,6 +427,7 @@ class MetadataReader(FileSystemReader):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError(f"{p}: not a regular file; zeroscan reads checkpoint files only")
+            self.check_unchanged(p, st)
             end = max(info.offset + info.length for info in infos)
             if st.st_size < end:
                 raise CheckpointError(
@@ -379,6 +437,24 @@ class MetadataReader(FileSystemReader):
                 check_archive(p, fd, info)
         finally:
             os.close(fd)
+
+    def check_unchanged(self, p: Path, st: os.stat_result | None = None) -> None:
+        """Raises the error of a checkpoint file that changed while it was
+        scanned if p's size or time differ from those it had on opening."""
+        was = self.opened.get(p.name)
+        if was is None:  # absent on opening: checked as it is now
+            return
+        if st is None:
+            try:
+                st = os.stat(p)
+            except OSError:
+                return  # gone: the read that follows says so
+        if (st.st_size, st.st_mtime_ns) != was:
+            since = f"was {was[0]:,}" if st.st_size != was[0] else "rewritten in place"
+            raise CheckpointError(
+                f"{p}: changed while it was being scanned (now {st.st_size:,} bytes, {since}); "
+                "scan it again once it is written"
+            )
 
 
 # --- the checkpoint --------------------------------------------------------------

@@ -1,8 +1,8 @@
 """What the paths given to `zeroscan scan` name: checkpoint files, model
 folders, torch.distributed.checkpoint folders, plain folders and globs.
 
-A large model's checkpoint is rarely one file. A folder is one checkpoint
-when it is one of these (checkpoint_kind):
+A large model's checkpoint is rarely one file. A folder's own files make
+one model when they are one of these (model_kind):
 
 * a torch.distributed.checkpoint (DCP) folder: a `.metadata` file beside
   `__R_K.distcp` files;
@@ -12,9 +12,16 @@ when it is one of these (checkpoint_kind):
 * a folder holding a single checkpoint file (a model folder with one
   `model.safetensors` beside its config).
 
-Any other folder is a plain folder of separate checkpoints, which
-expand_paths lists one by one (with the checkpoint folders directly inside
-it, such as one per saved step).
+The folder is that one checkpoint (checkpoint_kind) only when nothing else
+in it is or holds a checkpoint: no checkpoint file the model does not read
+(an optimizer.pt beside an index, a shard the index does not name) and no
+sub-folder holding checkpoints (step_100/ beside llama.pt). Any other folder
+is a plain folder of separate checkpoints, which expand_paths lists one by
+one: its model by the path that opens it alone (the index file, the DCP
+`.metadata`), its other checkpoint files, its checkpoint folders, and what
+its plain sub-folders hold, at any depth. A folder is scanned whole, never
+in part; the one exception is a model saved in two formats, each with its
+index, whose safetensors copy alone is read (index_files).
 """
 
 from __future__ import annotations
@@ -84,9 +91,21 @@ def complete(key: ShardSet, shards: dict[int, Path]) -> bool:
 def checkpoint_kind(folder: Path) -> str | None:
     """What the folder is as one checkpoint: "dcp", "index", "shards" (a
     complete set of shard files without an index) or "single" (one checkpoint
-    file); None for a plain folder of separate checkpoints. A folder holding
-    some shards of a model but not all, and no index, is a CheckpointError:
-    scanning the shards there would pass over the missing ones in silence."""
+    file); None for a plain folder of separate checkpoints, which is also
+    what a folder is whose model (model_kind) leaves something out
+    (extras)."""
+    kind = model_kind(folder)
+    if kind is None or extras(folder, kind):
+        return None
+    return kind
+
+
+def model_kind(folder: Path) -> str | None:
+    """What the folder's own files make of it as one model, whatever else it
+    holds: "dcp", "index", "shards" or "single" (checkpoint_kind's words);
+    None. A folder holding some shards of a model but not all, and no index,
+    is a CheckpointError: scanning the shards there would pass over the
+    missing ones in silence."""
     if is_regular_file(folder / DCP_METADATA):
         return "dcp"
     if index_files(folder):
@@ -112,14 +131,96 @@ def checkpoint_kind(folder: Path) -> str | None:
     return None
 
 
+def model_files(folder: Path, kind: str) -> set[Path]:
+    """The checkpoint files (by suffix) that the folder's model of this kind
+    reads: those its index names and the other shards of the sets it names
+    (zeroscan.checkpoint_sharded.index_shards), or every one. A second index
+    (the same weights in another format, index_files) accounts for the files
+    it names too, and its own errors are left to whoever opens it."""
+    if kind == "dcp":
+        return set()  # its .distcp files are not checkpoint files by name
+    if kind != "index":
+        return set(checkpoint_files(folder))
+    from zeroscan.checkpoint import CheckpointError
+    from zeroscan.checkpoint_sharded import index_shards, read_index
+
+    first, *others = index_files(folder)
+    files = set(index_shards(first, read_index(first)))
+    for other in others:
+        try:
+            files |= set(index_shards(other, read_index(other)))
+        except CheckpointError:
+            pass
+    return files
+
+
+def model_path(folder: Path, kind: str) -> Path | None:
+    """The path that opens the folder's model alone, where it is not the
+    folder's files themselves: its index file, or its DCP `.metadata`."""
+    if kind == "dcp":
+        return folder / DCP_METADATA
+    if kind == "index":
+        return index_files(folder)[0]
+    return None
+
+
+def sorted_names(folder: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(folder))
+    except OSError as e:
+        from zeroscan.checkpoint import CheckpointError
+
+        raise CheckpointError(f"{folder}: cannot list ({e.strerror or e})") from None
+
+
+def identity(folder: Path) -> tuple[int, int]:
+    st = folder.stat()
+    return st.st_dev, st.st_ino
+
+
+def holds_checkpoints(folder: Path, seen: set[tuple[int, int]]) -> bool:
+    """Whether the folder or a sub-folder of it, at any depth, holds a
+    checkpoint file, a shard index or a DCP `.metadata`. `seen` holds the
+    folders already looked into: a link back up the tree is followed once."""
+    try:
+        ident = identity(folder)
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return False
+    if ident in seen:
+        return False
+    seen.add(ident)
+    if any(is_regular_file(folder / n) and (n.endswith(CHECKPOINT_SUFFIXES + (INDEX_SUFFIX,)) or n == DCP_METADATA)
+           for n in names):
+        return True
+    return any((folder / n).is_dir() and holds_checkpoints(folder / n, seen) for n in names)
+
+
+def extras(folder: Path, kind: str) -> list[Path]:
+    """What the folder holds beside its model of this kind (model_kind) that
+    is or holds a checkpoint: checkpoint files the model does not read and
+    sub-folders holding checkpoints, by name."""
+    accounted = model_files(folder, kind)
+    out = []
+    for n in sorted_names(folder):
+        p = folder / n
+        if n.endswith(CHECKPOINT_SUFFIXES) and is_regular_file(p):
+            if p not in accounted:
+                out.append(p)
+        elif p.is_dir() and holds_checkpoints(p, {identity(folder)}):
+            out.append(p)
+    return out
+
+
 def expand_paths(paths: Sequence[str]) -> list[str]:
     """The checkpoints that `paths` name, each a path open_checkpoint opens,
     in the order given:
 
     * a file is itself, and a folder that is one checkpoint (checkpoint_kind)
       itself;
-    * any other folder is its checkpoint files and the checkpoint folders
-      directly inside it, by name;
+    * any other folder is its checkpoints (folder_contents): its model by the
+      path that opens it alone, its other checkpoint files and checkpoint
+      folders, and what its plain sub-folders hold, by name;
     * a pattern with * ? or [ that names no existing path is the paths it
       matches, by name, each expanded as above;
     * the complete set of one model's shard files, all named (say by
@@ -151,22 +252,34 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
 
 
 def folder_contents(folder: Path) -> list[str]:
-    """A plain folder's checkpoints: its files (shard sets as one) and its
-    sub-folders that are checkpoints, by name."""
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError as e:
-        from zeroscan.checkpoint import CheckpointError
+    """A plain folder's checkpoints, by name: its model by the path that opens
+    it alone (an index file, a DCP `.metadata`) in place of the files the
+    model reads, its other checkpoint files (shard sets as one), its
+    sub-folders that are checkpoints, and the checkpoints of its other
+    sub-folders, at any depth."""
+    return grouped(contents(folder, set()))
 
-        raise CheckpointError(f"{folder}: cannot list ({e.strerror or e})") from None
+
+def contents(folder: Path, seen: set[tuple[int, int]]) -> list[str]:
+    """folder_contents before shard sets are grouped; `seen` as holds_checkpoints'."""
+    ident = identity(folder)
+    if ident in seen:
+        return []
+    seen.add(ident)
+    kind = model_kind(folder)
+    model = model_path(folder, kind) if kind is not None else None
+    accounted = model_files(folder, kind) if model is not None else set()
     entries = []
-    for n in names:
+    for n in sorted_names(folder):
         p = folder / n
-        if n.endswith(CHECKPOINT_SUFFIXES) and is_regular_file(p):
+        if p == model or (n.endswith(CHECKPOINT_SUFFIXES) and is_regular_file(p) and p not in accounted):
             entries.append(str(p))
-        elif p.is_dir() and checkpoint_kind(p) is not None:
-            entries.append(str(p))
-    return grouped(entries)
+        elif p.is_dir():
+            if checkpoint_kind(p) is not None:
+                entries.append(str(p))
+            else:
+                entries.extend(contents(p, seen))
+    return entries
 
 
 def grouped(paths: Sequence[str]) -> list[str]:
@@ -176,13 +289,21 @@ def grouped(paths: Sequence[str]) -> list[str]:
     replace: dict[Path, str] = {}
     for key, shards in shard_sets([f for f in files if is_regular_file(f)]).items():
         folder = key[0]
-        if complete(key, shards) and checkpoint_kind(folder) in ("shards", "index"):
-            if checkpoint_kind(folder) == "index" or len(checkpoint_files(folder)) == len(shards):
-                for f in shards.values():
-                    replace[f] = str(folder)
+        if not complete(key, shards):
+            continue
+        kind = checkpoint_kind(folder)
+        if kind == "shards":
+            target = str(folder)
+        elif model_kind(folder) == "index" and set(shards.values()) <= model_files(folder, "index"):
+            # the folder when it is the model alone, else its index file
+            target = str(folder) if kind == "index" else str(index_files(folder)[0])
+        else:
+            continue
+        for f in shards.values():
+            replace[f] = target
     out: list[str] = []
     for p, f in zip(paths, files):
         target = replace.get(f, p)
-        if target not in out or target == p:
+        if target not in out:  # a glob may match an index file and the shards it stands for
             out.append(target)
     return out

@@ -87,6 +87,35 @@ def contiguous_file_tensor(offset: int, dtype: torch.dtype, shape: tuple[int, ..
     return FileTensor(offset, dtype, shape, contiguous_stride(shape), math.prod(shape) * dtype.itemsize)
 
 
+# A dim of 2 or more doubles a tensor's size, so a real tensor has at most 63
+# of them; the rest are 0 or 1. A rank far beyond that is a hostile header,
+# whose dims cost memory and time in every shape and stride computed from it.
+MAX_RANK = 1024
+INT64_MAX = 2**63 - 1
+
+
+def shape_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
+    """Why no tensor of elements of `itemsize` bytes can have this shape (a
+    phrase that follows "tensor NAME"), or None. torch computes strides
+    counting a zero-sized dim as 1, so a shape holding no element can still
+    overflow: [0, 2**62, 4] has a stride of 2**64 elements, which torch refuses
+    with an internal error."""
+    if len(shape) > MAX_RANK:
+        return f"has {len(shape):,} dimensions, more than the {MAX_RANK:,} a tensor may have here"
+    if any(n < 0 for n in shape):
+        return f"has a negative dimension in its shape {list(shape)}"
+    stride = itemsize  # in bytes: zeroscan indexes bytes with int64
+    for n in reversed(shape[1:]):
+        stride *= max(n, 1)
+        if stride > INT64_MAX:
+            break
+    if stride > INT64_MAX or math.prod(shape) * itemsize > INT64_MAX:
+        text = str(list(shape))
+        text = text if len(text) <= 200 else f"{text[:150]}...{text[-40:]}"
+        return f"has the shape {text}, whose strides or byte size overflow 64 bits"
+    return None
+
+
 def span_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
     """The bytes from element 0 to the end of the last element (non-negative strides)."""
     if 0 in shape:
@@ -99,6 +128,17 @@ class FileSource(NamedTuple):
 
     file: TensorFile
     where: FileTensor
+
+
+class MappedSource(NamedTuple):
+    """A tensor that views a mapping of `file` made by someone else (torch.load's
+    of a zip file whose records could not be matched to its storages), so that
+    its place in the file is unknown. It is read only inside the native
+    stats_many_mapped, as a view of the file's own mapping is: a file
+    truncated meanwhile is an error naming it, not a SIGBUS."""
+
+    file: TensorFile
+    tensor: torch.Tensor
 
 
 class TensorPiece(NamedTuple):
@@ -114,8 +154,9 @@ class TensorPiece(NamedTuple):
 
 
 # What a checkpoint's scan_items() gives for each tensor: where to read it, the
-# tensor itself, one piece of it, or the reason it is not scanned.
-ScanSource = FileSource | torch.Tensor | TensorPiece | str
+# tensor itself (in memory, or in a mapping of a file), one piece of it, or the
+# reason it is not scanned.
+ScanSource = FileSource | MappedSource | torch.Tensor | TensorPiece | str
 
 
 # --- the file ------------------------------------------------------------------
@@ -132,6 +173,16 @@ class TensorFile:
         self.opened = os.fstat(self.raw.fileno())
         self._mapping: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None  # [file size] uint8, the mapping
+
+    @property
+    def descriptor_path(self) -> str | None:
+        """A path whose opening opens the very file this descriptor holds
+        (Linux's /proc/self/fd, /dev/fd elsewhere), whatever replaced its
+        path since; None where the system has none."""
+        for folder in ("/proc/self/fd", "/dev/fd"):
+            if os.path.isdir(folder):
+                return f"{folder}/{self.raw.fileno()}"
+        return None
 
     def close(self) -> None:
         self._bytes = None
@@ -170,7 +221,15 @@ class TensorFile:
         stats_many_mapped may read it (a SIGBUS anywhere else kills the
         process if the file shrinks)."""
         if self._bytes is None:
-            self._mapping = mmap.mmap(self.raw.fileno(), 0, access=mmap.ACCESS_READ)
+            # The mapping is made when the first tensor is asked for, which may
+            # be long after the file was opened: a file that shrank meanwhile
+            # would map shorter than the offsets taken from it.
+            self.check_unchanged()
+            try:
+                self._mapping = mmap.mmap(self.raw.fileno(), self.opened.st_size, access=mmap.ACCESS_READ)
+            except (ValueError, OSError):  # shorter than that now: truncated since the check
+                self.check_unchanged()
+                raise
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only memory: zeroscan never writes it
                 self._bytes = torch.frombuffer(self._mapping, dtype=torch.uint8)
@@ -197,11 +256,13 @@ class TensorFile:
         self.check_unchanged()
         return buffer.view(where.dtype).as_strided(where.shape, where.stride)
 
-    def short_read(self, name: str, where: FileTensor) -> FileChangedError:
+    def short_read(self, name: str, where: FileTensor | None) -> FileChangedError:
+        """The error for tensor `name`, which the file no longer holds whole;
+        `where` None: a tensor of a mapping whose place in the file is unknown."""
         size = os.fstat(self.raw.fileno()).st_size
+        needs = f"needs bytes {where.offset:,}..{where.end:,}" if where is not None else "lies past its end"
         return FileChangedError(
-            f"{self.path}: changed while it was being scanned (now {size:,} bytes; "
-            f"tensor {name!r} needs bytes {where.offset:,}..{where.end:,})"
+            f"{self.path}: changed while it was being scanned (now {size:,} bytes; tensor {name!r} {needs})"
         )
 
 
@@ -339,10 +400,12 @@ class BatchScanner:
         self._piece_rows: list[torch.Tensor] = []
         self._piece_histograms: list[Histogram] = []
 
-    def add(self, name: str, source: FileSource | torch.Tensor | TensorPiece, weight: int) -> None:
+    def add(self, name: str, source: FileSource | MappedSource | torch.Tensor | TensorPiece, weight: int) -> None:
         """A tensor to scan, as a checkpoint's scan_items() gives it (ScanSource, less the skip reasons)."""
         if isinstance(source, FileSource):
             self.add_file_tensor(name, source.file, source.where, weight)
+        elif isinstance(source, MappedSource):
+            self._append(name, scan_form(source.tensor), None, None, weight, source.file)
         elif isinstance(source, TensorPiece):
             self.add_piece(name, source, weight)
         else:
@@ -358,7 +421,7 @@ class BatchScanner:
     def add_file_tensor(self, name: str, file: TensorFile, where: FileTensor, weight: int) -> None:
         """A tensor of `file`, scanned where the file's mapping holds it."""
         if where.nbytes == 0:
-            self._append(name, torch.empty(where.shape, dtype=where.dtype), None, None, weight)
+            self._append(name, scan_form(torch.empty(where.shape, dtype=where.dtype)), None, None, weight)
             return
         if where.offset % where.dtype.itemsize:
             self._add_misaligned(name, file, where, weight)
@@ -427,8 +490,9 @@ class BatchScanner:
         b.elements += t.numel()
         b.nbytes += nbytes
         b.weight += weight
+        if file is not None:
+            b.file = file  # read in its mapping: the batch is scanned by stats_many_mapped
         if where is not None and file is not None:
-            b.file = file
             b.low = where.offset if b.low < 0 else min(b.low, where.offset)
             b.high = max(b.high, where.end)
         if piece is not None and piece.count > 1:
@@ -461,7 +525,6 @@ class BatchScanner:
             results, faulted = stats_many_mapped(xs, tol=self.tol, histogram=self.histogram)
             if faulted:
                 name, _, where, _ = batch.items[faulted[0]]
-                assert where is not None
                 raise batch.file.short_read(name, where)
             batch.file.check_unchanged()
             batch.file.advise(batch.low, batch.high, will_need=False)

@@ -13,7 +13,10 @@ Without an index, the complete set of shards is the model. With one, the
 index decides: a tensor it names that its shard lacks is reported (severity
 error, as a model loader would fail on it), a copy of a tensor in a shard the
 index does not name for it is left out with the reason, and a tensor only the
-shards know is scanned.
+shards know is scanned. The shards are those the index names and the other
+members of their sets present beside them (an index naming shards 1 and 2 of
+model-*-of-00003 while shard 3 is there): a shard of the model is never passed
+over because its index forgot it. An index naming no tensor is an error.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from pathlib import Path
 import torch
 
 from zeroscan.checkpoint import Checkpoint, CheckpointError, TensorEntry, TensorTable, open_file, regular_file_size
-from zeroscan.checkpoint_paths import SHARD_NAME
+from zeroscan.checkpoint_paths import SHARD_NAME, checkpoint_files, is_regular_file
 from zeroscan.checkpoint_reads import ScanSource
+from zeroscan.safetensors_io import brief
 
 MAX_INDEX_BYTES = 256 << 20  # an index of a million tensor names is about 100 MB
 
@@ -73,24 +77,40 @@ class ShardedCheckpoint(TensorTable):
 
 def open_shards(folder: Path, files: list[Path]) -> ShardedCheckpoint:
     """The complete set of shard files `files` (NAME-0000k-of-0000n.EXT), without an index."""
-    ordered = sorted(files, key=lambda f: int(m["index"]) if (m := SHARD_NAME.match(f.name)) else 0)
+    ordered = sorted(files, key=lambda f: shard_order(f.name))
     return assemble(folder, ordered, weight_map=None, index_name="")
 
 
 def open_index(index: Path) -> ShardedCheckpoint:
-    """The shards an index file (model.safetensors.index.json) names, beside it."""
+    """The shards of the model an index file (model.safetensors.index.json) describes, beside it (index_shards)."""
     weight_map = read_index(index)
+    return assemble(index, index_shards(index, weight_map), weight_map, index.name)
+
+
+def index_shards(index: Path, weight_map: dict[str, str]) -> list[Path]:
+    """The files of the index's model, in shard order: those its weight_map
+    names, and the other members of each shard set it names
+    (NAME-0000k-of-0000n.EXT) that are present in its folder. A file it names
+    that is missing is a CheckpointError."""
     folder = index.parent
-    names = list(dict.fromkeys(weight_map.values()))  # each shard once, in the index's order
-    ordered = sorted(names, key=lambda n: (int(m["index"]) if (m := SHARD_NAME.match(n)) else 0, n))
-    files = []
-    for name in ordered:
-        f = folder / name
-        if not f.exists():
+    names = set(weight_map.values())
+    for name in sorted(names):
+        if not (folder / name).exists():
             holds = sum(1 for v in weight_map.values() if v == name)
             raise CheckpointError(f"{index}: names shard {name!r} (for {holds} tensors), which is missing")
-        files.append(f)
-    return assemble(index, files, weight_map, index.name)
+    sets = {(m["stem"], m["count"], m["suffix"]) for n in names if (m := SHARD_NAME.match(n))}
+    for stem, count, suffix in sets:
+        for k in range(1, int(count) + 1):
+            name = f"{stem}-{k:0{len(count)}d}-of-{count}{suffix}"
+            if name not in names and is_regular_file(folder / name):
+                names.add(name)
+    return [folder / n for n in sorted(names, key=shard_order)]
+
+
+def shard_order(name: str) -> tuple[int, str]:
+    """A shard file's place among its model's: k of NAME-0000k-of-0000n.EXT, then its name."""
+    m = SHARD_NAME.match(name)
+    return (int(m["index"]) if m else 0), name
 
 
 def read_index(index: Path) -> dict[str, str]:
@@ -109,6 +129,12 @@ def read_index(index: Path) -> dict[str, str]:
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: not a shard index (no \"weight_map\" object of tensor names to files)")
+    if not weight_map:
+        # A scan of it would read nothing and pass, whatever its folder's shards hold.
+        beside = [f.name for f in checkpoint_files(index.parent)]
+        files = f"{len(beside)} checkpoint file{'s' if len(beside) > 1 else ''}"
+        held = f"; its folder holds {files} it does not name ({brief(beside)})" if beside else ""
+        raise CheckpointError(f"{index}: names no tensor (its \"weight_map\" is empty){held}")
     for name, file in weight_map.items():
         if not isinstance(file, str):
             raise CheckpointError(f"{index}: weight_map[{name!r}] is {type(file).__name__}, not a file name")

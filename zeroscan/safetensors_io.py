@@ -17,11 +17,14 @@ import os
 import re
 import reprlib
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from zeroscan.checkpoint_reads import shape_problem
 
 # safetensors dtype names -> torch dtypes (those this torch has).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -139,6 +142,12 @@ def read_safetensors_header(p: Path) -> tuple[dict[str, SafetensorsSlot], dict[s
                                               tuple(info["shape"]), 8 + n + begin, end - begin)
         except (KeyError, TypeError, ValueError):
             raise disagreement(p, f"tensor {brief(name)}") from None
+        for name, slot in slots.items():
+            # The package checks the byte size, left to right, so [0, 2**62, 4]
+            # passes it (0 bytes), but no tensor can have its strides.
+            problem = shape_problem(slot.shape, slot.dtype.itemsize if slot.dtype is not None else 1)
+            if problem is not None:
+                raise corrupt(p, f"tensor {brief(name)} {problem}")
         # The package's reading and ours must describe the same tensors, or the
         # byte ranges scanned would not be those it validated.
         names = handle.keys()
@@ -183,7 +192,9 @@ class SafetensorsTensors:
                 raise SafetensorsError(f"{self.p}: changed since it was opened; open it again once it is written")
             self.handle = handle
         try:
-            t = self.handle.get_tensor(name)
+            with warnings.catch_warnings():  # torch's, about the file: never to stderr (zeroscan.torch_io)
+                warnings.simplefilter("ignore")
+                t = self.handle.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise SafetensorsError(f"{self.p}: cannot map tensor {brief(name)} ({e})") from None
         return t.clone() if t.data_ptr() % t.element_size() else t  # misaligned: one aligned copy of it alone

@@ -15,6 +15,7 @@ zeroscan.checkpoint turns it into a CheckpointError.
 
 from __future__ import annotations
 
+import os
 import pickle
 import pickletools
 import re
@@ -32,24 +33,34 @@ class TorchFileError(ValueError):
     """A file torch.load refuses, or that zeroscan refuses to give it; str() is one line naming the file."""
 
 
-def load_torch_file(p: Path) -> tuple[dict[str, torch.Tensor], bool]:
+def load_torch_file(p: Path, source: str | None = None) -> tuple[dict[str, torch.Tensor], bool]:
     """Every tensor of the torch.save file p by unique dotted name, and whether
-    the file is the zip format (its tensors are then memory-mapped)."""
-    zipped = zipfile.is_zipfile(p)
+    the file is the zip format (its tensors are then memory-mapped). The file
+    is read from `source` where given (a path that opens the descriptor
+    zeroscan holds, TensorFile.descriptor_path), and named p in errors.
+    torch.load reads a path ending in .safetensors as a safetensors file,
+    whatever it holds, so a torch.save file of that name is loaded through
+    `source`."""
+    where = p if source is None else source
+    zipped = zipfile.is_zipfile(where)
     if zipped:
-        check_zip_entries(p)
+        check_zip_entries(p, where)
     try:
         with warnings.catch_warnings():
-            # torch.save(pickle_protocol=3) files load fine but warn, as do
-            # quantized tensors (deprecated in torch) and their TypedStorage; a
-            # file's problems reach the user as one error line, not warnings.
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            warnings.filterwarnings("ignore", category=UserWarning, message=".*(quantiz|TypedStorage)")
-            obj = torch.load(p, map_location="cpu", weights_only=True, mmap=zipped)
+            # Whatever torch says while it loads a file is about the file, and
+            # a file's problems reach the user as one line or a skipped
+            # tensor's reason, never as warnings with torch's source lines:
+            # torch.save(pickle_protocol=3) files, quantized tensors and their
+            # TypedStorage (deprecated), sparse CSR, CSC, BSR and BSC tensors
+            # ("in beta state") all warn. The pickle runs no code of the file's,
+            # so every warning here is torch's own.
+            warnings.simplefilter("ignore")
+            obj = torch.load(where, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
         raise TorchFileError(f"{p}: {refused_pickle(str(e))}") from None
     except Exception as e:  # torch.load raises many types for a file that is not its own
-        raise TorchFileError(f"{p}: not a PyTorch checkpoint or a safetensors file ({one_line(e)})") from None
+        why = one_line(e).replace(str(where), str(p))  # the file by its name, not by its descriptor
+        raise TorchFileError(f"{p}: not a PyTorch checkpoint or a safetensors file ({why})") from None
     tensors: dict[str, torch.Tensor] = {}
     last_suffix: dict[str, int] = {}
     try:
@@ -139,15 +150,16 @@ def short_path(name: str) -> str:
 ZIP_METHODS = {zipfile.ZIP_DEFLATED: "deflate", zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "lzma"}
 
 
-def check_zip_entries(p: Path) -> None:
+def check_zip_entries(p: Path, source: str | Path | None = None) -> None:
     """torch.save stores every entry of its zip uncompressed, but torch.load
     inflates a compressed one whole into memory: a 1 MB file could expand to
     gigabytes before a tensor is read. So every entry must be stored and its
     declared size must fit the file, both read from the zip's directory before
-    torch.load opens the file."""
-    size = p.stat().st_size
+    torch.load opens the file. It is read from `source` where given, and named p."""
+    where = p if source is None else source
+    size = os.stat(where).st_size
     try:
-        with zipfile.ZipFile(p) as z:
+        with zipfile.ZipFile(where) as z:
             infos = z.infolist()
     except Exception as e:  # zipfile raises several types for a damaged directory
         raise TorchFileError(
