@@ -9,6 +9,7 @@ import gc
 import io
 import pickle
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from torch import nn
 import zeroscan
 from helpers import fresh_generator
 from zeroscan import Monitor
+from zeroscan.monitor.turns import Turns
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -159,8 +161,8 @@ def read_reports_while_training(make: Callable[[nn.Module, torch.optim.Optimizer
     errors: list[str] = []
     stop = threading.Event()
 
-    def reader() -> None:
-        while not stop.is_set():
+    def reader() -> None:  # a dashboard polling as often as it can
+        while not stop.wait(0.001):
             try:
                 report = monitor.report()
                 assert report.step >= -1
@@ -208,3 +210,26 @@ def test_report_from_another_thread_leaves_the_open_step_open() -> None:
     opt.step()
     report = monitor.report()
     assert report.step == 2 and not [f for f in report.findings if f.cause == "skipped_steps"]
+
+
+def test_a_waiting_step_goes_before_the_next_report() -> None:
+    """A thread reading reports in a loop lets the training thread's waiting
+    hook in between two reports (a plain lock would hand it back to itself)."""
+    for _ in range(20):
+        turns = Turns()
+        order: list[str] = []
+        turns.report.__enter__()
+
+        def step() -> None:
+            with turns.step:
+                order.append("step")
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        while not turns.step_waiting:
+            time.sleep(1e-4)
+        turns.report.__exit__(None, None, None)
+        with turns.report:
+            order.append("report")
+        thread.join()
+        assert order == ["step", "report"]

@@ -41,8 +41,8 @@ rest of the model is scanned as always.
 
 The Monitor lives as long as its user holds it: its hooks hold it weakly,
 and neither a pickled nor a copied model carries them (hooks.py). report()
-may be called from another thread while training runs (a lock makes the
-two take turns; see Monitor.report).
+may be called from another thread while training runs (the two take
+turns, a waiting step first: turns.py; see Monitor.report).
 
 Why a gradient is None is the cause analysis of causes.py (a walk of the
 autograd graph from the outputs, and a probe of one forward pass, only when

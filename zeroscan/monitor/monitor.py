@@ -30,6 +30,7 @@ from zeroscan.monitor.rules import OptimizerView, judge
 from zeroscan.monitor.series import history, tensor_rows
 from zeroscan.monitor.steps import history_records, judged_records
 from zeroscan.monitor.structure import StructureWatch
+from zeroscan.monitor.turns import Turns
 
 MAX_CALLS_PER_STEP = 8  # activation calls of one module scanned per step
 RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.GELU)
@@ -104,8 +105,8 @@ class Monitor:
         self._finalizer = weakref.finalize(self, Hooks.remove_all, self._hooks)
         self._finalizer.atexit = False  # at exit the process, hooks and all, goes anyway
         # The step path (hooks, possibly on autograd's threads) and report() from any
-        # thread take turns; reentrant, since a hook may run inside another.
-        self._lock = threading.RLock()
+        # thread take turns, a waiting step first (turns.py).
+        self._turns = Turns()
         self._training_thread: int | None = None  # the thread of the latest forward pass
         self._causes = CauseFinder(model, self._params, self._hooks)
         self._records: deque[StepRecord] = deque(maxlen=history)
@@ -145,7 +146,7 @@ class Monitor:
     def close(self) -> None:
         """Removes every hook this Monitor registered; safe to call twice.
         report() keeps working on what was recorded."""
-        with self._lock:
+        with self._turns.step:
             if self._closed:
                 return
             self._closed = True
@@ -177,14 +178,14 @@ class Monitor:
     # ---- hooks -----------------------------------------------------------
 
     def _root_pre(self, module: nn.Module, args: Any) -> None:
-        with self._lock:
+        with self._turns.step:
             self._training_thread = threading.get_ident()
             self._watch.reset()
             if self._monitored():
                 self._causes.forward_started()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        with self._lock:
+        with self._turns.step:
             roots: list[Any] = []
             if torch.is_grad_enabled() and not self._closed:
                 output_grad_fns(output, roots)
@@ -194,7 +195,7 @@ class Monitor:
     def _on_activation(self, name: str, tag: str, module: nn.Module, args: Any, output: Any) -> None:
         if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.layout != torch.strided:
             return
-        with self._lock:
+        with self._turns.step:
             if not self._monitored():
                 return
             calls = self._act_calls.get(name, 0)
@@ -214,7 +215,7 @@ class Monitor:
                 self._act_notes.append((key, f"not scanned: {err}"))
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        with self._lock:
+        with self._turns.step:
             self._in_auto = True
             try:
                 self._advance(None)
@@ -224,12 +225,12 @@ class Monitor:
     def _backward_started(self) -> None:
         # Read now, before this pass accumulates into .grad: gradients left as the
         # last backward pass left them mean gradient accumulation (the step goes on).
-        with self._lock:
+        with self._turns.step:
             open_step = self._open
             self._open_touched = open_step is not None and grads_touched(self._params, open_step.grads)
 
     def _backward_finished(self) -> None:
-        with self._lock:
+        with self._turns.step:
             self._on_backward_finished()
 
     def _on_backward_finished(self) -> None:
@@ -264,7 +265,7 @@ class Monitor:
             )
         if loss is not None and not isinstance(loss, torch.Tensor):
             raise TypeError(f"zeroscan.Monitor.step: loss must be a tensor or None, got {type(loss).__name__}")
-        with self._lock:
+        with self._turns.step:
             self._advance(loss)
 
     def _advance(self, loss: torch.Tensor | None) -> None:
@@ -358,11 +359,12 @@ class Monitor:
         it issues no collective itself (see the package doc).
 
         Safe from any thread while training runs (a logger's, a dashboard's):
-        the training thread's hooks wait while a report is being made, and a
-        report made on another thread than the training one judges the steps
+        the training thread's hooks wait while a report is being made, and go
+        before the next one (turns.py); a report made on another thread than
+        the training one judges the steps
         that have ended, leaving a step that is between backward and
         optimizer.step() open."""
-        with self._lock:
+        with self._turns.report:
             return self._report()
 
     def _report(self) -> Report:
