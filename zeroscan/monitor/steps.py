@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from zeroscan.monitor.records import Param, StepRecord, grad_row, weight_row
+from zeroscan.monitor.records import Param, StepRecord, grad_row
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
-from zeroscan.record import Column
 from zeroscan.verdicts import Cause, Severity
 from zeroscan.words import count_noun, listed
 
@@ -94,12 +93,7 @@ def undone(params: list[Param], records: list[StepRecord], k: int) -> bool:
 
 def nonfinite_weights(params: list[Param], r: StepRecord) -> bool:
     """Whether a weight scanned at record `r` holds NaN or inf."""
-    if r.rows is None:
-        return False
-    counts, _ = r.rows.gather(np.array([weight_row(p.index) for p in params], dtype=np.int64), [
-        Column.NAN, Column.POSINF, Column.NEGINF,
-    ])
-    return bool(counts.any())
+    return r.rows is not None and bool(r.rows.nonfinite_weights(len(params)).any())
 
 
 def skipped_words(params: list[Param], skips: list[StepRecord], most: int = 6) -> str:

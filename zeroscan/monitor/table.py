@@ -137,9 +137,16 @@ class RowTable:
     def nonfinite_grads(self, params: int) -> np.ndarray:
         """bool [params]: the parameters whose gradient holds NaN or inf."""
         if self._nonfinite is None or self._nonfinite.size != params:
-            counts, _ = self.gather(2 * np.arange(params), list(range(NUM_FIELDS))[NONFINITE])
-            self._nonfinite = counts.sum(axis=1) > 0
+            self._nonfinite = self._nonfinite_rows(2 * np.arange(params))
         return self._nonfinite
+
+    def nonfinite_weights(self, params: int) -> np.ndarray:
+        """bool [params]: the parameters whose weight holds NaN or inf."""
+        return self._nonfinite_rows(2 * np.arange(params) + 1)
+
+    def _nonfinite_rows(self, rows: np.ndarray) -> np.ndarray:
+        counts, _ = self.gather(rows, list(range(NUM_FIELDS))[NONFINITE])
+        return counts.sum(axis=1) > 0
 
     def clear(self, row: int) -> None:
         """Slot row `row` is not the step's: its row becomes the row `before`."""
