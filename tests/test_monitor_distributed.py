@@ -12,8 +12,11 @@ scan of the full tensors.
 from __future__ import annotations
 
 import functools
+import gc
+import io
 import json
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -219,7 +222,75 @@ def check_misuse(rank: int, seed: int) -> Report:
     return Report(-1, [], [], EMPTY_HISTORY)
 
 
+def saved(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def check_ddp_guard_skips_and_lifetime(rank: int, seed: int) -> Report:
+    """DDP with zeroscan.guard: a step whose all-reduced gradients hold NaN
+    (computed in backward on one rank) is skipped on both ranks, and the
+    Monitor lists it with its step number; the wrapped model saves the bytes
+    it saves without zeroscan, and a dropped Monitor is freed."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    zeroscan.guard(opt, names=ddp)
+    g = torch.Generator().manual_seed(seed + 7 + rank)
+    monitor = Monitor(ddp, opt, activations=True, process_group=dist.group.WORLD)
+    for step in range(5):
+        opt.zero_grad()
+        x = torch.randn(4, 6, generator=g)
+        if step == 2 and rank == 1:
+            x[0, 0] = math.nan  # NaN through backward into 0.weight and 0.bias, then the all-reduce
+        ddp(x).square().mean().backward()
+        opt.step()
+    assert all(bool(torch.isfinite(p).all()) for p in ddp.parameters())
+    report = monitor.report()
+    (skip,) = [f for f in report.findings if f.cause == "skipped_steps"]
+    assert "skipped at 1 of 5 monitored steps" in skip.message and "step 2: module.0.weight" in skip.message, skip
+    with_monitor = saved(ddp)  # DDP's own __getstate__ still makes the state
+    monitor_ref = weakref.ref(monitor)
+    del monitor
+    gc.collect()
+    assert monitor_ref() is None
+    assert saved(ddp) == with_monitor
+    return Report(-1, [], [], EMPTY_HISTORY)  # activation findings are each rank's own: checked above
+
+
+def check_fsdp2_lifetime(rank: int, seed: int) -> Report:
+    """FSDP2 (fully_shard, whose classes and pre-forward hooks are its own; it
+    refuses pickling and deepcopy itself): a Monitor dropped without close()
+    is freed, and takes its hooks and only its hooks with it."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    own_hooks = len(model._forward_pre_hooks)
+    monitor = Monitor(model, opt, activations=True, process_group=dist.group.WORLD)
+    g = torch.Generator().manual_seed(seed + 3 + rank)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 6, generator=g)).square().mean().backward()
+        opt.step()
+    assert monitor.report().step == 2
+    assert len(model._forward_pre_hooks) > own_hooks
+    monitor_ref = weakref.ref(monitor)
+    del monitor
+    gc.collect()
+    assert monitor_ref() is None and len(model._forward_pre_hooks) == own_hooks
+    assert all("__getstate__" not in m.__dict__ for m in model.modules())
+    return Report(-1, [], [], EMPTY_HISTORY)
+
+
 CHECKS: dict[str, Callable[[int, int], Report]] = {
+    "fsdp2_lifetime": check_fsdp2_lifetime,
+    "ddp_guard_skips_and_lifetime": check_ddp_guard_skips_and_lifetime,
     "ddp_nan_on_one_rank": check_ddp_nan_on_one_rank,
     "ddp_healthy": check_ddp_healthy,
     "replicas_diverge": check_replicas_diverge,

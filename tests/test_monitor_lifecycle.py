@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import logging
 import pickle
 import threading
 import time
@@ -233,3 +234,35 @@ def test_a_waiting_step_goes_before_the_next_report() -> None:
             order.append("report")
         thread.join()
         assert order == ["step", "report"]
+
+
+def test_under_torch_compile_the_hooks_stay_out_of_the_compiled_code() -> None:
+    """Monitors on a compiled model's wrapper and on the model inside it, one
+    after another: dynamo compiles none of zeroscan's hook calls (one frame
+    serving every kind of hook would hit its recompile limit)."""
+    dynamo_said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            dynamo_said.append(record.getMessage())
+
+    g = fresh_generator()
+    model = make_model(g)
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    handler = Keep()
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    try:
+        for target in (compiled, model, compiled):
+            monitor = Monitor(target, opt, activations=True)
+            train(compiled, opt, g, 3)
+            assert monitor.report().step == 2
+            prefix = "_orig_mod." if target is compiled else ""
+            acts = [name for name, _, _ in monitor._records[-1].activations]
+            assert acts == [f"{prefix}1", f"{prefix}3", f"{prefix}5"]
+            got = saved(compiled)
+            monitor.close()
+            assert saved(compiled) == got  # saved as without zeroscan
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    assert not [m for m in dynamo_said if "recompile_limit" in m and "zeroscan" in m], dynamo_said
