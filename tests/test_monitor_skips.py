@@ -131,20 +131,32 @@ def test_a_step_that_poisoned_the_weights_is_not_called_skipped() -> None:
 # ---- a report before anything ran ---------------------------------------------------
 
 
-def forward_only(model: nn.Module, g: torch.Generator) -> None:
-    model(torch.randn(4, 6, generator=g))
+def forward_only(model: nn.Module, g: torch.Generator) -> torch.Tensor | None:
+    x = torch.randn(4, 6, generator=g)
+    model(x)
+    return x
 
 
-def forward_without_grad(model: nn.Module, g: torch.Generator) -> None:
+def forward_without_grad(model: nn.Module, g: torch.Generator) -> torch.Tensor | None:
+    x = torch.randn(4, 6, generator=g)
     with torch.no_grad():
-        model(torch.randn(4, 6, generator=g))
+        model(x)
+    return x
 
 
-def nothing(model: nn.Module, g: torch.Generator) -> None:
-    pass
+def nothing(model: nn.Module, g: torch.Generator) -> torch.Tensor | None:
+    return None
 
 
 BEFORE = {"nothing": nothing, "a forward pass": forward_only, "a forward pass under no_grad": forward_without_grad}
+
+
+def dead_relu_units(model: nn.Sequential, x: torch.Tensor | None) -> int:
+    """How many of the ReLU's units (model[3]) are zero for every row of x."""
+    if x is None:
+        return 0
+    with torch.no_grad():
+        return int((model[:4](x) == 0).all(dim=0).sum())
 
 
 @pytest.mark.parametrize("optimizer", [True, False])
@@ -154,10 +166,20 @@ def test_a_report_before_any_step_says_so_once(before: str, optimizer: bool) -> 
     model = make_model(g)
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer else None
     monitor = Monitor(model, opt, activations=True)
-    BEFORE[before](model, g)
+    x = BEFORE[before](model, g)
     report = monitor.report()
-    assert [(f.cause, f.severity) for f in report.findings] == [(Cause.NO_STEP, Severity.WARNING)]
+    # One warning that nothing trained, and no finding about gradients that never ran.
+    # What a forward pass did show stays true: a random batch of 4 can leave half the
+    # ReLU's units at zero, and that is told as dead units, counted as the model has them.
+    dead = dead_relu_units(model, x)
+    expected = [(Cause.NO_STEP, Severity.WARNING)]
+    if dead >= 16 * monitor.thresholds.dead_units:
+        expected.append((Cause.DEAD_UNITS, Severity.ERROR if dead == 16 else Severity.WARNING))
+    assert [(f.cause, f.severity) for f in report.findings] == expected
     assert report.findings[0].message.startswith("nothing has run yet")
+    if len(expected) == 2:
+        told = f"{dead} of 16 units" if dead < 16 else "all 16 units"
+        assert report.findings[1].name == "3" and told in report.findings[1].message
 
 
 def test_before_any_step_other_facts_still_show() -> None:
