@@ -107,8 +107,12 @@ def test_every_command_prints_on_any_console(tmp_path: Path, encoding: str) -> N
 # taking the "interrupted" line) and "exiting" (an atexit hook), so that the
 # test can press Ctrl-C at each exactly.
 INTERRUPTED_SCAN = """
-import atexit, sys
+import atexit, signal, sys
 import zeroscan.checkpoint
+
+# Ctrl-C as Python sets it up in a terminal, also where the tests run as a
+# background job (whose children start with SIGINT ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def stage(name):
     sys.__stdout__.write(name + "\\n")
