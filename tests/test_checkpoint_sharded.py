@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -281,6 +283,28 @@ def test_shards_of_a_set_the_index_leaves_out_are_scanned(tmp_path: Path, how: s
     index = tmp_path / "model.safetensors.index.json"
     rewrite_weight_map(index, lambda wm: {k: v for k, v in wm.items() if v != "model-00002-of-00003.safetensors"})
     check_scan(tmp_path if how == "folder" else index, shards, weight_map)
+
+
+@pytest.mark.parametrize("count", ["00003", "999999999999"])
+def test_the_shard_count_an_index_names_is_not_counted_through(tmp_path: Path, count: str) -> None:
+    """The index names shards 1 and 3 of model-*-of-COUNT; shard 2 lies beside
+    them. COUNT is the index's word: "-of-999999999999" once meant a stat call
+    for every k up to it, hours before the scan began. Shard 2 is found from
+    the folder's listing and scanned, in a process with a time limit."""
+    shards = model(fresh_generator(), torch.float32)
+    weight_map = {}
+    for k, tensors in enumerate(shards, 1):
+        name = f"model-{k:05d}-of-{count}.safetensors"
+        save_file(tensors, str(tmp_path / name), metadata={"format": "pt"})
+        weight_map.update({t: name for t in tensors})
+    named = {t: f for t, f in weight_map.items() if "-00002-" not in f}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": named}))
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "zeroscan", "scan", "--json", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr  # the NaN planted in shard 2
+    (scanned,) = json.loads(proc.stdout)["files"]
+    assert {row["name"]: row["shard"] for row in scanned["tensors"]} == weight_map
+    check_scan(tmp_path, shards, weight_map)  # and each row against the float64 reference
 
 
 def test_files_beside_an_index_that_it_does_not_name_are_scanned_too(

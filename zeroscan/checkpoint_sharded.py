@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from zeroscan.checkpoint import Checkpoint, CheckpointError, TensorEntry, TensorTable, open_file, regular_file_size
-from zeroscan.checkpoint_paths import SHARD_NAME, checkpoint_files, is_regular_file
+from zeroscan.checkpoint_paths import SHARD_NAME, checkpoint_files, shard_sets
 from zeroscan.checkpoint_reads import ScanSource
 from zeroscan.safetensors_io import brief
 
@@ -98,12 +98,12 @@ def index_shards(index: Path, weight_map: dict[str, str]) -> list[Path]:
         if not (folder / name).exists():
             holds = sum(1 for v in weight_map.values() if v == name)
             raise CheckpointError(f"{index}: names shard {name!r} (for {holds} tensors), which is missing")
-    sets = {(m["stem"], m["count"], m["suffix"]) for n in names if (m := SHARD_NAME.match(n))}
-    for stem, count, suffix in sets:
-        for k in range(1, int(count) + 1):
-            name = f"{stem}-{k:0{len(count)}d}-of-{count}{suffix}"
-            if name not in names and is_regular_file(folder / name):
-                names.add(name)
+    # From the folder's listing, not by trying each k up to n: n is the
+    # index's word, and "-of-10000000000" must not mean ten billion stat calls.
+    named = {(m["stem"], m["count"], m["suffix"]) for n in names if (m := SHARD_NAME.match(n))}
+    for (_, stem, count, suffix), members in shard_sets(checkpoint_files(folder)).items():
+        if (stem, count, suffix) in named:
+            names.update(f.name for f in members.values())
     return [folder / n for n in sorted(names, key=shard_order)]
 
 
