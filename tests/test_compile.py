@@ -92,6 +92,20 @@ def test_compiled_scans_equal_eager(backend: str, device: str) -> None:
     assert_same_results(compiled(ys), step(ys), ys)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_models_parameters_trace_into_one_graph(backend: str) -> None:
+    """Parameters take check_tensor's full check (plain tensors skip it); no
+    step of it may break the graph, the check of their storage included."""
+    torch._dynamo.reset()  # step's compiled variants of the other tests count toward the recompile limit
+    g = fresh_generator()
+    xs = [torch.nn.Parameter(x, requires_grad=x.is_floating_point()) for x in inputs("cpu", g)]
+    recorder = GraphRecorder()
+    got = torch.compile(step, backend=recorder, fullgraph=True)(xs)
+    assert len(recorder.graphs) == 1 and recorder.op_calls() == 3
+    assert_same_results(got, step(xs), xs)
+    assert_same_results(torch.compile(step, backend=backend, fullgraph=True)(xs), step(xs), xs)
+
+
 def test_dynamic_shapes_compile_once() -> None:
     g = fresh_generator()
     recorder = GraphRecorder()

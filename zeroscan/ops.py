@@ -183,8 +183,10 @@ def unreadable(x: torch.Tensor, *, collective: bool = False) -> str | None:
 def storage_bytes(x: torch.Tensor) -> tuple[int, int]:
     """The bytes x's storage holds and the bytes its shape, strides and offset
     reach (0 for an empty tensor); (0, 0) for a tensor with no storage of its
-    own to ask (a torch.func wrapper), which the native op checks unwrapped."""
-    if x.numel() == 0:
+    own to ask (a torch.func wrapper), which the native op checks unwrapped,
+    and while torch.compile traces: dynamo cannot trace a storage's nbytes(),
+    and the native op checks the real tensor when the graph runs."""
+    if x.numel() == 0 or torch.compiler.is_compiling():
         return 0, 0
     try:
         held = x.untyped_storage().nbytes()
