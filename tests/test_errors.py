@@ -15,6 +15,7 @@ import zeroscan
 import zeroscan.distributed
 from helpers import DEVICES, assert_matches_reference, fresh_generator, make_values
 from zeroscan import reference_stats
+from zeroscan.record import decode
 
 
 def test_none_explains_missing_gradients() -> None:
@@ -168,6 +169,7 @@ def test_every_scan_reads_its_fields_under_grad_and_jvp(transform: str, dtype: t
         seen["ones"] = zeroscan.stats_many([torch.ones(3)])[0].to_dict()
         seen["diagnose"] = zeroscan.diagnose(y).to_dict()
         seen["diagnose_many"] = [d.to_dict() for d in zeroscan.diagnose_many([y, other])]
+        seen["decode(scan_buffers)"] = [decode(b) for b in zeroscan.scan_buffers([y, other])]
         return (y.float() * 2).sum()
 
     if transform == "grad":
@@ -185,6 +187,7 @@ def test_every_scan_reads_its_fields_under_grad_and_jvp(transform: str, dtype: t
         "ones": zeroscan.stats(torch.ones(3)).to_dict(),
         "diagnose": zeroscan.diagnose(x).to_dict(),
         "diagnose_many": [d.to_dict() for d in zeroscan.diagnose_many([x, other])],
+        "decode(scan_buffers)": [decode(b) for b in zeroscan.scan_buffers([x, other])],
     }
     assert repr(seen) == repr(want)  # repr: NaN fields compare equal
 

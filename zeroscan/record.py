@@ -95,9 +95,22 @@ def row_from_words(words: list[int]) -> Row:
     return finish_row(words[COUNTS], [as_float64(w) for w in words[FLOATS]])
 
 
+def host_array(buffer: torch.Tensor) -> numpy.ndarray:
+    """An int64 result buffer copied to the host as a numpy array.
+
+    Inside torch.func.grad or jvp the buffer is a functorch wrapper, which
+    has no storage for numpy to read; its values are then read through
+    tolist(), which every wrapper answers."""
+    host = buffer.detach().cpu()
+    try:
+        return host.numpy()
+    except RuntimeError:
+        return numpy.array(host.tolist(), dtype=numpy.int64).reshape(tuple(host.shape))
+
+
 def decode(buffer: torch.Tensor) -> list[Row]:
     """int64 [N, 16] (or [16]) result rows -> one dict of fields per row."""
-    host = buffer.detach().to("cpu").reshape(-1, NUM_FIELDS).numpy()
+    host = host_array(buffer).reshape(-1, NUM_FIELDS)
     counts = host[:, COUNTS].tolist()
     floats = host[:, FLOATS].view(numpy.float64).tolist()
     return [finish_row(c, f) for c, f in zip(counts, floats)]

@@ -39,7 +39,7 @@ import torch
 
 from zeroscan.histogram import Histogram
 from zeroscan.ops import check_tensor, check_tol, refused, require_readable
-from zeroscan.record import COUNT_FIELDS, Column, Row, row_from_words
+from zeroscan.record import COUNT_FIELDS, Column, Row, host_array, row_from_words
 
 class Readout:
     """One native call's result buffer and its host copy, made on first read.
@@ -99,19 +99,6 @@ class Readout:
         if row is None:
             row = self._rows[index] = row_from_words(self._row_words(index))
         return row
-
-
-def host_array(buffer: torch.Tensor) -> numpy.ndarray:
-    """An int64 result buffer copied to the host as a numpy array.
-
-    Inside torch.func.grad or jvp the buffer is a functorch wrapper, which
-    has no storage for numpy to read; its values are then read through
-    tolist(), which every wrapper answers."""
-    host = buffer.detach().cpu()
-    try:
-        return host.numpy()
-    except RuntimeError:
-        return numpy.array(host.tolist(), dtype=numpy.int64).reshape(tuple(host.shape))
 
 
 # What a Stats says about the scanned tensor besides its statistics:
