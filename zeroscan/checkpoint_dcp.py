@@ -548,7 +548,7 @@ class DcpCheckpoint(TensorTable):
             if planner.filled[r.fqn] != want:
                 raise CheckpointError(
                     f"{self.path / METADATA_FILE}: the chunks of tensor {brief(r.fqn)} give "
-                    f"{planner.filled[r.fqn]:,} elements of the {want:,} asked for (chunks missing or overlapping)"
+                    f"{planner.filled[r.fqn]:,} elements of the {want:,} asked for (chunks missing; overlaps are refused at open)"
                 )
         return [planner.out[r.fqn] for r in regions]
 

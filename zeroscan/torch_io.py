@@ -150,16 +150,15 @@ def short_path(name: str) -> str:
 ZIP_METHODS = {zipfile.ZIP_DEFLATED: "deflate", zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "lzma"}
 
 
-def check_zip_entries(p: Path, source: str | Path | None = None) -> None:
+def check_zip_entries(p: Path, source: str | Path) -> None:
     """torch.save stores every entry of its zip uncompressed, but torch.load
     inflates a compressed one whole into memory: a 1 MB file could expand to
     gigabytes before a tensor is read. So every entry must be stored and its
     declared size must fit the file, both read from the zip's directory before
-    torch.load opens the file. It is read from `source` where given, and named p."""
-    where = p if source is None else source
-    size = os.stat(where).st_size
+    torch.load opens the file. It is read from `source`, and named p."""
+    size = os.stat(source).st_size
     try:
-        with zipfile.ZipFile(where) as z:
+        with zipfile.ZipFile(source) as z:
             infos = z.infolist()
     except Exception as e:  # zipfile raises several types for a damaged directory
         raise TorchFileError(

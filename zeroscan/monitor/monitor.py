@@ -151,7 +151,7 @@ class Monitor:
                 return
             self._closed = True
             self._causes.drop()
-            self._hooks.remove_all()
+            self._finalizer()  # removes the hooks, once: it will not run again when the Monitor is freed
             self._structure.remove()
             self._causes.roots = []
             self._acts = []
