@@ -49,6 +49,7 @@ from zeroscan.checkpoint_reads import (
     TensorPiece,
     contiguous_file_tensor,
     locate_in_zip,
+    same_file,
 )
 from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES, SCANNABLE_DTYPES, unreadable
 from zeroscan.stats import Stats
@@ -401,8 +402,7 @@ def open_torch(p: Path) -> Checkpoint:
         raise CheckpointError(f"{p}: cannot read ({e.strerror or e})") from None
     try:
         tensors, zipped = load_torch_file(p, file.descriptor_path)
-        now, then = os.fstat(file.raw.fileno()), file.opened
-        if (now.st_size, now.st_mtime_ns) != (then.st_size, then.st_mtime_ns):
+        if not same_file(file.opened, os.fstat(file.raw.fileno())):
             raise CheckpointError(f"{p}: changed while it was being opened; open it again once it is written")
     except TorchFileError as e:
         file.close()
@@ -446,10 +446,7 @@ def open_safetensors(p: Path) -> Checkpoint:
         raise CheckpointError(f"{p}: cannot read ({e.strerror or e})") from None
     try:
         slots, metadata = read_safetensors_header(p)
-        now, then = p.stat(), file.opened
-        if (now.st_ino, now.st_dev, now.st_size, now.st_mtime_ns) != (
-            then.st_ino, then.st_dev, then.st_size, then.st_mtime_ns
-        ):
+        if not same_file(file.opened, p.stat()):
             raise CheckpointError(f"{p}: changed while it was being opened; open it again once it is written")
     except SafetensorsError as e:
         file.close()

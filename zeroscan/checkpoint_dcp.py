@@ -56,7 +56,13 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.futures import Future
 
 from zeroscan.checkpoint import CheckpointError, TensorEntry, TensorTable, dtype_name, dtype_skip_reason
-from zeroscan.checkpoint_reads import ScanSource, TensorPiece, shape_problem
+from zeroscan.checkpoint_reads import (
+    ScanSource,
+    TensorPiece,
+    changed_while_scanned,
+    same_file,
+    shape_problem,
+)
 from zeroscan.safetensors_io import brief
 from zeroscan.torch_io import one_line, refused_pickle
 
@@ -375,7 +381,7 @@ class MetadataReader(FileSystemReader):
         super().__init__(path)
         self.folder = path
         self.metadata = metadata
-        self.opened: dict[str, tuple[int, int] | None] = {}  # file name: (size, mtime) on opening; None: absent
+        self.opened: dict[str, os.stat_result | None] = {}  # file name: its stat on opening; None: absent
         names = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()}
         for name in filter(is_file_name, names):  # only those checked to name a file in the folder
             try:
@@ -383,7 +389,7 @@ class MetadataReader(FileSystemReader):
             except OSError:  # absent or unreadable: said when a tensor is read from it
                 self.opened[name] = None
             else:
-                self.opened[name] = (st.st_size, st.st_mtime_ns)
+                self.opened[name] = st
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.metadata
@@ -449,12 +455,8 @@ class MetadataReader(FileSystemReader):
                 st = os.stat(p)
             except OSError:
                 return  # gone: the read that follows says so
-        if (st.st_size, st.st_mtime_ns) != was:
-            since = f"was {was[0]:,}" if st.st_size != was[0] else "rewritten in place"
-            raise CheckpointError(
-                f"{p}: changed while it was being scanned (now {st.st_size:,} bytes, {since}); "
-                "scan it again once it is written"
-            )
+        if not same_file(was, st):
+            raise CheckpointError(changed_while_scanned(p, st, was))
 
 
 # --- the checkpoint --------------------------------------------------------------

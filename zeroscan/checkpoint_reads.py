@@ -162,6 +162,23 @@ ScanSource = FileSource | MappedSource | torch.Tensor | TensorPiece | str
 # --- the file ------------------------------------------------------------------
 
 
+def same_file(then: os.stat_result, now: os.stat_result) -> bool:
+    """Whether `now` is still the file `then` was: the same inode, size and
+    modification time (a checkpoint rewritten, truncated or replaced is not)."""
+    return (now.st_ino, now.st_dev, now.st_size, now.st_mtime_ns) == (
+        then.st_ino, then.st_dev, then.st_size, then.st_mtime_ns
+    )
+
+
+def changed_while_scanned(p: Path, now: os.stat_result, then: os.stat_result) -> str:
+    """The error of checkpoint file p, which was `then` on opening and is `now`."""
+    was = f"was {then.st_size:,}" if now.st_size != then.st_size else "rewritten in place"
+    return (
+        f"{p}: changed while it was being scanned (now {now.st_size:,} bytes, {was}); "
+        "scan it again once it is written"
+    )
+
+
 class TensorFile:
     """One open checkpoint file that tensors are read from: one descriptor
     whatever the number of tensors, and the check that the file stays as it
@@ -196,12 +213,8 @@ class TensorFile:
 
     def check_unchanged(self) -> None:
         now = os.fstat(self.raw.fileno())
-        if (now.st_size, now.st_mtime_ns) != (self.opened.st_size, self.opened.st_mtime_ns):
-            was = f"was {self.opened.st_size:,}" if now.st_size != self.opened.st_size else "rewritten in place"
-            raise FileChangedError(
-                f"{self.path}: changed while it was being scanned (now {now.st_size:,} bytes, {was}); "
-                "scan it again once it is written"
-            )
+        if not same_file(self.opened, now):
+            raise FileChangedError(changed_while_scanned(self.path, now, self.opened))
 
     def read_into(self, view: memoryview, offset: int) -> int:
         """Reads len(view) bytes at `offset`; returns how many there were (fewer at the end of the file)."""

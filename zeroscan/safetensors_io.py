@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from zeroscan.checkpoint_reads import shape_problem
+from zeroscan.checkpoint_reads import same_file, shape_problem
 
 # safetensors dtype names -> torch dtypes (those this torch has).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -185,10 +185,7 @@ class SafetensorsTensors:
                                    "which has no torch equivalent here")
         if self.handle is None:
             handle = package_open(self.p)
-            now, then = os.stat(self.p), self.opened
-            if (now.st_ino, now.st_dev, now.st_size, now.st_mtime_ns) != (
-                then.st_ino, then.st_dev, then.st_size, then.st_mtime_ns
-            ):
+            if not same_file(self.opened, os.stat(self.p)):
                 raise SafetensorsError(f"{self.p}: changed since it was opened; open it again once it is written")
             self.handle = handle
         try:
