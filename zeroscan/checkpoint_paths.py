@@ -184,13 +184,14 @@ def holds_checkpoints(folder: Path, seen: set[tuple[int, int]]) -> bool:
     folders already looked into: a link back up the tree is followed once."""
     try:
         ident = identity(folder)
+        if ident in seen:
+            return False
         names = sorted(os.listdir(folder))
     except OSError:
         return False
-    if ident in seen:
-        return False
     seen.add(ident)
-    if any(is_regular_file(folder / n) and (n.endswith(CHECKPOINT_SUFFIXES + (INDEX_SUFFIX,)) or n == DCP_METADATA)
+    # The name first: a stat call only for a name that could be a checkpoint.
+    if any((n.endswith(CHECKPOINT_SUFFIXES + (INDEX_SUFFIX,)) or n == DCP_METADATA) and is_regular_file(folder / n)
            for n in names):
         return True
     return any((folder / n).is_dir() and holds_checkpoints(folder / n, seen) for n in names)
