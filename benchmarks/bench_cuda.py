@@ -33,6 +33,7 @@ timed between two device synchronisations and long enough that they are noise.
     python benchmarks/bench_cuda.py --json out.json   # everything (~40 GB of GPU memory)
     python benchmarks/bench_cuda.py --quick           # up to 256 MB, 1B shapes, a small training step
     python benchmarks/bench_cuda.py --only syncs,graphs
+    python benchmarks/bench_cuda.py --sizes 1024 --only bandwidth   # the bandwidth table at 1 GB alone
     python benchmarks/bench_cuda.py --device cpu --smoke   # tiny sizes: checks the code paths without a GPU
 
 The summary table printed last holds the figures the targets are judged on.
@@ -70,10 +71,13 @@ class Plan:
     """What one run measures, by mode: full (the quoted run), quick (a shorter
     GPU run) or smoke (tiny, on any device: the code paths only)."""
 
-    def __init__(self, mode: str, device: torch.device, model: str | None, model_dtype: torch.dtype) -> None:
+    def __init__(
+        self, mode: str, device: torch.device, model: str | None, model_dtype: torch.dtype, sizes_mb: list[int] | None = None
+    ) -> None:
         self.mode = mode
         self.device = device
-        self.sizes = {"full": [256 * MB, 1024 * MB, 4096 * MB], "quick": [64 * MB, 256 * MB], "smoke": [MB, 4 * MB]}[mode]
+        default_sizes = {"full": [256 * MB, 1024 * MB, 4096 * MB], "quick": [64 * MB, 256 * MB], "smoke": [MB, 4 * MB]}[mode]
+        self.sizes = [mb * MB for mb in sizes_mb] if sizes_mb else default_sizes
         self.budget = {"full": 0.5, "quick": 0.3, "smoke": 0.02}[mode]
         self.model = model or {"full": "7b", "quick": "1b", "smoke": "tiny"}[mode]
         self.model_dtype = model_dtype
@@ -388,6 +392,17 @@ def summary(results: dict[str, object]) -> list[tuple[str, str, str]]:
     return rows
 
 
+def parse_sizes(text: str) -> list[int]:
+    """--sizes "256,1024" -> [256, 1024] (MB), or a one-line exit naming what was received."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(mb <= 0 for mb in sizes):
+        raise SystemExit(f"bench_cuda.py: --sizes takes positive whole MB, comma-separated (e.g. 256,1024); got {text!r}")
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
@@ -395,6 +410,7 @@ def main() -> None:
     mode.add_argument("--smoke", action="store_true", help="tiny sizes on any device: checks the code paths only")
     parser.add_argument("--device", default="cuda", help="default cuda; cpu only with --smoke")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    parser.add_argument("--sizes", default=None, help="the bandwidth table's tensor sizes in MB, comma-separated (default: the mode's)")
     parser.add_argument("--model", choices=sorted(MODELS), default=None, help="stats_many's transformer shapes (default 7b)")
     parser.add_argument("--model-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--seed", type=int, default=0, help="seed of the host-drawn values")
@@ -404,12 +420,14 @@ def main() -> None:
     unknown = [s for s in only if s not in SECTIONS]
     if unknown:
         raise SystemExit(f"bench_cuda.py: --only takes {', '.join(SECTIONS)}; got {', '.join(unknown)}")
+    sizes_mb = parse_sizes(args.sizes) if args.sizes is not None else None
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_cuda.py: --device cuda needs a CUDA device (torch.cuda.is_available() is False); try --device cpu --smoke")
     if device.type != "cuda" and not args.smoke:
         raise SystemExit(f"bench_cuda.py: --device {args.device} is only for --smoke (the figures are GPU figures)")
-    plan = Plan("smoke" if args.smoke else "quick" if args.quick else "full", device, args.model, getattr(torch, args.model_dtype))
+    run_mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    plan = Plan(run_mode, device, args.model, getattr(torch, args.model_dtype), sizes_mb)
     g = torch.Generator().manual_seed(args.seed)
     machine = describe_machine(device)
     print(f"# zeroscan CUDA benchmark ({plan.mode}) — {machine}\n")

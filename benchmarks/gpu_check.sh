@@ -1,37 +1,56 @@
 #!/usr/bin/env bash
-# The whole GPU job in one script: build, correctness, sanitizers, benchmark.
+# The GPU job in one script: build, correctness, sanitizers, benchmark.
 #
-#   bash benchmarks/gpu_check.sh                  # every stage, in the order below
-#   bash benchmarks/gpu_check.sh build bench      # only these stages, in this order
+#   bash benchmarks/gpu_check.sh call1            # the first call on a lent GPU (below)
+#   bash benchmarks/gpu_check.sh call2            # the second, if time is left
+#   bash benchmarks/gpu_check.sh build bench      # any stages, in this order
+#   bash benchmarks/gpu_check.sh build+kernels    # '+' runs stages at the same time
+#   bash benchmarks/gpu_check.sh tests:120        # ':N' caps a stage at N seconds
 #
-# On a lent GPU, whose commands stop after 10 minutes, two calls do it all:
-#   bash benchmarks/gpu_check.sh env build tests kernels sanitize   # ~8 min on an H100 (estimated)
-#   bash benchmarks/gpu_check.sh build bench                        # ~6 min; build is skipped on a warm machine
-# DEADLINE_S (default 560) bounds the whole call: each stage gets what is left,
-# and a stage that would start with under 30 s left is reported as not run.
+# A lent GPU gives a session 15 minutes of device time, the machine's start
+# and idle time included, so the job is two calls:
+#   call1  (DEADLINE_S=380; give the call timeout_s=420) decides whether the
+#          GPU path is right: env, build+kernels (the extension for sm_90
+#          alone while .ci/cuda_check.sh builds and runs the standalone kernel
+#          test), bench (the bandwidth table at 1 GB for float32 and bfloat16,
+#          every distribution, host syncs per call, CUDA-graph replay), then
+#          tests+memcheck (every test with "cuda" in its id, apart from
+#          test_gpu_job's CPU runs and test_nccl, beside compute-sanitizer
+#          memcheck on the small scan).
+#   call2  (DEADLINE_S=210; timeout_s=240): bench's stats_many rows (7B
+#          shapes, 2,000 small tensors) and the Monitor on a 1B training
+#          step, then racecheck+nccl (test_nccl.py on a one-GPU NCCL world).
+#          If call1 found a bug, call2 is call1 again after the fix.
+# call1 leaves $OUT/build.tgz (the extension, its sources' digest and the
+# standalone test): unpacked into the working tree and carried (carry:
+# zeroscan/_C.cpython-312-x86_64-linux-gnu.so, zeroscan/_C.sources,
+# build/cuda_check/standalone_test), it spares a fresh machine the build.
 #
-# Stages (each one's log is a file under $OUT; a summary table is printed last):
+# Stages (each logs to a file under $OUT/logs, packed into $OUT/logs.tgz at
+# the end; a summary table is printed last and written to $OUT/summary.md):
 #   env       the GPU, driver, torch, nvcc and compute-sanitizer in use       -> build.log
-#   build     `pip install --no-build-isolation --no-deps -e .` with the CUDA
-#             kernels forced on (ZEROSCAN_CUDA=1, TORCH_CUDA_ARCH_LIST=9.0
-#             unless set), then checks that every op has a CUDA kernel; skipped
-#             when the built extension is newer than every csrc/ file        -> build.log
-#   tests     the whole pytest suite (8 processes where pytest-xdist is
-#             installed); fails if any test was skipped for want of a GPU
-#             (other than for want of a second one)                          -> tests.log
+#   build     `setup.py build_ext --inplace` with the CUDA kernels forced on
+#             (ZEROSCAN_CUDA=1, TORCH_CUDA_ARCH_LIST=9.0 unless set), then a
+#             check that every op has a CUDA kernel; skipped when
+#             zeroscan/_C.sources holds the digest of csrc/ and setup.py     -> build.log
 #   kernels   .ci/cuda_check.sh: ptxas report (no stack frame, no spills) and
 #             the torch-free standalone kernel test, run on the GPU           -> kernels.log
-#   sanitize  compute-sanitizer memcheck and racecheck on the standalone test
-#             (--small: sizes up to 70001, four value mixes) and on benchmarks/small_scan.py (every op, dtype and layout,
-#             checked against the float64 reference; torch's caching
-#             allocator off so that memcheck sees every allocation's bounds) -> sanitize.log
-#   bench     benchmarks/bench_cuda.py, every section                         -> bench.log, bench.md, bench.json
+#   tests     pytest over $TESTS (default tests) with -k "$TESTS_K" when set,
+#             12 processes where pytest-xdist is installed; fails if a test
+#             was skipped for want of a GPU (other than a second one)         -> tests.log
+#   memcheck  compute-sanitizer memcheck on the standalone test (--small) and
+#   racecheck on benchmarks/small_scan.py (every op, dtype and layout against
+#             the float64 reference, torch's caching allocator off so that
+#             memcheck sees every allocation's bounds)                        -> sanitize.log
+#   nccl      tests/test_nccl.py: zeroscan.distributed and the Monitor on an
+#             NCCL world of every GPU (up to 4) against the same on gloo      -> nccl.log
+#   bench     benchmarks/bench_cuda.py $BENCH_ARGS                            -> bench.log, $OUT/bench.md, $OUT/bench.json
 #
 # Environment: OUT (default build/gpu_check), PYTHON (default python3), JOBS
-# (default nproc), BENCH_ARGS (extra arguments for bench_cuda.py, e.g.
-# "--quick" or "--only training"), TESTS (pytest arguments, default "tests"),
-# DEADLINE_S. At most 8 files are written under $OUT, so that all of them
-# come back from a lent machine.
+# (default nproc), BENCH_ARGS, TESTS, TESTS_K, DEADLINE_S (default 560: the
+# whole run; a stage gets what is left, and one that would start with under
+# 30 s left is reported as not run). At most 8 files are left under $OUT, so
+# that all of them come back from a lent machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,39 +58,67 @@ OUT="${OUT:-build/gpu_check}"
 PYTHON="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"
 TESTS="${TESTS:-tests}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-SUMMARY="$OUT/summary.md"
-ALL=(env build tests kernels sanitize bench)
-DEADLINE_S="${DEADLINE_S:-560}"
+TESTS_K="${TESTS_K:-}"
+BENCH_ARGS="${BENCH_ARGS:-}"
 STAGES=("$@")
-[[ ${#STAGES[@]} -eq 0 ]] && STAGES=("${ALL[@]}")
-for s in "${STAGES[@]}"; do
-  [[ " ${ALL[*]} " == *" $s "* ]] || { echo "gpu_check: unknown stage '$s' (stages: ${ALL[*]})" >&2; exit 2; }
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(env build+kernels tests memcheck racecheck nccl bench)
+case "${STAGES[*]}" in
+  call1)
+    STAGES=(env build+kernels bench tests:150+memcheck:150)
+    DEADLINE_S="${DEADLINE_S:-380}"
+    BENCH_ARGS="${BENCH_ARGS:---sizes 1024 --only bandwidth,syncs,graphs}"
+    TESTS_K="${TESTS_K:-cuda and not test_gpu_job and not test_nccl}" ;;
+  call2)
+    STAGES=(env build bench racecheck:90+nccl:90)
+    DEADLINE_S="${DEADLINE_S:-210}"
+    BENCH_ARGS="${BENCH_ARGS:---only many,training}" ;;
+esac
+DEADLINE_S="${DEADLINE_S:-560}"
+KNOWN=(env build kernels tests memcheck racecheck nccl bench)
+for group in "${STAGES[@]}"; do
+  IFS=+ read -ra members <<<"$group"
+  for member in "${members[@]}"; do
+    s=${member%%:*}
+    [[ " ${KNOWN[*]} " == *" $s "* ]] || { echo "gpu_check: unknown stage '$s' (stages: ${KNOWN[*]}, or call1 / call2)" >&2; exit 2; }
+  done
 done
 
-declare -a ROWS=()
-failed=0
+mkdir -p "$OUT/logs"
+LOGS="$OUT/logs"
+ROWS="$OUT/logs/rows.md"  # one summary row per stage, appended by concurrent stages too
+: >"$ROWS"
+export PYTHONUNBUFFERED=1
+# The extension is built in place: every process, pytest's workers included, imports it from here.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+START=$SECONDS
 
-# run_stage NAME LOG LIMIT_S COMMAND...: runs COMMAND with its output appended to LOG
-# and echoed, bounded by LIMIT_S seconds, and records a summary row.
+# run_stage NAME LOG DEFAULT_LIMIT_S QUIET COMMAND...: runs COMMAND with its output
+# appended to LOG (and echoed unless QUIET), bounded by the stage's limit and
+# by what is left of DEADLINE_S, and appends its summary row to $ROWS.
 run_stage() {
-  local name=$1 log=$2 limit=$3; shift 3
-  local start=$SECONDS status left=$((DEADLINE_S - SECONDS))
+  local name=$1 log=$2 limit=$3 quiet=$4; shift 4
+  local start=$SECONDS status left=$((DEADLINE_S - (SECONDS - START)))
   if [[ $left -lt 30 ]]; then
-    ROWS+=("| $name | not run: ${left} s of DEADLINE_S=${DEADLINE_S} left | 0 s | |")
-    failed=1
-    return
+    echo "| $name | not run: ${left} s of DEADLINE_S=${DEADLINE_S} left | 0 s | |" >>"$ROWS"
+    return 1
   fi
   [[ $limit -gt $left ]] && limit=$left
   echo "== gpu_check: $name ($(date -u +%H:%M:%S), at most ${limit} s) -> $log"
   # The stage functions are exported: timeout runs them in a child bash.
-  timeout --signal=INT --kill-after=20 "$limit" bash -c 'set -o pipefail; "$@"' _ "$@" 2>&1 | tee -a "$log"
-  status=${PIPESTATUS[0]}
+  if [[ $quiet == 1 ]]; then
+    # A background job starts with SIGINT ignored, so a quiet stage is stopped with SIGTERM.
+    timeout --signal=TERM --kill-after=20 "$limit" bash -c 'set -o pipefail; "$@"' _ "$@" >>"$log" 2>&1
+    status=$?
+  else
+    timeout --signal=INT --kill-after=20 "$limit" bash -c 'set -o pipefail; "$@"' _ "$@" 2>&1 | tee -a "$log"
+    status=${PIPESTATUS[0]}
+  fi
   local verdict=ok
-  if [[ $status -eq 124 ]]; then verdict="TIMED OUT after ${limit} s"; failed=1
-  elif [[ $status -ne 0 ]]; then verdict="FAILED (exit $status)"; failed=1; fi
-  ROWS+=("| $name | $verdict | $((SECONDS - start)) s | $(basename "$log") |")
+  if [[ $status -eq 124 ]]; then verdict="TIMED OUT after ${limit} s"
+  elif [[ $status -ne 0 ]]; then verdict="FAILED (exit $status)"; fi
+  echo "== gpu_check: $name: $verdict in $((SECONDS - start)) s"
+  echo "| $name | $verdict | $((SECONDS - start)) s | $(basename "$log") |" >>"$ROWS"
+  [[ $verdict == ok ]]
 }
 
 stage_env() {
@@ -85,28 +132,51 @@ for i in range(torch.cuda.device_count()):
 EOF
   command -v nvcc >/dev/null && nvcc --version | tail -n 2
   command -v compute-sanitizer >/dev/null && compute-sanitizer --version | head -n 2
-  "$PYTHON" -m pip list 2>/dev/null | grep -iE '^(torch|numpy|safetensors|pytest|pytest-xdist|hypothesis|transformers|accelerate|lightning|tensorboard|peft|ninja|pybind11) ' || true
+  "$PYTHON" -m pip list 2>/dev/null | grep -iE '^(torch|numpy|safetensors|pytest|pytest-xdist|pytest-timeout|hypothesis|transformers|accelerate|lightning|ninja|pybind11) ' || true
   return 0
 }
 
+# The digest of what the extension is built from: a build is reused only while it matches.
+sources_digest() {
+  find csrc setup.py -type f | LC_ALL=C sort | xargs cat | sha256sum | cut -d' ' -f1
+}
+
 stage_build() {
-  local so
+  local so stamp=zeroscan/_C.sources want
+  want=$(sources_digest)
   so=$(ls zeroscan/_C*.so 2>/dev/null | head -n 1)
-  if [[ -n "$so" && -z "$(find csrc setup.py -newer "$so" -type f | head -n 1)" ]] && "$PYTHON" benchmarks/small_scan.py --kernels-only; then
-    echo "build: $so is newer than every csrc/ file and has its CUDA kernels; not rebuilt"
+  if [[ -n $so && -f $stamp && "$(cat "$stamp")" == "$want" ]] && "$PYTHON" benchmarks/small_scan.py --kernels-only; then
+    echo "build: $so was built from these sources ($stamp) and has its CUDA kernels; not rebuilt"
     return 0
   fi
-  ZEROSCAN_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="$JOBS" \
-    "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -v -e . || return 1
-  "$PYTHON" benchmarks/small_scan.py --kernels-only
+  rm -f zeroscan/_C*.so "$stamp"
+  # torch takes the toolkit from CUDA_HOME, else from the folder above nvcc's on PATH,
+  # which is wrong where that nvcc is a wrapper script outside the toolkit.
+  local nvcc_root
+  nvcc_root=$(dirname "$(dirname "$(command -v nvcc || echo /none/bin/nvcc)")")
+  if [[ -z ${CUDA_HOME:-} && ! -f $nvcc_root/include/cuda_runtime_api.h && -x /usr/local/cuda/bin/nvcc ]]; then
+    export CUDA_HOME=/usr/local/cuda PATH="/usr/local/cuda/bin:$PATH"
+  fi
+  # torch's CUDA headers include cuBLAS, cuSPARSE and cuSOLVER headers: a toolkit
+  # without them builds against those of torch's nvidia-* packages.
+  local nvidia_include
+  nvidia_include=$("$PYTHON" -c "import nvidia, pathlib; print(*sorted(str(p) for p in pathlib.Path(nvidia.__path__[0]).glob('cu[0-9]*/include')), sep=':')" 2>/dev/null)
+  echo "build: ZEROSCAN_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=$JOBS (CPATH += ${nvidia_include:-nothing})"
+  CPATH="$nvidia_include${CPATH:+:$CPATH}" ZEROSCAN_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="$JOBS" \
+    "$PYTHON" setup.py build_ext --inplace || return 1
+  "$PYTHON" benchmarks/small_scan.py --kernels-only || return 1
+  echo "$want" >"$stamp"
 }
 
 stage_tests() {
-  local xdist=() status report=/tmp/gpu_check_pytest.txt
-  "$PYTHON" -c "import xdist" 2>/dev/null && xdist=(-n 8)
+  local args=(-q -rs -p no:cacheprovider) status report=/tmp/gpu_check_pytest.txt
+  "$PYTHON" -c "import xdist" 2>/dev/null && args+=(-n 12)
+  # One hung test must not take the whole stage with it.
+  "$PYTHON" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 100)
+  [[ -n $TESTS_K ]] && args+=(-k "$TESTS_K")
   # -rs lists every skip with its reason: the GPU tests must not be among them.
   # shellcheck disable=SC2086
-  "$PYTHON" -m pytest $TESTS -q -rs "${xdist[@]}" -p no:cacheprovider 2>&1 | tee "$report"
+  "$PYTHON" -m pytest $TESTS "${args[@]}" 2>&1 | tee "$report"
   status=${PIPESTATUS[0]}
   if grep -E "^SKIPPED" "$report" | grep -iE "cuda|gpu" | grep -viE "two cuda devices|second (cuda )?device|several gpus"; then
     echo "tests: the tests above were skipped on a machine with a GPU"
@@ -115,56 +185,89 @@ stage_tests() {
   return $status
 }
 
+stage_nccl() {
+  "$PYTHON" -m pytest tests/test_nccl.py -q -rs -p no:cacheprovider -k nccl
+}
+
+# stage_sanitize TOOL: compute-sanitizer TOOL on the standalone test and on the small scan.
 stage_sanitize() {
-  local standalone=build/cuda_check/standalone_test status=0
+  local tool=$1 standalone=build/cuda_check/standalone_test status=0
   # Without the caching allocator every tensor is its own allocation, so an
   # access past its end is out of bounds for memcheck, not inside a cached block.
   export PYTORCH_NO_CUDA_MEMORY_CACHING=1
   if [[ -x $standalone ]]; then
-    for tool in memcheck racecheck; do
-      echo "-- compute-sanitizer --tool $tool $standalone --small"
-      compute-sanitizer --tool "$tool" --error-exitcode 99 "$standalone" --small || status=1
-    done
+    echo "-- compute-sanitizer --tool $tool $standalone --small"
+    compute-sanitizer --tool "$tool" --error-exitcode 99 "$standalone" --small || status=1
   else
-    echo "sanitize: $standalone is missing (run the kernels stage first); only the Python scan is checked"
+    echo "sanitize: $standalone is missing (the kernels stage builds it); only the Python scan is checked"
   fi
-  for tool in memcheck racecheck; do
-    echo "-- compute-sanitizer --tool $tool $PYTHON benchmarks/small_scan.py"
-    compute-sanitizer --tool "$tool" --error-exitcode 99 "$PYTHON" benchmarks/small_scan.py || status=1
-  done
+  echo "-- compute-sanitizer --tool $tool $PYTHON benchmarks/small_scan.py"
+  compute-sanitizer --tool "$tool" --error-exitcode 99 "$PYTHON" benchmarks/small_scan.py || status=1
   return $status
 }
 
 stage_bench() {
-  # stdout (the tables) also to bench.md; bench.log gets the progress lines too.
+  # The tables (stdout) also to bench.md; bench.log gets the progress lines too.
   # shellcheck disable=SC2086
   "$PYTHON" benchmarks/bench_cuda.py --json "$OUT/bench.json" $BENCH_ARGS | tee "$OUT/bench.md"
 }
 
-BENCH_ARGS="${BENCH_ARGS:-}"
-export OUT PYTHON JOBS TESTS BENCH_ARGS
-export -f stage_env stage_build stage_tests stage_sanitize stage_bench
-for stage in "${STAGES[@]}"; do
-  case $stage in
-    env) run_stage env "$OUT/build.log" 60 stage_env ;;
-    build) run_stage build "$OUT/build.log" 300 stage_build ;;
-    tests) run_stage tests "$OUT/tests.log" 360 stage_tests ;;
-    kernels) run_stage kernels "$OUT/kernels.log" 180 bash .ci/cuda_check.sh ;;
-    sanitize) run_stage sanitize "$OUT/sanitize.log" 300 stage_sanitize ;;
-    bench) run_stage bench "$OUT/bench.log" 540 stage_bench ;;
+export OUT PYTHON JOBS TESTS TESTS_K BENCH_ARGS
+export -f stage_env sources_digest stage_build stage_tests stage_nccl stage_sanitize stage_bench
+
+# one_stage NAME[:LIMIT] QUIET: runs one stage; its default limit unless LIMIT is given.
+one_stage() {
+  local name=${1%%:*} limit="" quiet=$2
+  [[ $1 == *:* ]] && limit=${1#*:}
+  case $name in
+    env) run_stage env "$LOGS/build.log" "${limit:-60}" "$quiet" stage_env ;;
+    build) run_stage build "$LOGS/build.log" "${limit:-300}" "$quiet" stage_build ;;
+    kernels) run_stage kernels "$LOGS/kernels.log" "${limit:-180}" "$quiet" bash .ci/cuda_check.sh ;;
+    tests) run_stage tests "$LOGS/tests.log" "${limit:-360}" "$quiet" stage_tests ;;
+    memcheck) run_stage memcheck "$LOGS/sanitize.log" "${limit:-300}" "$quiet" stage_sanitize memcheck ;;
+    racecheck) run_stage racecheck "$LOGS/sanitize.log" "${limit:-300}" "$quiet" stage_sanitize racecheck ;;
+    nccl) run_stage nccl "$LOGS/nccl.log" "${limit:-180}" "$quiet" stage_nccl ;;
+    bench) run_stage bench "$LOGS/bench.log" "${limit:-540}" "$quiet" stage_bench ;;
   esac
+}
+
+for group in "${STAGES[@]}"; do
+  IFS=+ read -ra members <<<"$group"
+  if [[ ${#members[@]} -eq 1 ]]; then
+    one_stage "${members[0]}" 0
+  else
+    # Stages run at the same time log quietly, each to its own file (none is timed).
+    pids=()
+    for member in "${members[@]}"; do
+      one_stage "$member" 1 &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+  fi
   # A failed build leaves nothing to test.
-  if [[ $stage == build && $failed -ne 0 ]]; then break; fi
+  if grep -qE "^\| build \| (FAILED|TIMED|not run)" "$ROWS"; then break; fi
 done
 
+# What a later call on a fresh machine carries instead of building again.
+built=(zeroscan/_C*.so zeroscan/_C.sources build/cuda_check/standalone_test)
+existing=()
+for f in "${built[@]}"; do [[ -f $f ]] && existing+=("$f"); done
+if [[ -f zeroscan/_C.sources && ${#existing[@]} -gt 0 ]]; then
+  tar czf "$OUT/build.tgz" "${existing[@]}"
+fi
+
+failed=0
+grep -qv "^| [a-z]* | ok |" "$ROWS" && failed=1
 {
   echo "| stage | result | time | log |"
   echo "|---|---|---|---|"
-  printf '%s\n' "${ROWS[@]}"
-  grep -hE "^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)" "$OUT/tests.log" 2>/dev/null | tail -n 1
-  grep -h "ERROR SUMMARY" "$OUT/sanitize.log" 2>/dev/null
+  cat "$ROWS"
+  grep -hE "^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)" "$LOGS/tests.log" "$LOGS/nccl.log" 2>/dev/null
+  grep -h "ERROR SUMMARY" "$LOGS/sanitize.log" 2>/dev/null
   if [[ -f $OUT/bench.md ]]; then sed -n '/^## Summary/,$p' "$OUT/bench.md"; fi
-} > "$SUMMARY"
+} >"$OUT/summary.md"
+rm -f "$ROWS"
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 echo
-cat "$SUMMARY"
+cat "$OUT/summary.md"
 exit $failed

@@ -95,15 +95,60 @@ def test_kernels_only_says_whether_this_build_has_cuda_kernels(small_scan, monke
     assert ("NOT " + ", ".join(missing)) in out if missing else "every op" in out
 
 
-def test_gpu_check_refuses_an_unknown_stage() -> None:
-    done = run_script("bash", "benchmarks/gpu_check.sh", "env", "benchmark", timeout=60)
+def test_bench_cuda_sizes_choose_the_bandwidth_rows(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ("--device", "cpu", "--smoke", "--sizes", "1,2", "--only", "bandwidth", "--json", str(out))
+    done = run_script(sys.executable, "benchmarks/bench_cuda.py", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tables = json.loads(out.read_text())["bandwidth"]
+    assert [[row["bytes"] for row in table["rows"]] for table in tables] == [[1 << 20, 2 << 20]] * 2
+
+
+@pytest.mark.parametrize("sizes", ["0", "1,x", ""])
+def test_bench_cuda_refuses_bad_sizes(sizes: str) -> None:
+    done = run_script(sys.executable, "benchmarks/bench_cuda.py", "--device", "cpu", "--smoke", "--sizes", sizes, timeout=60)
+    assert done.returncode != 0 and f"--sizes takes positive whole MB, comma-separated (e.g. 256,1024); got {sizes!r}" in done.stderr
+
+
+@pytest.mark.parametrize("stage", ["benchmark", "tests+sanitize", "env:10+bench+nope"])
+def test_gpu_check_refuses_an_unknown_stage(stage: str) -> None:
+    done = run_script("bash", "benchmarks/gpu_check.sh", "env", stage, timeout=60)
     assert done.returncode == 2
-    assert "unknown stage 'benchmark'" in done.stderr and "env build tests kernels sanitize bench" in done.stderr
+    unknown = stage.split("+")[-1].split(":")[0] if stage != "tests+sanitize" else "sanitize"
+    assert f"unknown stage '{unknown}'" in done.stderr
+    assert "env build kernels tests memcheck racecheck nccl bench, or call1 / call2" in done.stderr
+
+
+def summary_rows(out: Path) -> dict[str, str]:
+    """gpu_check.sh's summary table as stage -> result."""
+    rows = {}
+    for line in (out / "summary.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[0] not in ("stage", "---"):
+            rows[cells[0]] = cells[1]
+    return rows
 
 
 def test_gpu_check_reports_stages_past_its_deadline(tmp_path: Path) -> None:
     done = run_script("bash", "benchmarks/gpu_check.sh", "env", "bench", env={"OUT": str(tmp_path), "DEADLINE_S": "0"}, timeout=60)
     assert done.returncode == 1
-    summary = (tmp_path / "summary.md").read_text()
-    assert "| env | not run: 0 s of DEADLINE_S=0 left |" in summary
-    assert "| bench | not run:" in summary
+    assert summary_rows(tmp_path) == {"env": "not run: 0 s of DEADLINE_S=0 left", "bench": "not run: 0 s of DEADLINE_S=0 left"}
+    # Every log is packed into one file, so that what comes back stays under the file limit.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tgz", "summary.md"]
+
+
+def test_gpu_check_stops_after_a_build_that_did_not_run(tmp_path: Path) -> None:
+    # call1 past its deadline: the build does not run, so nothing after it is tried.
+    done = run_script("bash", "benchmarks/gpu_check.sh", "call1", env={"OUT": str(tmp_path), "DEADLINE_S": "0"}, timeout=60)
+    assert done.returncode == 1
+    rows = list(summary_rows(tmp_path))
+    assert rows[0] == "env" and sorted(rows[1:]) == ["build", "kernels"]  # build+kernels run at once
+
+
+def test_gpu_check_runs_joined_stages_at_once_under_their_own_limits(tmp_path: Path) -> None:
+    # env finishes; kernels (nvcc's compile, or its absence) cannot finish in 1 s or fails at once without nvcc.
+    done = run_script("bash", "benchmarks/gpu_check.sh", "env+kernels:1", env={"OUT": str(tmp_path), "DEADLINE_S": "100"}, timeout=120)
+    rows = summary_rows(tmp_path)
+    assert rows["env"] == "ok"
+    assert rows["kernels"] in ("TIMED OUT after 1 s", "FAILED (exit 1)")
+    assert done.returncode == 1
