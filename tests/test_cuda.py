@@ -183,3 +183,15 @@ def test_more_than_2_pow_31_elements() -> None:
     sb = zeroscan.stats(base)
     assert se.numel == (1 << 33) and se.negative == sb.negative << 10
     assert math.isclose(se.std, sb.std, rel_tol=1e-6) and se.max_abs == sb.max_abs
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_the_reference_takes_cuda_tensors(dtype: torch.dtype) -> None:
+    # zeroscan.reference_stats is public: a CUDA tensor gets the same float64
+    # answer as its CPU copy, computed where it lives.
+    x = make_values(4099, dtype, fresh_generator()).cuda()
+    want = zeroscan.reference_stats(x.cpu())
+    got = zeroscan.reference_stats(x)
+    assert got.keys() == want.keys()
+    for field, value in want.items():
+        assert got[field] == value or (math.isnan(got[field]) and math.isnan(value)), field

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -360,3 +364,40 @@ def test_memory_given_back_scans_as_usual(device: str) -> None:
     assert_matches_reference(got[0], values)
     assert got[1].numel == 0
     assert_matches_reference(got[2], values[::7])
+
+
+# Refusals that the native ops make, each as the public call names it.
+NATIVE_REFUSALS = """
+import json, torch, zeroscan
+bad = torch.zeros(4, dtype=torch.uint8).view(torch.uint32)
+ok = torch.ones(2)
+calls = {
+    "zeroscan.stats: x": lambda: zeroscan.stats(bad),
+    "zeroscan.stats: x (histogram)": lambda: zeroscan.stats(bad, histogram=True),
+    "zeroscan.stats_many: tensors[1]": lambda: zeroscan.stats_many([ok, bad]),
+    "zeroscan.stats_many: tensors[1] (histogram)": lambda: zeroscan.stats_many([ok, bad], histogram=True),
+    "zeroscan.diagnose_many: tensors[0]": lambda: zeroscan.diagnose_many([torch.ones(2, dtype=torch.complex64)]),
+}
+messages = {}
+for name, call in calls.items():
+    try:
+        call()
+        messages[name] = None
+    except Exception as e:
+        messages[name] = str(e)
+print(json.dumps(messages))
+"""
+
+
+def test_refusals_stay_one_line_when_torch_shows_cpp_stack_traces() -> None:
+    # TORCH_SHOW_CPP_STACKTRACES=1 makes torch append the C++ stack to every
+    # native error; what zeroscan raises in the caller's words stays one line.
+    env = {**os.environ, "TORCH_SHOW_CPP_STACKTRACES": "1", "TORCH_DISABLE_ADDR2LINE": "1"}
+    done = subprocess.run([sys.executable, "-c", NATIVE_REFUSALS], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    messages = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, message in messages.items():
+        prefix = name.split(" (")[0]
+        assert message is not None, f"{name}: not refused"
+        assert message.startswith(prefix + " "), (name, message[:300])
+        assert "\n" not in message.strip(), (name, message[:300])

@@ -240,7 +240,9 @@ def refused(op: str, named: Sequence[tuple[str, object]], error: Exception) -> N
             require_readable(op, name, x)
         except (TypeError, ValueError) as why:
             raise why from None  # the native error it explains is not shown beside it
-    message = str(error)
+    # A native refusal is one line; torch appends the C++ stack below it when
+    # TORCH_SHOW_CPP_STACKTRACES=1, which the caller's one-line error leaves out.
+    message = str(error).split("\n", 1)[0]
     found = NATIVE_REFUSAL.match(message)
     if found is None or not isinstance(error, RuntimeError):
         raise error

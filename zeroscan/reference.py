@@ -38,7 +38,7 @@ def _exact_units(values: torch.Tensor) -> int:
     m = 2^26 high + low (|high| <= 2^27, 0 <= low < 2^26), which no sum of
     fewer than 2^36 values overflows; the per-exponent sums are then added
     in Python integers. (Pieces of 4M values bound the temporaries.)"""
-    sums = torch.zeros((2, _BUCKETS), dtype=torch.int64)
+    sums = torch.zeros((2, _BUCKETS), dtype=torch.int64, device=values.device)  # beside the values: any device
     for piece in values.split(1 << 22):
         mantissa, exponent = torch.frexp(piece)
         m = (mantissa * 2.0**53).to(torch.int64)
