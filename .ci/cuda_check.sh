@@ -12,7 +12,9 @@
 #    (ZEROSCAN_CUDA_EMULATE=0 skips that).
 #
 # Environment: NVCC (default: $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc,
-# or nvcc on PATH), BUILD_DIR (default build/cuda_check), JOBS (default nproc).
+# or nvcc on PATH), BUILD_DIR (default build/cuda_check), JOBS (default nproc),
+# STANDALONE_ARGS (the GPU run's arguments, e.g. --small: on an H200 the
+# default run had not finished 180 s into the stage, compiles included).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -106,8 +108,9 @@ TEST_FLAGS=("${FLAGS[@]}")
   -o "$BUILD_DIR/standalone_test"
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
-  echo "== running the standalone test on the GPU"
-  "$BUILD_DIR/standalone_test"
+  echo "== running the standalone test on the GPU ${STANDALONE_ARGS:-}"
+  # shellcheck disable=SC2086
+  "$BUILD_DIR/standalone_test" ${STANDALONE_ARGS:-}
 else
   echo "== no GPU: the kernels are compiled but not run"
   "$BUILD_DIR/standalone_test" --skip-without-gpu

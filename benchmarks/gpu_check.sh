@@ -8,23 +8,31 @@
 #   bash benchmarks/gpu_check.sh tests:120        # ':N' caps a stage at N seconds
 #
 # A lent GPU gives a session 15 minutes of device time, the machine's start
-# and idle time included, so the job is two calls:
+# (about 45 s on an H200) and idle time included, so the job is two calls.
+# What each stage took on an H200 (2026-11-27, 16 cores): env 7 s, build
+# 50 s, bench of call1 39 s and of call2 36 s, nccl 62 s; the CUDA tests ran
+# about 6 tests/s on 12 workers beside a sanitizer (2,660 would take ~450 s),
+# the default standalone run had not ended 180 s into the kernels stage, and
+# the Python small scan under memcheck had not ended after 150 s.
 #   call1  (DEADLINE_S=380; give the call timeout_s=420) decides whether the
 #          GPU path is right: env, build+kernels (the extension for sm_90
-#          alone while .ci/cuda_check.sh builds and runs the standalone kernel
-#          test), bench (the bandwidth table at 1 GB for float32 and bfloat16,
-#          every distribution, host syncs per call, CUDA-graph replay), then
-#          tests+memcheck (every test with "cuda" in its id, apart from
-#          test_gpu_job's CPU runs and test_nccl, beside compute-sanitizer
-#          memcheck on the small scan).
+#          alone while .ci/cuda_check.sh builds the standalone kernel test and
+#          runs it with --small), backtrace (the tests that crashed, under a
+#          debugger), memcheck on that standalone test, bench (the
+#          bandwidth table at 1 GB for float32 and bfloat16, every
+#          distribution, host syncs per call, CUDA-graph replay), then the
+#          CUDA tests of $CALL1_TESTS until the deadline.
 #   call2  (DEADLINE_S=210; timeout_s=240): bench's stats_many rows (7B
 #          shapes, 2,000 small tensors) and the Monitor on a 1B training
-#          step, then racecheck+nccl (test_nccl.py on a one-GPU NCCL world).
+#          step, racecheck+nccl (the standalone test --small; test_nccl.py on
+#          a one-GPU NCCL world), then the CUDA tests of $CALL2_TESTS.
 #          If call1 found a bug, call2 is call1 again after the fix.
 # call1 leaves $OUT/build.tgz (the extension, its sources' digest and the
 # standalone test): unpacked into the working tree and carried (carry:
 # zeroscan/_C.cpython-312-x86_64-linux-gnu.so, zeroscan/_C.sources,
 # build/cuda_check/standalone_test), it spares a fresh machine the build.
+# Left out of both: the default (full-size) standalone run and the Python
+# small scan under the sanitizers, which do not fit.
 #
 # Stages (each logs to a file under $OUT/logs, packed into $OUT/logs.tgz at
 # the end; a summary table is printed last and written to $OUT/summary.md):
@@ -36,18 +44,25 @@
 #   kernels   .ci/cuda_check.sh: ptxas report (no stack frame, no spills) and
 #             the torch-free standalone kernel test, run on the GPU           -> kernels.log
 #   tests     pytest over $TESTS (default tests) with -k "$TESTS_K" when set,
-#             12 processes where pytest-xdist is installed; fails if a test
-#             was skipped for want of a GPU (other than a second one)         -> tests.log
-#   memcheck  compute-sanitizer memcheck on the standalone test (--small) and
-#   racecheck on benchmarks/small_scan.py (every op, dtype and layout against
-#             the float64 reference, torch's caching allocator off so that
-#             memcheck sees every allocation's bounds)                        -> sanitize.log
+#             $TEST_WORKERS processes (default 4) where pytest-xdist is
+#             installed, stopped by pytest-timeout's --session-timeout before
+#             the stage's limit so that its failures are still reported; fails
+#             if a test was skipped for want of a GPU (other than a second one) -> tests.log
+#   memcheck  compute-sanitizer memcheck on the standalone test (--small) and,
+#   racecheck unless SANITIZE_PYTHON=0, on benchmarks/small_scan.py (every op,
+#             dtype and layout against the float64 reference, torch's caching
+#             allocator off so that memcheck sees every allocation's bounds)  -> sanitize.log
+#   backtrace $BACKTRACE_TESTS (pytest node ids) in one process under
+#             cuda-gdb (or gdb), which prints every thread's C++ stack if it
+#             crashes; by default the tests that crashed their process on an
+#             H200 (a CUDA refusal by stats_many_hist or stats_many_mapped)   -> crash.log
 #   nccl      tests/test_nccl.py: zeroscan.distributed and the Monitor on an
 #             NCCL world of every GPU (up to 4) against the same on gloo      -> nccl.log
 #   bench     benchmarks/bench_cuda.py $BENCH_ARGS                            -> bench.log, $OUT/bench.md, $OUT/bench.json
 #
 # Environment: OUT (default build/gpu_check), PYTHON (default python3), JOBS
-# (default nproc), BENCH_ARGS, TESTS, TESTS_K, DEADLINE_S (default 560: the
+# (default nproc), BENCH_ARGS, TESTS, TESTS_K, TEST_WORKERS, SANITIZE_PYTHON,
+# STANDALONE_ARGS (.ci/cuda_check.sh's), DEADLINE_S (default 560: the
 # whole run; a stage gets what is left, and one that would start with under
 # 30 s left is reported as not run). At most 8 files are left under $OUT, so
 # that all of them come back from a lent machine.
@@ -57,24 +72,41 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu_check}"
 PYTHON="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"
-TESTS="${TESTS:-tests}"
+TESTS="${TESTS:-}"
 TESTS_K="${TESTS_K:-}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=(env build+kernels tests memcheck racecheck nccl bench)
+# The CUDA tests, split between the calls, the most telling first (every
+# test_*.py with a "cuda" case; test_nccl.py is the nccl stage).
+CALL1_TESTS="tests/test_cuda.py tests/test_stats.py tests/test_diagnosis.py tests/test_errors.py
+  tests/test_mapped_scan.py tests/test_cuda_monitor.py tests/test_compile.py tests/test_stats_many.py tests/test_monitor.py"
+CALL2_TESTS="tests/test_distributions.py tests/test_extremes.py tests/test_histogram.py"
 case "${STAGES[*]}" in
   call1)
-    STAGES=(env build+kernels bench tests:150+memcheck:150)
+    STAGES=(env build+kernels backtrace:90 memcheck:90 bench tests)
     DEADLINE_S="${DEADLINE_S:-380}"
     BENCH_ARGS="${BENCH_ARGS:---sizes 1024 --only bandwidth,syncs,graphs}"
-    TESTS_K="${TESTS_K:-cuda and not test_gpu_job and not test_nccl}" ;;
+    TESTS="${TESTS:-$CALL1_TESTS}" TESTS_K="${TESTS_K:-cuda}" ;;
   call2)
-    STAGES=(env build bench racecheck:90+nccl:90)
+    STAGES=(env build bench racecheck:90+nccl:90 tests)
     DEADLINE_S="${DEADLINE_S:-210}"
-    BENCH_ARGS="${BENCH_ARGS:---only many,training}" ;;
+    BENCH_ARGS="${BENCH_ARGS:---only many,training}"
+    TESTS="${TESTS:-$CALL2_TESTS}" TESTS_K="${TESTS_K:-cuda}" ;;
 esac
+case "${STAGES[*]}" in
+  *call1*|*call2*) echo "gpu_check: call1 and call2 are whole plans; give one alone" >&2; exit 2 ;;
+esac
+# A plan's sanitizers read the standalone test alone: the Python scan under them does not fit.
+if [[ " ${*} " == *" call"[12]" "* ]]; then
+  SANITIZE_PYTHON="${SANITIZE_PYTHON:-0}" STANDALONE_ARGS="${STANDALONE_ARGS:---small}"
+fi
+TESTS="${TESTS:-tests}"
+TEST_WORKERS="${TEST_WORKERS:-4}"
+SANITIZE_PYTHON="${SANITIZE_PYTHON:-1}"
+STANDALONE_ARGS="${STANDALONE_ARGS:-}"
 DEADLINE_S="${DEADLINE_S:-560}"
-KNOWN=(env build kernels tests memcheck racecheck nccl bench)
+KNOWN=(env build kernels tests memcheck racecheck backtrace nccl bench)
 for group in "${STAGES[@]}"; do
   IFS=+ read -ra members <<<"$group"
   for member in "${members[@]}"; do
@@ -107,10 +139,10 @@ run_stage() {
   # The stage functions are exported: timeout runs them in a child bash.
   if [[ $quiet == 1 ]]; then
     # A background job starts with SIGINT ignored, so a quiet stage is stopped with SIGTERM.
-    timeout --signal=TERM --kill-after=20 "$limit" bash -c 'set -o pipefail; "$@"' _ "$@" >>"$log" 2>&1
+    STAGE_LIMIT=$limit timeout --signal=TERM --kill-after=20 "$limit" bash -c 'set -o pipefail; "$@"' _ "$@" >>"$log" 2>&1
     status=$?
   else
-    timeout --signal=INT --kill-after=20 "$limit" bash -c 'set -o pipefail; "$@"' _ "$@" 2>&1 | tee -a "$log"
+    STAGE_LIMIT=$limit timeout --signal=INT --kill-after=20 "$limit" bash -c 'set -o pipefail; "$@"' _ "$@" 2>&1 | tee -a "$log"
     status=${PIPESTATUS[0]}
   fi
   local verdict=ok
@@ -132,6 +164,8 @@ for i in range(torch.cuda.device_count()):
 EOF
   command -v nvcc >/dev/null && nvcc --version | tail -n 2
   command -v compute-sanitizer >/dev/null && compute-sanitizer --version | head -n 2
+  # Settings that change what torch does (its error messages, launches, collectives).
+  env | grep -E "^(TORCH|PYTORCH|CUDA|NCCL)_" | sort || true
   "$PYTHON" -m pip list 2>/dev/null | grep -iE '^(torch|numpy|safetensors|pytest|pytest-xdist|pytest-timeout|hypothesis|transformers|accelerate|lightning|ninja|pybind11) ' || true
   return 0
 }
@@ -169,20 +203,44 @@ stage_build() {
 }
 
 stage_tests() {
-  local args=(-q -rs -p no:cacheprovider) status report=/tmp/gpu_check_pytest.txt
-  "$PYTHON" -c "import xdist" 2>/dev/null && args+=(-n 12)
-  # One hung test must not take the whole stage with it.
-  "$PYTHON" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 100)
+  # -v: each test's result is logged when it ends, so a stage stopped at its limit still names its failures.
+  local args=(-v -rfs -p no:cacheprovider) status report=/tmp/gpu_check_pytest.txt
+  # Few workers: each is a CUDA context, and the GPU time-slices between contexts.
+  "$PYTHON" -c "import xdist" 2>/dev/null && args+=(-n "$TEST_WORKERS")
+  # One hung test must not take the whole stage with it, and the session ends
+  # itself before the stage's limit, so that it still reports its failures.
+  "$PYTHON" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 100 --session-timeout $((STAGE_LIMIT - 20)))
   [[ -n $TESTS_K ]] && args+=(-k "$TESTS_K")
   # -rs lists every skip with its reason: the GPU tests must not be among them.
   # shellcheck disable=SC2086
   "$PYTHON" -m pytest $TESTS "${args[@]}" 2>&1 | tee "$report"
   status=${PIPESTATUS[0]}
+  # Stopped by its session timeout: the stage ran out of time, as a stage killed at its limit does.
+  grep -q "session-timeout: .* exceeded" "$report" && status=124
   if grep -E "^SKIPPED" "$report" | grep -iE "cuda|gpu" | grep -viE "two cuda devices|second (cuda )?device|several gpus"; then
     echo "tests: the tests above were skipped on a machine with a GPU"
     return 1
   fi
   return $status
+}
+
+BACKTRACE_TESTS="${BACKTRACE_TESTS:-tests/test_errors.py::test_every_refusal_names_the_call_and_argument_used[uint16-cuda]
+  tests/test_mapped_scan.py::test_cuda_tensors_refused_in_one_line}"
+
+# A segfault in a pytest worker shows only Python frames; this shows where in C++.
+stage_backtrace() {
+  local gdb
+  gdb=$(command -v cuda-gdb || command -v gdb) || { echo "backtrace: neither cuda-gdb nor gdb is installed"; return 1; }
+  local report=/tmp/gpu_check_gdb.txt
+  # shellcheck disable=SC2086
+  "$gdb" -q -batch -ex "set pagination off" -ex "set print thread-events off" -ex run \
+    -ex "thread apply all bt 40" --args "$PYTHON" -m pytest -p no:cacheprovider -q -rfE $BACKTRACE_TESTS 2>&1 | tee "$report"
+  # gdb's exit status is its own: the run's result is in what it printed.
+  if grep -q "received signal SIG" "$report"; then
+    echo "backtrace: the tests crashed; the stacks are above"
+    return 1
+  fi
+  grep -qE "[0-9]+ passed" "$report" && ! grep -qE "[0-9]+ (failed|error)" "$report"
 }
 
 stage_nccl() {
@@ -201,6 +259,10 @@ stage_sanitize() {
   else
     echo "sanitize: $standalone is missing (the kernels stage builds it); only the Python scan is checked"
   fi
+  if [[ ${SANITIZE_PYTHON:-1} == 0 ]]; then
+    echo "sanitize: SANITIZE_PYTHON=0: benchmarks/small_scan.py is not run under $tool"
+    return $status
+  fi
   echo "-- compute-sanitizer --tool $tool $PYTHON benchmarks/small_scan.py"
   compute-sanitizer --tool "$tool" --error-exitcode 99 "$PYTHON" benchmarks/small_scan.py || status=1
   return $status
@@ -212,8 +274,8 @@ stage_bench() {
   "$PYTHON" benchmarks/bench_cuda.py --json "$OUT/bench.json" $BENCH_ARGS | tee "$OUT/bench.md"
 }
 
-export OUT PYTHON JOBS TESTS TESTS_K BENCH_ARGS
-export -f stage_env sources_digest stage_build stage_tests stage_nccl stage_sanitize stage_bench
+export OUT PYTHON JOBS TESTS TESTS_K TEST_WORKERS SANITIZE_PYTHON STANDALONE_ARGS BENCH_ARGS BACKTRACE_TESTS
+export -f stage_env sources_digest stage_build stage_tests stage_backtrace stage_nccl stage_sanitize stage_bench
 
 # one_stage NAME[:LIMIT] QUIET: runs one stage; its default limit unless LIMIT is given.
 one_stage() {
@@ -227,6 +289,7 @@ one_stage() {
     memcheck) run_stage memcheck "$LOGS/sanitize.log" "${limit:-300}" "$quiet" stage_sanitize memcheck ;;
     racecheck) run_stage racecheck "$LOGS/sanitize.log" "${limit:-300}" "$quiet" stage_sanitize racecheck ;;
     nccl) run_stage nccl "$LOGS/nccl.log" "${limit:-180}" "$quiet" stage_nccl ;;
+    backtrace) run_stage backtrace "$LOGS/crash.log" "${limit:-120}" "$quiet" stage_backtrace ;;
     bench) run_stage bench "$LOGS/bench.log" "${limit:-540}" "$quiet" stage_bench ;;
   esac
 }
@@ -248,11 +311,11 @@ for group in "${STAGES[@]}"; do
   if grep -qE "^\| build \| (FAILED|TIMED|not run)" "$ROWS"; then break; fi
 done
 
-# What a later call on a fresh machine carries instead of building again.
+# What a later call on a fresh machine carries instead of building again (once this run built or checked it).
 built=(zeroscan/_C*.so zeroscan/_C.sources build/cuda_check/standalone_test)
 existing=()
 for f in "${built[@]}"; do [[ -f $f ]] && existing+=("$f"); done
-if [[ -f zeroscan/_C.sources && ${#existing[@]} -gt 0 ]]; then
+if grep -q "^| build | ok |" "$ROWS" && [[ -f zeroscan/_C.sources ]]; then
   tar czf "$OUT/build.tgz" "${existing[@]}"
 fi
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -116,7 +117,7 @@ def test_gpu_check_refuses_an_unknown_stage(stage: str) -> None:
     assert done.returncode == 2
     unknown = stage.split("+")[-1].split(":")[0] if stage != "tests+sanitize" else "sanitize"
     assert f"unknown stage '{unknown}'" in done.stderr
-    assert "env build kernels tests memcheck racecheck nccl bench, or call1 / call2" in done.stderr
+    assert "env build kernels tests memcheck racecheck backtrace nccl bench, or call1 / call2" in done.stderr
 
 
 def summary_rows(out: Path) -> dict[str, str]:
@@ -145,6 +146,11 @@ def test_gpu_check_stops_after_a_build_that_did_not_run(tmp_path: Path) -> None:
     assert rows[0] == "env" and sorted(rows[1:]) == ["build", "kernels"]  # build+kernels run at once
 
 
+def test_gpu_check_takes_a_plan_alone() -> None:
+    done = run_script("bash", "benchmarks/gpu_check.sh", "env", "call1", timeout=60)
+    assert done.returncode == 2 and "call1 and call2 are whole plans; give one alone" in done.stderr
+
+
 def test_gpu_check_runs_joined_stages_at_once_under_their_own_limits(tmp_path: Path) -> None:
     # env finishes; kernels (nvcc's compile, or its absence) cannot finish in 1 s or fails at once without nvcc.
     done = run_script("bash", "benchmarks/gpu_check.sh", "env+kernels:1", env={"OUT": str(tmp_path), "DEADLINE_S": "100"}, timeout=120)
@@ -152,3 +158,16 @@ def test_gpu_check_runs_joined_stages_at_once_under_their_own_limits(tmp_path: P
     assert rows["env"] == "ok"
     assert rows["kernels"] in ("TIMED OUT after 1 s", "FAILED (exit 1)")
     assert done.returncode == 1
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None and shutil.which("cuda-gdb") is None, reason="needs gdb or cuda-gdb")
+def test_gpu_check_shows_where_a_test_crashed(tmp_path: Path) -> None:
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import ctypes\n\ndef test_crash():\n    ctypes.string_at(0)\n\ndef test_fine():\n    assert True\n")
+    env = {"OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "DEADLINE_S": "200"}
+    crashed = run_script("bash", "benchmarks/gpu_check.sh", "backtrace", env={**env, "BACKTRACE_TESTS": f"{probe}::test_crash"})
+    assert crashed.returncode == 1
+    assert "received signal SIGSEGV" in crashed.stdout and "#0 " in crashed.stdout  # the C++ frames, not only Python's
+    assert summary_rows(tmp_path / "out")["backtrace"] == "FAILED (exit 1)"
+    fine = run_script("bash", "benchmarks/gpu_check.sh", "backtrace", env={**env, "BACKTRACE_TESTS": f"{probe}::test_fine"})
+    assert fine.returncode == 0 and summary_rows(tmp_path / "out")["backtrace"] == "ok"
