@@ -89,7 +89,7 @@ case "${STAGES[*]}" in
     BENCH_ARGS="${BENCH_ARGS:---sizes 1024 --only bandwidth,syncs,graphs}"
     TESTS="${TESTS:-$CALL1_TESTS}" TESTS_K="${TESTS_K:-cuda}" ;;
   call2)
-    STAGES=(env build bench racecheck:90+nccl:90 tests)
+    STAGES=(env build bench racecheck:120+nccl:120 tests)
     DEADLINE_S="${DEADLINE_S:-210}"
     BENCH_ARGS="${BENCH_ARGS:---only many,training}"
     TESTS="${TESTS:-$CALL2_TESTS}" TESTS_K="${TESTS_K:-cuda}" ;;
@@ -112,10 +112,16 @@ for group in "${STAGES[@]}"; do
   for member in "${members[@]}"; do
     s=${member%%:*}
     [[ " ${KNOWN[*]} " == *" $s "* ]] || { echo "gpu_check: unknown stage '$s' (stages: ${KNOWN[*]}, or call1 / call2)" >&2; exit 2; }
+    if [[ $member == *:* && ! ${member#*:} =~ ^[1-9][0-9]*$ ]]; then
+      echo "gpu_check: '$member': a stage's limit is whole seconds, at least 1 (as in tests:120)" >&2
+      exit 2
+    fi
   done
 done
 
 mkdir -p "$OUT/logs"
+# What an earlier run left in $OUT would pass for this run's.
+rm -f "$OUT"/{bench.md,bench.json,build.tgz,summary.md,logs.tgz} "$OUT"/logs/*
 LOGS="$OUT/logs"
 ROWS="$OUT/logs/rows.md"  # one summary row per stage, appended by concurrent stages too
 : >"$ROWS"
@@ -136,13 +142,15 @@ run_stage() {
   fi
   [[ $limit -gt $left ]] && limit=$left
   echo "== gpu_check: $name ($(date -u +%H:%M:%S), at most ${limit} s) -> $log"
-  # The stage functions are exported: timeout runs them in a child bash.
+  # The stage functions are exported: timeout runs them in a child bash. Every tee
+# is `tee -i`: timeout's SIGINT reaches the whole stage, and a tee that died of
+# it would lose what pytest prints as it stops (its failures and tracebacks).
   if [[ $quiet == 1 ]]; then
     # A background job starts with SIGINT ignored, so a quiet stage is stopped with SIGTERM.
     STAGE_LIMIT=$limit timeout --signal=TERM --kill-after=20 "$limit" bash -c 'set -o pipefail; "$@"' _ "$@" >>"$log" 2>&1
     status=$?
   else
-    STAGE_LIMIT=$limit timeout --signal=INT --kill-after=20 "$limit" bash -c 'set -o pipefail; "$@"' _ "$@" 2>&1 | tee -a "$log"
+    STAGE_LIMIT=$limit timeout --signal=INT --kill-after=20 "$limit" bash -c 'set -o pipefail; "$@"' _ "$@" 2>&1 | tee -ai "$log"
     status=${PIPESTATUS[0]}
   fi
   local verdict=ok
@@ -213,7 +221,7 @@ stage_tests() {
   [[ -n $TESTS_K ]] && args+=(-k "$TESTS_K")
   # -rs lists every skip with its reason: the GPU tests must not be among them.
   # shellcheck disable=SC2086
-  "$PYTHON" -m pytest $TESTS "${args[@]}" 2>&1 | tee "$report"
+  "$PYTHON" -m pytest $TESTS "${args[@]}" 2>&1 | tee -i "$report"
   status=${PIPESTATUS[0]}
   # Stopped by its session timeout: the stage ran out of time, as a stage killed at its limit does.
   grep -q "session-timeout: .* exceeded" "$report" && status=124
@@ -232,9 +240,10 @@ stage_backtrace() {
   local gdb
   gdb=$(command -v cuda-gdb || command -v gdb) || { echo "backtrace: neither cuda-gdb nor gdb is installed"; return 1; }
   local report=/tmp/gpu_check_gdb.txt
+  set -f  # node ids hold [..], which a shell would glob
   # shellcheck disable=SC2086
   "$gdb" -q -batch -ex "set pagination off" -ex "set print thread-events off" -ex run \
-    -ex "thread apply all bt 40" --args "$PYTHON" -m pytest -p no:cacheprovider -q -rfE $BACKTRACE_TESTS 2>&1 | tee "$report"
+    -ex "thread apply all bt 40" --args "$PYTHON" -m pytest -p no:cacheprovider -q -rfE $BACKTRACE_TESTS 2>&1 | tee -i "$report"
   # gdb's exit status is its own: the run's result is in what it printed.
   if grep -q "received signal SIG" "$report"; then
     echo "backtrace: the tests crashed; the stacks are above"
@@ -261,6 +270,10 @@ stage_sanitize() {
   fi
   if [[ ${SANITIZE_PYTHON:-1} == 0 ]]; then
     echo "sanitize: SANITIZE_PYTHON=0: benchmarks/small_scan.py is not run under $tool"
+    if [[ ! -x $standalone ]]; then
+      echo "sanitize: nothing was checked"
+      return 1
+    fi
     return $status
   fi
   echo "-- compute-sanitizer --tool $tool $PYTHON benchmarks/small_scan.py"
@@ -271,7 +284,7 @@ stage_sanitize() {
 stage_bench() {
   # The tables (stdout) also to bench.md; bench.log gets the progress lines too.
   # shellcheck disable=SC2086
-  "$PYTHON" benchmarks/bench_cuda.py --json "$OUT/bench.json" $BENCH_ARGS | tee "$OUT/bench.md"
+  "$PYTHON" benchmarks/bench_cuda.py --json "$OUT/bench.json" $BENCH_ARGS | tee -i "$OUT/bench.md"
 }
 
 export OUT PYTHON JOBS TESTS TESTS_K TEST_WORKERS SANITIZE_PYTHON STANDALONE_ARGS BENCH_ARGS BACKTRACE_TESTS

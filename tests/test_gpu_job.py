@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -146,6 +147,14 @@ def test_gpu_check_stops_after_a_build_that_did_not_run(tmp_path: Path) -> None:
     assert rows[0] == "env" and sorted(rows[1:]) == ["build", "kernels"]  # build+kernels run at once
 
 
+@pytest.mark.parametrize("stage", ["tests:0", "tests:x", "env+bench:-5"])
+def test_gpu_check_refuses_a_limit_that_is_not_whole_seconds(stage: str) -> None:
+    done = run_script("bash", "benchmarks/gpu_check.sh", stage, timeout=60)
+    assert done.returncode == 2
+    member = stage.split("+")[-1]
+    assert f"gpu_check: '{member}': a stage's limit is whole seconds, at least 1 (as in tests:120)" in done.stderr
+
+
 def test_gpu_check_takes_a_plan_alone() -> None:
     done = run_script("bash", "benchmarks/gpu_check.sh", "env", "call1", timeout=60)
     assert done.returncode == 2 and "call1 and call2 are whole plans; give one alone" in done.stderr
@@ -158,6 +167,11 @@ def test_gpu_check_runs_joined_stages_at_once_under_their_own_limits(tmp_path: P
     assert rows["env"] == "ok"
     assert rows["kernels"] in ("TIMED OUT after 1 s", "FAILED (exit 1)")
     assert done.returncode == 1
+    # At once: both had started before either ended.
+    lines = done.stdout.splitlines()
+    starts = [i for i, line in enumerate(lines) if re.match(r"== gpu_check: (env|kernels) \(", line)]
+    ends = [i for i, line in enumerate(lines) if re.match(r"== gpu_check: (env|kernels): ", line)]
+    assert len(starts) == len(ends) == 2 and max(starts) < min(ends), lines
 
 
 @pytest.mark.skipif(shutil.which("gdb") is None and shutil.which("cuda-gdb") is None, reason="needs gdb or cuda-gdb")
