@@ -58,15 +58,11 @@ rm -rf "$SRC"
 mkdir -p "$SRC"
 git ls-files -co --exclude-standard | grep -v '^zeroscan/_C' | tar -cf - -T - | (cd "$SRC" && tar -xf -)
 
-# torch's CUDA headers include cuBLAS, cuSPARSE and cuSOLVER headers, which the
-# wheel's nvidia packages carry (a full toolkit has them under $CUDA_HOME).
-nvidia_include=$("$PY" -c "import nvidia, pathlib; print(*sorted(str(p) for p in pathlib.Path(nvidia.__path__[0]).glob('cu[0-9]*/include')), sep=':')")
-echo "== building with ZEROSCAN_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} (include: $nvidia_include)"
 (
   cd "$SRC"
-  CPATH="$nvidia_include${CPATH:+:$CPATH}" ZEROSCAN_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="$JOBS" \
-    "$PY" setup.py -q build_ext --inplace > "$WORK/build.log" 2>&1 \
+  MAX_JOBS="$JOBS" bash .ci/build_cuda_extension.sh "$PY" > "$WORK/build.log" 2>&1 \
     || { tail -n 40 "$WORK/build.log"; echo "cuda_torch_build: the CUDA extension does not build" >&2; exit 1; }
+  head -n 1 "$WORK/build.log"
   # Warnings in zeroscan's own sources (g++'s AVX-512 header noise is not ours).
   grep -E "csrc/[^ ]*: *warning" "$WORK/build.log" | sort -u || true
   so=$(ls zeroscan/_C*.so)

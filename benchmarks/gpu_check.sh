@@ -37,8 +37,8 @@
 # Stages (each logs to a file under $OUT/logs, packed into $OUT/logs.tgz at
 # the end; a summary table is printed last and written to $OUT/summary.md):
 #   env       the GPU, driver, torch, nvcc and compute-sanitizer in use       -> build.log
-#   build     `setup.py build_ext --inplace` with the CUDA kernels forced on
-#             (ZEROSCAN_CUDA=1, TORCH_CUDA_ARCH_LIST=9.0 unless set), then a
+#   build     .ci/build_cuda_extension.sh (`setup.py build_ext --inplace` with
+#             the CUDA kernels forced on, TORCH_CUDA_ARCH_LIST=9.0 unless set), then a
 #             check that every op has a CUDA kernel; skipped when
 #             zeroscan/_C.sources holds the digest of csrc/ and setup.py     -> build.log
 #   kernels   .ci/cuda_check.sh: ptxas report (no stack frame, no spills) and
@@ -87,20 +87,19 @@ case "${STAGES[*]}" in
     STAGES=(env build+kernels backtrace:90 memcheck:90 bench tests)
     DEADLINE_S="${DEADLINE_S:-380}"
     BENCH_ARGS="${BENCH_ARGS:---sizes 1024 --only bandwidth,syncs,graphs}"
-    TESTS="${TESTS:-$CALL1_TESTS}" TESTS_K="${TESTS_K:-cuda}" ;;
+    TESTS="${TESTS:-$CALL1_TESTS}" TESTS_K="${TESTS_K:-cuda}"
+    # A plan's sanitizers read the standalone test alone: the Python scan under them does not fit.
+    SANITIZE_PYTHON="${SANITIZE_PYTHON:-0}" STANDALONE_ARGS="${STANDALONE_ARGS:---small}" ;;
   call2)
     STAGES=(env build bench racecheck:120+nccl:120 tests)
     DEADLINE_S="${DEADLINE_S:-210}"
     BENCH_ARGS="${BENCH_ARGS:---only many,training}"
-    TESTS="${TESTS:-$CALL2_TESTS}" TESTS_K="${TESTS_K:-cuda}" ;;
+    TESTS="${TESTS:-$CALL2_TESTS}" TESTS_K="${TESTS_K:-cuda}"
+    SANITIZE_PYTHON="${SANITIZE_PYTHON:-0}" STANDALONE_ARGS="${STANDALONE_ARGS:---small}" ;;
 esac
 case "${STAGES[*]}" in
   *call1*|*call2*) echo "gpu_check: call1 and call2 are whole plans; give one alone" >&2; exit 2 ;;
 esac
-# A plan's sanitizers read the standalone test alone: the Python scan under them does not fit.
-if [[ " ${*} " == *" call"[12]" "* ]]; then
-  SANITIZE_PYTHON="${SANITIZE_PYTHON:-0}" STANDALONE_ARGS="${STANDALONE_ARGS:---small}"
-fi
 TESTS="${TESTS:-tests}"
 TEST_WORKERS="${TEST_WORKERS:-4}"
 SANITIZE_PYTHON="${SANITIZE_PYTHON:-1}"
@@ -192,20 +191,7 @@ stage_build() {
     return 0
   fi
   rm -f zeroscan/_C*.so "$stamp"
-  # torch takes the toolkit from CUDA_HOME, else from the folder above nvcc's on PATH,
-  # which is wrong where that nvcc is a wrapper script outside the toolkit.
-  local nvcc_root
-  nvcc_root=$(dirname "$(dirname "$(command -v nvcc || echo /none/bin/nvcc)")")
-  if [[ -z ${CUDA_HOME:-} && ! -f $nvcc_root/include/cuda_runtime_api.h && -x /usr/local/cuda/bin/nvcc ]]; then
-    export CUDA_HOME=/usr/local/cuda PATH="/usr/local/cuda/bin:$PATH"
-  fi
-  # torch's CUDA headers include cuBLAS, cuSPARSE and cuSOLVER headers: a toolkit
-  # without them builds against those of torch's nvidia-* packages.
-  local nvidia_include
-  nvidia_include=$("$PYTHON" -c "import nvidia, pathlib; print(*sorted(str(p) for p in pathlib.Path(nvidia.__path__[0]).glob('cu[0-9]*/include')), sep=':')" 2>/dev/null)
-  echo "build: ZEROSCAN_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=$JOBS (CPATH += ${nvidia_include:-nothing})"
-  CPATH="$nvidia_include${CPATH:+:$CPATH}" ZEROSCAN_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="$JOBS" \
-    "$PYTHON" setup.py build_ext --inplace || return 1
+  MAX_JOBS="$JOBS" bash .ci/build_cuda_extension.sh "$PYTHON" || return 1
   "$PYTHON" benchmarks/small_scan.py --kernels-only || return 1
   echo "$want" >"$stamp"
 }
