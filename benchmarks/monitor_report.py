@@ -12,6 +12,12 @@ quiet machine, or read them as upper bounds.
 
     python benchmarks/monitor_report.py                      # 10k parameters x 64 steps
     python benchmarks/monitor_report.py --params 1000 --repeat 1
+    python benchmarks/monitor_report.py --zero-half        # every other gradient exactly zero
+
+--zero-half gives every other parameter an exactly zero gradient at every
+step (its slice of the input is 0): the worst case for report(), which then
+looks for why each of them is zero (hooks, the loss's wiring, Functions on
+the way: one walk of the autograd graph) and gathers them into one finding.
 """
 
 from __future__ import annotations
@@ -25,22 +31,26 @@ import torch
 from torch import nn
 
 import zeroscan
+from zeroscan.words import count_noun
 from timing import describe_machine, progress
 
 SIZES = (3, 8, 17, 64)  # values per parameter, in turn
 
 
 class ManyParams(nn.Module):
-    """`n` small parameters; the loss is the sum of squares of all of them times the input."""
+    """`n` small parameters; the loss is the sum of squares of all of them
+    times the input (times 0 for every other parameter with zero_half)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, zero_half: bool = False) -> None:
         super().__init__()
         self.params = nn.ParameterList(nn.Parameter(torch.randn(SIZES[k % len(SIZES)])) for k in range(n))
         self.width = sum(p.numel() for p in self.params)
+        mask = [float(not (zero_half and k % 2)) for k, p in enumerate(self.params) for _ in range(p.numel())]
+        self.register_buffer("mask", torch.tensor(mask))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = torch.cat([p.reshape(-1) for p in self.params])
-        return (flat * x).square().sum()
+        return (flat * x * self.mask).square().sum()
 
 
 def peak_rss_kib() -> int:
@@ -61,11 +71,11 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def trained(n: int, steps: int, monitored: bool) -> tuple[zeroscan.Monitor | None, float]:
+def trained(n: int, steps: int, monitored: bool, zero_half: bool = False) -> tuple[zeroscan.Monitor | None, float]:
     """A model trained `steps` steps (under a Monitor when `monitored`) and
     the best process CPU seconds of one of its steps after the first."""
     torch.manual_seed(0)
-    model = ManyParams(n)
+    model = ManyParams(n, zero_half)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     monitor = zeroscan.Monitor(model, opt) if monitored else None
     best = float("inf")
@@ -96,15 +106,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable timings)")
+    parser.add_argument("--zero-half", action="store_true", help="every other gradient exactly zero (see the doc)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     walls, cpus, rss, traced, step_plain, step_monitored = [], [], [], [], [], []
-    findings = 0
+    findings = detailed = 0
     for r in range(args.repeat):
         progress(f"run {r + 1}/{args.repeat}: training {args.params} parameters for {args.steps} steps")
-        _, plain = trained(args.params, args.steps, monitored=False)
-        monitor, with_monitor = trained(args.params, args.steps, monitored=True)
+        _, plain = trained(args.params, args.steps, monitored=False, zero_half=args.zero_half)
+        monitor, with_monitor = trained(args.params, args.steps, monitored=True, zero_half=args.zero_half)
         assert monitor is not None
         step_plain.append(plain)
         step_monitored.append(with_monitor)
@@ -115,19 +126,20 @@ def main() -> None:
         monitor.close()
         del monitor
         progress(f"run {r + 1}/{args.repeat}: report() {wall:.3f} s; a second run under tracemalloc")
-        monitor, _ = trained(args.params, args.steps, monitored=True)
+        monitor, _ = trained(args.params, args.steps, monitored=True, zero_half=args.zero_half)
         assert monitor is not None
         tracemalloc.start()
         report = monitor.report()
         traced.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
-        findings = len(report.findings)
+        findings, detailed = len(report.findings), len(report.detailed)
         monitor.close()
         del monitor, report
 
     print(f"machine: {describe_machine()}")
     print(f"model: {args.params} parameters of {'/'.join(map(str, SIZES))} values, {args.steps} monitored steps, "
-          f"{findings} findings; best of {args.repeat} runs")
+          f"{count_noun(findings, 'finding')} ({detailed} about one tensor each, grouped by root cause); "
+          f"best of {args.repeat} runs")
     print()
     print("| measure | value |")
     print("|---|---|")

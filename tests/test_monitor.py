@@ -34,14 +34,16 @@ def seed() -> int:
 
 
 def by_name(report: Report) -> dict[str, list[Finding]]:
+    """Each tensor's own findings (the members of a grouped finding, by name)."""
     out: dict[str, list[Finding]] = {}
-    for f in report.findings:
+    for f in report.detailed:
         out.setdefault(f.name, []).append(f)
     return out
 
 
 def causes(report: Report) -> set[tuple[str, str]]:
-    return {(f.name, f.cause) for f in report.findings}
+    """(name, cause) of each tensor's own finding (see Report.detailed)."""
+    return {(f.name, f.cause) for f in report.detailed}
 
 
 # ---- the cases of examples/ ------------------------------------------------
@@ -50,7 +52,8 @@ def causes(report: Report) -> set[tuple[str, str]]:
 def test_detach_between_layers() -> None:
     report = example("detach_between_layers").run(seed())
     assert causes(report) == {("fc1.weight", "detached"), ("fc1.bias", "detached")}
-    for f in report.findings:
+    assert len(report.findings) == 1  # one cut, one finding
+    for f in report.detailed:
         assert f.severity == Severity.ERROR and f.kind == "grad"
         assert ".detach()" in f.message and "Net" in f.message
 
@@ -59,7 +62,7 @@ def test_detach_hidden_in_custom_module() -> None:
     report = example("detach_in_custom_module").run(seed())
     cut = {"0.weight", "0.bias", "2.proj.weight", "2.proj.bias"}
     assert causes(report) == {(name, "detached") for name in cut}
-    for f in report.findings:
+    for f in report.detailed:
         assert "Normalize" in f.message  # where the cut is
 
 
@@ -142,7 +145,7 @@ def test_float16_gradients_underflow() -> None:
     assert ("2.weight", "underflow") in causes(report)
     tensors = {(t["name"], t["kind"]): t for t in report.tensors}
     assert tensors[("2.weight", "grad")]["subnormal_fraction"] > 0
-    assert report.history["underflow_fraction"][-1][report.history["names"].index("2.weight")] > 0
+    assert report.history["subnormal_fraction"][-1][report.history["names"].index("2.weight")] > 0
 
 
 def test_gradient_norm_shrinking_under_clipping() -> None:
@@ -322,14 +325,15 @@ def test_exact_zero_underflow_vanishing_exploding_nonfinite() -> None:
     }
     report = manual(model, [grads])
     assert causes(report) == expected
-    assert {f.name: f.severity for f in report.findings}["zero"] == Severity.INFO  # one step: maybe by design
+    assert {f.name: f.severity for f in report.detailed}["zero"] == Severity.INFO  # one step: maybe by design
     report = manual(model, [grads, grads])  # zero twice, the weight unchanged: it does not train
     assert causes(report) == expected | {(monitor_module.GLOBAL_NAME, "nonfinite"), ("fine", "not_updated")}
-    sev = {f.name: f.severity for f in report.findings}
+    sev = {f.name: f.severity for f in report.detailed}
     assert sev["nan"] == Severity.ERROR and sev["explode"] == Severity.ERROR and sev["sub"] == Severity.ERROR
     assert sev["zero"] == Severity.WARNING and sev["vanish"] == Severity.WARNING
     (first,) = [f for f in report.findings if f.name == monitor_module.GLOBAL_NAME]
     assert "first appeared at step 0, in nan" in first.message
+    assert [f.name for f in first.members] == [monitor_module.GLOBAL_NAME, "nan"]  # where the NaN is, as one finding
     assert [f.severity for f in report.findings] == sorted((f.severity for f in report.findings), reverse=True)
 
 
@@ -463,7 +467,7 @@ def test_report_forms_match_the_truth(monkeypatch: pytest.MonkeyPatch) -> None:
         assert t["max_abs"] == ref["max_abs"]
     h = d["history"]
     assert h["steps"] == [0, 1, 2] and h["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    for key in ("grad_norm", "zero_fraction", "underflow_fraction"):
+    for key in ("grad_norm", "zero_fraction", "subnormal_fraction"):
         assert len(h[key]) == 3 and all(len(row) == 4 for row in h[key])
     assert h["grad_norm"][-1][0] == pytest.approx(float(params["0.weight"].grad.norm()), rel=1e-6)
     json.dumps(d)
@@ -485,7 +489,9 @@ def test_report_forms_match_the_truth(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_report_text_and_json_with_findings() -> None:
     report = example("dead_relu").run(seed())
     text = str(report)
-    assert "1 error, 3 warnings" in text and "dead_units" in text and "0.weight" in text
+    # The dead layer, and one grouped finding for the three zero gradients behind it.
+    assert "1 error, 1 warning" in text and "dead_units" in text and "0.weight" in text
+    assert len(report.detailed) == 4 and len(report.findings[1].members) == 3
     d = report.to_dict()
     assert d["findings"][0] == {
         "name": "1", "kind": "activation", "severity": "error", "cause": "dead_units",

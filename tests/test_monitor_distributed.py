@@ -38,7 +38,7 @@ WORLD_TIMEOUT_S = 90.0  # every check together takes ~15 s; past this it is a ha
 COLLECTIVE_TIMEOUT_S = 30.0
 MOMENT_RTOL = 1e-12  # float64 moments merged from shards vs one scan of the full tensor
 EMPTY_HISTORY: dict[str, list[Any]] = {
-    "steps": [], "names": [], "grad_norm": [], "zero_fraction": [], "underflow_fraction": [],
+    "steps": [], "names": [], "grad_norm": [], "zero_fraction": [], "subnormal_fraction": [],
 }
 
 

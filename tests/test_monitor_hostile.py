@@ -72,13 +72,14 @@ def nan_report(odd: dict[str, torch.Tensor], g: torch.Generator, *, auto: bool =
 def assert_rest_scanned(report: Report, model: nn.Module, odd: dict[str, torch.Tensor]) -> None:
     """The NaN is an ERROR, every tensor but the odd ones is scanned, and no
     finding claims a missing step or gradient."""
-    errors = {(f.name, f.kind, f.cause) for f in report.findings if f.severity == Severity.ERROR}
+    errors = {(f.name, f.kind, f.cause) for f in report.detailed if f.severity == Severity.ERROR}
     assert ("2.bias", "grad", Cause.NONFINITE) in errors, str(report)
     scanned = {(t["name"], t["kind"]) for t in report.tensors}
     want = {(n, k) for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] not in odd for k in ("grad", "weight")}
     assert scanned == want, str(report)
     assert {f.cause for f in report.findings if f.severity >= Severity.WARNING} == {Cause.NONFINITE}, str(report)
-    assert f" {len(want)} tensors scanned" in str(report).splitlines()[0]
+    grads = sum(1 for _, k in want if k == "grad")
+    assert f" {grads} gradients, {len(want) - grads} weights scanned" in str(report).splitlines()[0]
 
 
 @pytest.mark.parametrize("dtype", ODD_DTYPES, ids=dtype_name)
@@ -257,7 +258,7 @@ def naive_history(params: list[Param], shown: list[StepRecord]) -> dict[str, Any
         "names": [p.name for p in kept],
         "grad_norm": per(lambda g: g["norm"]),
         "zero_fraction": per(lambda g: g["zeros"] / g["numel"] if g["numel"] else 0.0),
-        "underflow_fraction": per(lambda g: g["subnormal"] / g["numel"] if g["numel"] else 0.0),
+        "subnormal_fraction": per(lambda g: g["subnormal"] / g["numel"] if g["numel"] else 0.0),
     }
 
 

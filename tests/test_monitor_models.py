@@ -33,7 +33,8 @@ def g() -> torch.Generator:
 
 
 def causes(report: Report) -> set[tuple[str, str]]:
-    return {(f.name, f.cause) for f in report.findings}
+    """(name, cause) of each tensor's own finding (see Report.detailed)."""
+    return {(f.name, f.cause) for f in report.detailed}
 
 
 def above_info(report: Report) -> list[str]:
@@ -166,7 +167,7 @@ def test_module_deleted_is_noticed_at_report(g: torch.Generator) -> None:
             opt.zero_grad()
             model(torch.randn(8, 4, generator=g)).square().mean().backward()
             opt.step()
-        assert {f.name for f in mon.report().findings} == {"extra.weight", "extra.bias"}
+        assert {f.name for f in mon.report().detailed} == {"extra.weight", "extra.bias"}
         del model.extra  # no registration hook runs for del
         report = mon.report()
     assert report.findings == [], str(report)
@@ -324,8 +325,9 @@ def test_lora_zero_init_is_info_then_trains(g: torch.Generator) -> None:
 def test_resnet_zero_init_residual(g: torch.Generator) -> None:
     model = resnet18(zero_init_residual=True)
     first = fit(model, images(g), classify, steps=1, lr=1e-2)
-    zero = {f.name for f in first.findings if f.cause == "exact_zero"}
+    zero = {f.name for f in first.detailed if f.cause == "exact_zero"}
     assert "layer1.0.conv2.weight" in zero and above_info(first) == [], str(first)
+    assert len([f for f in first.findings if f.cause == "exact_zero"]) == 1  # one design, one finding
     report = fit(model, images(g), classify, steps=STEPS, lr=1e-2)
     assert above_info(report) == [], str(report)
 

@@ -125,7 +125,7 @@ def test_a_step_that_poisoned_the_weights_is_not_called_skipped() -> None:
         opt.step()
     report = monitor.report()
     assert not [f for f in report.findings if f.cause == Cause.SKIPPED_STEPS]
-    assert ("2.bias", "weight", Cause.NONFINITE) in {(f.name, f.kind, f.cause) for f in report.findings}
+    assert ("2.bias", "weight", Cause.NONFINITE) in {(f.name, f.kind, f.cause) for f in report.detailed}
 
 
 # ---- a report before anything ran ---------------------------------------------------
@@ -189,7 +189,7 @@ def test_before_any_step_other_facts_still_show() -> None:
     with torch.no_grad():
         model[2].weight[1, 1] = float("nan")  # poisoned before training: never passed over
     monitor = Monitor(model, torch.optim.SGD([model[0].weight, model[0].bias, model[2].weight], lr=0.1))
-    got = {(f.name, f.cause) for f in monitor.report().findings}
+    got = {(f.name, f.cause) for f in monitor.report().detailed}
     assert got == {
         ("(all parameters)", Cause.NO_STEP),
         ("2.weight", Cause.NONFINITE),

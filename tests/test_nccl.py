@@ -347,7 +347,7 @@ def assert_same_report(got: Report, want: Report, rtol: float, what: str) -> Non
 
     gh, wh = g["history"], w["history"]
     assert (gh["steps"], gh["names"]) == (wh["steps"], wh["names"]), f"{what}: history of other steps or tensors"
-    for key in ("zero_fraction", "underflow_fraction"):
+    for key in ("zero_fraction", "subnormal_fraction"):
         same = all(_same_value(x, y) for x, y in zip(sum(gh[key], []), sum(wh[key], []), strict=True))
         assert same, f"{what}: history {key} {gh[key]} vs {wh[key]}"
     for got_row, want_row in zip(gh["grad_norm"], wh["grad_norm"], strict=True):
@@ -369,7 +369,7 @@ def check_monitor_report(device: str, rank: int, world: int, seed: int) -> str:
 
     backend = dist.get_backend()
     assert_same_report(got, want, rtol_for(torch.float32), f"Monitor on {device} over {backend} vs on cpu over gloo")
-    causes = {(f.name, f.cause): f.ranks for f in want.findings}
+    causes = {(f.name, f.cause): f.ranks for f in want.detailed}
     nan_finding = (NAN_PARAM, Cause.REPLICA_MISMATCH if world >= 2 else Cause.NONFINITE)
     assert nan_finding in causes, f"no {nan_finding} finding:\n{want}"
     if world >= 2:

@@ -44,10 +44,12 @@ and neither a pickled nor a copied model carries them (hooks.py). report()
 may be called from another thread while training runs (the two take
 turns, a waiting step first: turns.py; see Monitor.report).
 
-Why a gradient is None is the cause analysis of causes.py (a walk of the
-autograd graph from the outputs, and a probe of one forward pass, only when
-an unexplained None gradient shows up). What the records mean is rules.py,
-a pure function testable without a model.
+Why a gradient is None, or exactly zero, is the cause analysis of
+causes.py: what the autograd engine says at the end of backward, a walk of
+the autograd graph from the outputs (graph.py), and a probe of one forward
+pass (probe.py), only when an unexplained None gradient shows up. What the
+records mean is rules.py, a pure function testable without a model; one
+root cause is one finding (grouping.py).
 
 Across ranks (`process_group=`; ranks.py): each monitored step also issues
 ONE asynchronous all_gather of its packed rows on the group, so the Monitor

@@ -9,6 +9,10 @@ queues an autograd-engine callback, which runs when that backward pass has
 finished accumulating every .grad. The callback queues itself once more
 before acting, so that it runs after the callbacks other wrappers queue
 during backward (DDP copies its all-reduced buckets into .grad in one).
+Which outputs a backward pass went through (`fired`: a hook on each output
+tensor sees whether a gradient reached it; a wrapper such as DDP may give
+all outputs one grad_fn) is what tells an output left out of the loss
+(cause analysis, causes.py).
 
 A `GradState` remembers, per parameter, which .grad tensor was there and
 its version counter (bumped by every in-place change: clipping, unscaling,
@@ -66,17 +70,21 @@ class BackwardWatch:
         self._finished = finished
         self.running = False
         self.active = _ENGINE is not None and hasattr(_ENGINE, "queue_callback")
+        self.fired: set[int] = set()  # the outputs (by position) that a gradient reached
 
-    def watch(self, roots: list[Any]) -> None:
-        """Hooks the grad_fns of a forward pass's outputs."""
+    def watch(self, roots: list[Any], outputs: list[torch.Tensor]) -> None:
+        """Hooks the grad_fns of a forward pass's outputs, and the outputs."""
         if not self.active:
             return
         for fn in roots:
             fn.register_prehook(self._on_output_grad)
+        for k, t in enumerate(outputs):
+            t.register_hook(_Fired(self, k))
 
     def reset(self) -> None:
         """A new forward pass begins: a backward pass that raised never finished."""
         self.running = False
+        self.fired = set()
 
     def _on_output_grad(self, grad_outputs: Any) -> None:
         if self.running:
@@ -91,3 +99,19 @@ class BackwardWatch:
     def _done(self) -> None:
         self.running = False
         self._finished()
+
+
+class _Fired:
+    """The hook on one output tensor: tells the watch that a gradient reached
+    output number `key` (torch calls it with None where none did). Changes
+    no gradient."""
+
+    __slots__ = ("_watch", "_key")
+
+    def __init__(self, watch: BackwardWatch, key: int) -> None:
+        self._watch = watch
+        self._key = key
+
+    def __call__(self, grad: torch.Tensor | None) -> None:
+        if grad is not None:
+            self._watch.fired.add(self._key)

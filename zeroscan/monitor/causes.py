@@ -1,140 +1,63 @@
-"""Why a gradient is None: the Monitor's cause analysis.
+"""Why a gradient is None or exactly zero: the Monitor's cause analysis.
 
-A root forward hook keeps the grad_fn of the model's outputs from the last
-forward pass of a monitored step. When a parameter that requires grad has no
-gradient, the autograd graph is walked from those outputs (and from the loss
-given to Monitor.step) through `Node.next_functions` to the `AccumulateGrad`
-leaves; `AccumulateGrad.variable` is the parameter, so the walk says which
-parameters the graph reaches (reached but no grad: backward has not run). To
-tell a detached parameter from an unused one, a `Probe` (a TorchFunctionMode)
-then watches one forward pass: which parameters enter which torch function in
-which module, whether under torch.no_grad(), and where forward calls
-.detach(), .data, .item(), .tolist() or .numpy() on a tensor that requires
-grad. The probe runs on the first monitored step and again only when an
+A root forward hook keeps the outputs of the last forward pass of a
+monitored step (graph.Root: where each sits in the output, and its grad_fn),
+and the backward watch (backward.py) says which of them backward went
+through. When a parameter that requires grad has no gradient, the analysis
+goes from what is surest to what is least sure:
+
+- the engine itself: when backward finishes, an AccumulateGrad node that
+  the engine was told not to run means torch.autograd.grad or
+  backward(inputs=...) left the parameter out (`backward_finished`);
+- the graph (graph.py): a parameter reached only through outputs that
+  backward never went through feeds an output left out of the loss; one
+  reached through a custom autograd.Function (or a torch.compile graph)
+  whose backward gave it nothing is cut there;
+- the probe (probe.py), on one forward pass: a parameter used before a cut
+  (.detach(), .data, no_grad, an .item() round trip, ...) or under no_grad,
+  in a module that never ran, or never used at all.
+
+The probe runs on the first monitored step and again only when an
 unexplained None gradient shows up, so healthy training never pays for it.
-`CauseFinder` holds that state; `unregistered_state` finds tensors that
-require grad but were never registered as parameters.
+Under torch.compile the probed forward pass runs eagerly: dynamo captures no
+graph while the probe's mode is active (its observer is compiler-disabled),
+so the probe sees each op, where a compiled graph's one backward node would
+stand for all of them.
+
+A gradient that is exactly zero everywhere is explained at report() time
+(`explain_zeros`): by a hook of the user's on the way (a tensor hook, a
+post-accumulate-grad hook, a module's backward hook), or by an output that
+enters the loss weighted by 0 (every parameter that reaches the loss only
+through that output has a zero gradient).
+
+Each answer (records.Why) carries its root: the cause worded for every
+parameter it explains, so that one root cause is one finding.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
+from zeroscan.monitor import graph
+from zeroscan.monitor.graph import Root
 from zeroscan.monitor.hooks import Hooks
-from zeroscan.monitor.records import Param
-from zeroscan.monitor.report import Finding
-from zeroscan.verdicts import Cause, Severity
-from zeroscan.words import listed
+from zeroscan.monitor.probe import Probe
+from zeroscan.monitor.records import Param, Why
+from zeroscan.verdicts import Cause
+from zeroscan.words import is_are, listed
 
-_DATA_GETTER = torch._C.TensorBase.__dict__.get("data")
-_CUT_METHODS = {
-    torch.Tensor.detach: ".detach()",
-    torch.Tensor.item: ".item()",
-    torch.Tensor.tolist: ".tolist()",
-    torch.Tensor.numpy: ".numpy()",
-}
-
-
-class Probe(TorchFunctionMode):
-    """Records, during one forward pass, how each parameter is used and where
-    the autograd graph is cut (see the module doc)."""
-
-    def __init__(self, pindex: dict[int, int]) -> None:
-        super().__init__()
-        self.pindex = pindex
-        self.stack: list[str] = []
-        self.ran: set[str] = set()
-        self.no_grad_modules: set[str] = set()
-        self.used: dict[int, str] = {}
-        self.no_grad_use: dict[int, str] = {}
-        self.reentrant: set[int] = set()  # used inside torch.utils.checkpoint(use_reentrant=True)
-        self.detached: dict[int, str] = {}
-        self.cuts: list[tuple[str, str]] = []
-        self.handles: list[Any] = []
-        self.active = False
-        self.done = False
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        try:
-            self._observe(func, args, kwargs)
-        except Exception:  # observing must never break the forward pass
-            pass
-        return func(*args, **kwargs)
-
-    def _observe(self, func: Any, args: tuple, kwargs: dict) -> None:
-        where = self.stack[-1] if self.stack else ""
-        cut = _CUT_METHODS.get(func)
-        if cut is None and getattr(func, "__self__", None) is _DATA_GETTER and _DATA_GETTER is not None:
-            cut = ".data"
-        grad_on = torch.is_grad_enabled()
-        for t in tensors_in(args, kwargs):
-            i = self.pindex.get(id(t))
-            if i is not None:
-                if cut in (".detach()", ".data"):
-                    self.detached.setdefault(i, where)
-                elif grad_on:
-                    self.used.setdefault(i, where)
-                else:
-                    self.no_grad_use.setdefault(i, where)
-                    if in_reentrant_checkpoint():
-                        self.reentrant.add(i)
-        if cut is not None and args and isinstance(args[0], torch.Tensor):
-            first = args[0]
-            if first.requires_grad and id(first) not in self.pindex and len(self.cuts) < 16:
-                self.cuts.append((cut, where))
-
-    def enter_module(self, name: str, root_grad: bool) -> None:
-        self.stack.append(name)
-        self.ran.add(name)
-        if root_grad and not torch.is_grad_enabled():
-            self.no_grad_modules.add(name)
-
-    def leave_module(self) -> None:
-        if self.stack:
-            self.stack.pop()
-
-
-def in_reentrant_checkpoint() -> bool:
-    """Whether the caller runs inside the forward of torch.utils.checkpoint's
-    reentrant implementation (which runs its function under no_grad)."""
-    frame = sys._getframe(1)
-    for _ in range(64):
-        if frame is None:
-            return False
-        code = frame.f_code
-        if code.co_name == "forward" and code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def tensors_in(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    yield b
-
-
-def output_grad_fns(output: Any, found: list[Any], depth: int = 0) -> None:
-    if isinstance(output, torch.Tensor):
-        if output.grad_fn is not None:
-            found.append(output.grad_fn)
-    elif depth < 4 and isinstance(output, (list, tuple)):
-        for o in output:
-            output_grad_fns(o, found, depth + 1)
-    elif depth < 4 and isinstance(output, dict):
-        for o in output.values():
-            output_grad_fns(o, found, depth + 1)
+# The root of an answer that a torch.compile graph hides (see _why_none_in_graph).
+COMPILED_ROOT = (
+    "these parameters enter a torch.compile graph whose backward gives them no gradient: their path to the "
+    "outputs is cut inside the compiled code (a .detach(), .data, torch.no_grad() or an .item()/.tolist() "
+    "round trip), or the output they feed never enters the loss; torch.compile hides which, so zeroscan "
+    "probes the next monitored forward pass (run eagerly) to find it"
+)
+MAX_ENGINE_QUERIES = 256  # parameters without a gradient asked about per backward pass (an idle MoE has many)
+CUT_HELP = "a cut tensor (also after a .numpy()/.item()/.tolist() round trip) carries no gradient back"
 
 
 class CauseFinder:
@@ -146,10 +69,28 @@ class CauseFinder:
         self._hooks = hooks  # the Monitor's: the probe's hooks go with its others
         self._params = params
         self._pindex = {id(p.tensor): p.index for p in params}
+        # The graph walks' index: also the tensors a wrapper put in a parameter's place
+        # during forward (FSDP2's unsharded parameters), as the probe saw them.
+        self._walk_index = dict(self._pindex)
+        self._by_owner: dict[str, dict[str, int]] = {}
+        for p in params:
+            for name in (p.name, *p.aliases):
+                owner, _, attr = name.rpartition(".")
+                self._by_owner.setdefault(owner, {})[attr] = p.index
         self._probe: Probe | None = None
         self._probe_next = False
-        self._causes: dict[int, tuple[Cause, str]] = {}
-        self.roots: list[Any] = []  # grad_fns of the latest monitored forward's outputs
+        self._causes: dict[int, Why] = {}
+        self._eager: dict[int, Why] = {}  # the latest answer not hidden by a torch.compile graph
+        self.roots: list[Root] = []  # the outputs of the latest monitored forward pass
+        # The outputs of the latest monitored step, and those a gradient reached (by
+        # position), kept for report(): explain_zeros reads them.
+        self.latest: list[Root] = []
+        self.latest_fired: set[int] = set()
+        self.not_stored: set[int] = set()  # left out of the latest backward pass by the engine
+        self.queried: set[int] = set()  # those the engine was asked about
+        self._closed_view: graph.GraphView | None = None  # the latest graph's answers, once closed
+        self._asked: tuple | None = None  # what explain() was last asked, and its answers
+        self._answers: dict[int, Why] = {}
         self.forward_seen = False
         self.forward_grad = True
 
@@ -157,30 +98,56 @@ class CauseFinder:
         """A monitored forward pass of the model begins."""
         self.forward_seen = True
         self.forward_grad = torch.is_grad_enabled()
+        self.latest = []  # a step's graph is held no longer than until the next one begins
         probe = self._probe
         if probe is not None and not probe.active and not probe.done:
             probe.active = True
             probe.__enter__()
 
-    def forward_finished(self, roots: list[Any], monitored: bool) -> None:
+    def forward_finished(self, roots: list[Root], monitored: bool) -> None:
         """A forward pass of the model ended (also by an exception); `roots`:
-        the grad_fns of its outputs."""
+        its outputs."""
         probe = self._probe
         if probe is not None and probe.active:
             probe.__exit__(None, None, None)
             probe.active = False
             probe.done = True
+            self._walk_index = dict(probe.pindex)  # the parameters, and the stand-ins this probe saw
         if monitored and torch.is_grad_enabled():
             self.roots = roots  # the latest forward pass of this step
 
-    def step_finished(self, monitored: bool) -> None:
-        """The training step ended: a used probe goes, a wanted one is armed."""
+    def backward_finished(self, missing: list[int]) -> None:
+        """Runs as a backward pass through the outputs finishes, while the
+        engine still holds it: which of the parameters `missing` (no
+        gradient) it was told not to accumulate into (torch.autograd.grad,
+        or backward(inputs=...) without them)."""
+        self.not_stored = set()
+        self.queried = set()
+        for i in missing[:MAX_ENGINE_QUERIES]:
+            try:
+                node = torch.autograd.graph.get_gradient_edge(self._params[i].tensor).node
+                if not torch._C._will_engine_execute_node(node):
+                    self.not_stored.add(i)
+                self.queried.add(i)
+            except RuntimeError as err:  # torch refuses a leaf's node inside autograd.grad
+                if "autograd.grad" in str(err):
+                    self.not_stored.add(i)
+                    self.queried.add(i)
+            except Exception:  # a wrapper's parameter with no node of its own: nothing known
+                pass
+
+    def step_finished(self, monitored: bool, fired: set[int]) -> None:
+        """The training step ended: a used probe goes, a wanted one is armed;
+        `fired`: the outputs (by position) that a gradient reached."""
         if monitored:
             if self._probe is not None and self._probe.done:
                 self.drop()
             if self._probe_next:
                 self.arm()
+            if self.roots:
+                self.latest, self.latest_fired = self.roots, set(fired)
         self.roots = []
+        self.not_stored = set()
         self.forward_seen = False
 
     def arm(self) -> None:
@@ -188,13 +155,15 @@ class CauseFinder:
         self._probe_next = False
         if self._probe is not None:  # still waiting for a monitored forward pass
             return
-        probe = Probe(self._pindex)
+        probe = Probe(self._pindex, self._by_owner)
         finder = self
         for name, module in self.model.named_modules():
 
             def pre(module: nn.Module, args: Any, label: str = name) -> None:
                 if probe.active:
-                    probe.enter_module(label, finder.forward_grad)
+                    probe.enter_module(label, module, finder.forward_grad)
+                elif probe.done:  # called after the model's forward, before the step ends
+                    probe.outside.setdefault(label, torch.is_grad_enabled())
 
             def post(module: nn.Module, args: Any, output: Any) -> None:
                 if probe.active:
@@ -216,221 +185,371 @@ class CauseFinder:
         probe.handles.clear()
         self._probe = None
 
+    def close(self) -> None:
+        """The Monitor closes: the probe goes, and no graph of the model is
+        held (what report() will ask of the latest one is worked out first)."""
+        self.drop()
+        self.roots = []
+        if self.latest:
+            self._closed_view = self._latest_view(set(range(len(self._params)))).without_graph()
+        self.latest = []
+
+    def _latest_view(self, targets: set[int]) -> graph.GraphView:
+        """The graph of the latest monitored step, as far as backward went through it."""
+        if not self.latest and self._closed_view is not None:
+            return self._closed_view
+        roots = [r for k, r in enumerate(self.latest) if k in self.latest_fired]
+        return graph.GraphView(roots, set(range(len(roots))), None, self._walk_index, self._pindex, targets)
+
     def explain(
-        self, missing: list[int], loss: torch.Tensor | None, backward_seen: bool | None = None
-    ) -> dict[int, tuple[Cause, str]]:
-        """Why each parameter in `missing` (indices) has no gradient:
-        {index: (cause, message)}; answers that cannot change are kept.
-        `backward_seen`: whether a backward pass went through the outputs of
-        the latest forward pass (None: not known)."""
+        self, missing: list[int], loss: torch.Tensor | None, backward_seen: bool | None, fired: set[int]
+    ) -> dict[int, Why]:
+        """Why each parameter in `missing` (indices) has no gradient; answers
+        that cannot change are kept. `backward_seen`: whether a backward pass
+        went through the outputs of the latest forward pass (None: not
+        known); `fired`: which outputs a gradient reached (by position). A
+        step that asks what the step before asked, in the same
+        circumstances, gets the same answers without another look."""
         causes = {i: self._causes[i] for i in missing if i in self._causes}
         rest = [i for i in missing if i not in causes]
         if not rest:
             return causes
-        roots = list(self.roots)
-        reached = self._reachable(roots)
-        from_loss = None
-        if loss is not None and loss.grad_fn is not None:
-            roots.append(loss.grad_fn)
-            from_loss = self._reachable([loss.grad_fn])
         probe = self._probe if self._probe is not None and self._probe.done else None
+        asked = (
+            tuple(rest), frozenset(fired), len(self.roots), backward_seen, loss is None, probe is None,
+            frozenset(self.not_stored), self.forward_seen, self.forward_grad,
+        )
+        if probe is None and asked == self._asked:
+            return causes | {i: self._answers[i] for i in rest}
+        view = graph.GraphView(
+            self.roots, fired, loss.grad_fn if loss is not None else None, self._walk_index, self._pindex, set(rest)
+        )
+        answers = {}
         for i in rest:
-            cause, message, stable = self._why_none(i, roots, reached, from_loss, probe, loss, backward_seen)
-            causes[i] = (cause, message)
+            why, stable, wants_probe = self._why_none(i, view, probe, loss, backward_seen)
+            if why.root is COMPILED_ROOT and i in self._eager:
+                why = self._eager[i]  # what an eager step saw says more than the compiled graph
+            elif why.root is not COMPILED_ROOT:
+                self._eager[i] = why
+            answers[i] = why
             if stable:
-                self._causes[i] = (cause, message)
-            elif probe is None:
+                self._causes[i] = why
+            if wants_probe and probe is None:
                 self._probe_next = True
-        return causes
-
-    def _reachable(self, roots: list[Any]) -> set[int]:
-        found: set[int] = set()
-        seen: set[int] = set()
-        stack = list(roots)
-        while stack:
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            var = getattr(node, "variable", None)
-            if var is not None:
-                i = self._pindex.get(id(var))
-                if i is not None:
-                    found.add(i)
-            for nxt, _ in getattr(node, "next_functions", ()):
-                if nxt is not None and id(nxt) not in seen:
-                    stack.append(nxt)
-        return found
+        self._asked, self._answers = asked, answers
+        return causes | answers
 
     def _why_none(
-        self,
-        i: int,
-        roots: list[Any],
-        reached: set[int],
-        from_loss: set[int] | None,
-        probe: Probe | None,
-        loss: torch.Tensor | None,
-        backward_seen: bool | None,
-    ) -> tuple[Cause, str, bool]:
-        """(cause, message, stable): `reached` holds the parameters that the
-        graph of the outputs reaches, `from_loss` those the loss reaches."""
-        p = self._params[i]
-        name = p.name
-        if from_loss is not None and i in reached and i not in from_loss:
-            return Cause.UNUSED, (
+        self, i: int, view: graph.GraphView, probe: Probe | None, loss: torch.Tensor | None, backward_seen: bool | None
+    ) -> tuple[Why, bool, bool]:
+        """(why, stable, whether a probe would tell more) for parameter `i` (see explain)."""
+        name = self._params[i].name
+        in_graph = i in view.reached or (view.from_loss is not None and i in view.from_loss)
+        if in_graph:
+            return self._why_none_in_graph(i, name, view, backward_seen)
+        if probe is not None:
+            why = self._why_none_probed(i, name, probe)
+            if why is not None:
+                return why, True, False
+        if not self.forward_seen and loss is None:
+            return Why(Cause.NO_BACKWARD, (
+                f"{name} has no gradient and no forward pass of the model was seen this step "
+                "(call Monitor.step() after forward and backward, or pass the loss: step(loss))"
+            )), False, True
+        if not self.forward_grad:
+            root = "the model's forward ran under torch.no_grad() or inference_mode, so no parameter got a gradient"
+            return Why(Cause.DETACHED, (
+                f"the model's forward ran under torch.no_grad() or inference_mode, so {name} got no gradient"
+            ), root), False, True
+        where = "the loss" if loss is not None else "the model's outputs"
+        return Why(Cause.NOT_REACHED, (
+            f"backward from {where} does not reach {name}: it is unused in forward or detached on "
+            "the way (.detach(), torch.no_grad(), a .numpy()/.item() round trip)"
+            + ("" if view.nodes else "; the outputs carry no autograd graph at all")
+        )), False, True
+
+    def _why_none_in_graph(
+        self, i: int, name: str, view: graph.GraphView, backward_seen: bool | None
+    ) -> tuple[Why, bool, bool]:
+        """Parameter `i` is in the graph of the outputs (or of the loss) and got no gradient."""
+        if view.from_loss is not None and i in view.reached and i not in view.from_loss:
+            root = (
+                "these parameters feed the model's outputs, but the loss does not use the output they feed "
+                "(an auxiliary head or output left out of the loss)"
+            )
+            return Why(Cause.UNUSED, (
                 f"{name} feeds the model's outputs, but the loss does not use the output it feeds "
                 "(an auxiliary head or output left out of the loss)"
-            ), False
-        if (i in reached or (from_loss is not None and i in from_loss)) and backward_seen is False:
-            return Cause.NO_BACKWARD, (
+            ), root), False, False
+        if backward_seen is False:
+            return Why(Cause.NO_BACKWARD, (
                 f"{name} is in the autograd graph of the model's outputs, but no backward pass through "
                 "those outputs ran since the forward pass: backward() was not called on a loss built from "
                 "them, or the loss was rebuilt from a Python number (loss.item(), float(loss), "
                 "torch.tensor(loss)), which carries no graph back to the model"
-            ), False
-        if (i in reached or (from_loss is not None and i in from_loss)) and backward_seen:
-            return Cause.NO_BACKWARD, (
-                f"backward() went through the model's outputs but left {name} without a gradient: "
-                "torch.autograd.grad or backward(inputs=...) computes gradients without storing them in .grad"
-            ), False
-        if i in reached or (from_loss is not None and i in from_loss):
-            return Cause.NO_BACKWARD, (
-                f"{name} is in the autograd graph of the outputs but has no gradient: backward() has not "
-                "run since the forward pass, the loss does not use these outputs, the gradient was taken "
-                "with torch.autograd.grad / backward(inputs=...), or zero_grad() ran before the scan"
-            ), False
-        if probe is not None:
-            owner = module_label(self.model, p.owner)
-            if i in probe.detached:
-                return Cause.DETACHED, (
-                    f"{name} is detached inside the forward of {module_label(self.model, probe.detached[i])} "
-                    "(.detach() or .data on the parameter): its use leaves nothing for backward; use the "
-                    "parameter itself"
-                ), True
-            if i in probe.used:
-                where = module_label(self.model, probe.used[i])
-                if probe.cuts:
-                    cuts = ", ".join(dict.fromkeys(f"{c} in {module_label(self.model, m)}" for c, m in probe.cuts))
-                    return Cause.DETACHED, (
-                        f"{name} is used in forward (by {where}) but the path from it to the outputs is cut: "
-                        f"{cuts}; a detached tensor (also after a .numpy()/.item()/.tolist() round trip) "
-                        "carries no gradient back"
-                    ), True
-                return Cause.UNUSED, (
-                    f"{name} is used in forward (by {where}) but its result never reaches the model's "
-                    "outputs (computed, then discarded)"
-                ), True
-            if i in probe.reentrant:
-                where = module_label(self.model, probe.no_grad_use[i])
-                return Cause.DETACHED, (
-                    f"{name} is used in {where} inside torch.utils.checkpoint(..., use_reentrant=True), and "
-                    "no input of that checkpoint requires grad: the reentrant checkpoint then records "
-                    "nothing for backward; pass use_reentrant=False (or give it an input that requires grad)"
-                ), True
-            if i in probe.no_grad_use:
-                where = module_label(self.model, probe.no_grad_use[i])
-                message = f"{name} is used in {where} under torch.no_grad(), so nothing is recorded for backward"
-                return Cause.DETACHED, message, True
-            if p.owner in probe.no_grad_modules:
-                return Cause.DETACHED, f"{owner} ran under torch.no_grad(), so {name} gets no gradient", True
-            if p.owner in probe.ran:
-                return Cause.UNUSED, f"{owner} ran in forward but never used {name}", True
-            if probe.ran:
-                return Cause.UNUSED, (
-                    f"{owner} never ran in forward, so {name} takes no part in the loss "
-                    "(a module defined but not called, or a branch not taken)"
-                ), True
-        if not self.forward_seen and loss is None:
-            return Cause.NO_BACKWARD, (
-                f"{name} has no gradient and no forward pass of the model was seen this step "
-                "(call Monitor.step() after forward and backward, or pass the loss: step(loss))"
-            ), False
-        if not self.forward_grad:
-            return Cause.DETACHED, (
-                f"the model's forward ran under torch.no_grad() or inference_mode, so {name} "
-                "got no gradient"
-            ), False
-        where = "the loss" if loss is not None else "the model's outputs"
-        return Cause.NOT_REACHED, (
-            f"backward from {where} does not reach {name}: it is unused in forward or detached on "
-            "the way (.detach(), torch.no_grad(), a .numpy()/.item() round trip)"
-            + ("" if roots else "; the outputs carry no autograd graph at all")
-        ), False
+            ), "no backward pass through the model's outputs ran since the forward pass (backward() not "
+                "called on a loss built from them, or a loss rebuilt from a Python number)"), False, False
+        if backward_seen and i in self.not_stored and i in view.own:
+            return Why(Cause.NO_BACKWARD, (
+                f"the backward pass through the model's outputs was told to leave {name} out: "
+                "torch.autograd.grad, or backward(inputs=...) without it, computes gradients without "
+                "storing them in .grad"
+            ), "the backward pass was told to leave these parameters out: torch.autograd.grad, or "
+                "backward(inputs=...) without them, computes gradients without storing them in .grad"), False, False
+        if backward_seen and view.some_left_out and i not in view.from_fired:
+            labels = view.left_out.get(i, [])
+            which = listed(labels, 4) if labels else "an output of the model"
+            root = (
+                f"{which} {is_are(len(labels) or 1)} computed but never enter{'s' if len(labels) <= 1 else ''} "
+                "the loss: backward never went through it, so the parameters that feed only it get no "
+                "gradient (a head or an auxiliary loss left out of the total loss)"
+            )
+            return Why(Cause.UNUSED, (
+                f"{name} feeds only {which}, which is computed but never enters the loss: backward went "
+                "through the model's other outputs only (a head or an auxiliary loss left out of the total loss)"
+            ), root), False, False
+        hooks = graph.tensor_hooks(self._params[i].tensor)
+        if backward_seen and hooks:
+            how, hook = hooks[0]
+            return Why(Cause.NO_BACKWARD, (
+                f"backward() reached {name} but left its .grad None, and a hook is on it: "
+                f"{graph.hook_label(hook)} ({how}); a hook that sets .grad to None (an optimizer run "
+                "in backward, say) does this"
+            )), False, False
+        crossings = view.crossings.get(i, []) if backward_seen else []
+        if any(c.compiled for c in crossings):
+            return Why(Cause.DETACHED, (
+                f"{name} enters the torch.compile graph, whose backward gives it no gradient: its path to the "
+                "outputs is cut inside the compiled code (a .detach(), .data, torch.no_grad() or an "
+                ".item()/.tolist() round trip), or the output it feeds never enters the loss; torch.compile "
+                "hides which, so zeroscan probes the next monitored forward pass (run eagerly) to find it"
+            ), COMPILED_ROOT), False, True
+        if crossings and i not in view.free:  # every way from the outputs to it crosses a Function
+            named = listed(list(dict.fromkeys(f"{c.name} (input #{c.input})" for c in crossings)), 3)
+            root = (
+                f"every way from the outputs to these parameters goes through the custom autograd.Function "
+                f"{named}, whose backward returns None for that input (0-based), which cuts the path; return "
+                "a gradient for that input, or mark it non-differentiable on purpose"
+            )
+            return Why(Cause.DETACHED, (
+                f"{name} gets no gradient, and every way from the outputs to it goes through the custom "
+                f"autograd.Function {named}: its backward returns None for that input (0-based); return a "
+                "gradient for that input, or mark it non-differentiable on purpose"
+            ), root), False, False
+        if backward_seen:
+            asked = "" if i in self.queried and i in view.own else (
+                "zeroscan could not ask the autograd engine whether torch.autograd.grad or backward(inputs=...) "
+                "left it out, and "
+            )
+            told = "" if asked else "no torch.autograd.grad or backward(inputs=...) call, "
+            return Why(Cause.NO_BACKWARD, (
+                f"backward() went through the model's outputs, whose graph reaches {name}, but left it "
+                f"without a gradient; {asked}{told}no custom autograd.Function or hook on the way explains it"
+            )), False, False
+        return Why(Cause.NO_BACKWARD, (
+            f"{name} is in the autograd graph of the outputs but has no gradient: backward() has not "
+            "run since the forward pass, the loss does not use these outputs, the gradient was taken "
+            "with torch.autograd.grad / backward(inputs=...), or zero_grad() ran before the scan"
+        )), False, False
+
+    def _why_none_probed(self, i: int, name: str, probe: Probe) -> Why | None:
+        """What the probe saw of parameter `i` (not in the graph of the outputs)."""
+        p = self._params[i]
+        label = lambda where: module_label(self.model, where)  # noqa: E731
+        owner = label(p.owner)
+        if i in probe.detached:
+            where = label(probe.detached[i])
+            return Why(Cause.DETACHED, (
+                f"{name} is detached inside the forward of {where} (.detach() or .data on the parameter): "
+                "its use leaves nothing for backward; use the parameter itself"
+            ), f"these parameters are detached inside the forward of {where} (.detach() or .data on the "
+                "parameter): their use leaves nothing for backward; use the parameters themselves")
+        if i in probe.used:
+            where = label(probe.used[i])
+            if probe.cuts:
+                cuts = ", ".join(dict.fromkeys(f"{c} in {label(m)}" for c, m in probe.cuts))
+                return Why(Cause.DETACHED, (
+                    f"{name} is used in forward (by {where}) but the path from it to the outputs is cut: "
+                    f"{cuts}; {CUT_HELP}"
+                ), f"the path from these parameters to the model's outputs is cut: {cuts}; they are used "
+                    f"before the cut, and {CUT_HELP}")
+            return Why(Cause.UNUSED, (
+                f"{name} is used in forward (by {where}) but its result never reaches the model's "
+                "outputs (computed, then discarded)"
+            ), "these parameters are used in forward, but their results never reach the model's outputs "
+                "(computed, then discarded)")
+        if i in probe.reentrant:
+            where = label(probe.no_grad_use[i])
+            return Why(Cause.DETACHED, (
+                f"{name} is used in {where} inside torch.utils.checkpoint(..., use_reentrant=True), and "
+                "no input of that checkpoint requires grad: the reentrant checkpoint then records "
+                "nothing for backward; pass use_reentrant=False (or give it an input that requires grad)"
+            ), f"these parameters are used in {where} inside torch.utils.checkpoint(..., use_reentrant=True) "
+                "with no input that requires grad, so it records nothing for backward; pass use_reentrant=False")
+        if i in probe.no_grad_use:
+            where = label(probe.no_grad_use[i])
+            return Why(Cause.DETACHED, (
+                f"{name} is used in {where} under torch.no_grad() (or inference_mode), so nothing is "
+                "recorded for backward"
+            ), f"these parameters are used in {where} under torch.no_grad() (or inference_mode), so nothing "
+                "is recorded for backward")
+        if p.owner in probe.no_grad_modules:
+            return Why(Cause.DETACHED, f"{owner} ran under torch.no_grad(), so {name} gets no gradient",
+                       f"{owner} ran under torch.no_grad(), so its parameters get no gradient")
+        if p.owner not in probe.ran and p.owner in probe.outside:
+            if probe.outside[p.owner]:
+                return Why(Cause.UNUSED, (
+                    f"{owner} ran outside the model's forward, and what it computed never reached the loss, "
+                    f"so {name} gets no gradient"
+                ), f"{owner} ran outside the model's forward, and what it computed never reached the loss")
+            return Why(Cause.DETACHED, (
+                f"{owner} ran outside the model's forward under torch.no_grad() (an auxiliary loss computed "
+                f"under no_grad), so {name} gets no gradient"
+            ), f"{owner} ran outside the model's forward under torch.no_grad() (an auxiliary loss computed "
+                "under no_grad), so its parameters get no gradient")
+        if p.owner in probe.ran:
+            return Why(Cause.UNUSED, f"{owner} ran in forward but never used {name}",
+                       f"{owner} ran in forward but never used these parameters")
+        if probe.ran:
+            return Why(Cause.UNUSED, (
+                f"{owner} never ran in forward, so {name} takes no part in the loss "
+                "(a module defined but not called, or a branch not taken)"
+            ), f"{owner} never ran in forward (a module defined but not called, or a branch not taken), "
+                "so its parameters take no part in the loss")
+        return None
+
+    def explain_zeros(self, zero: list[int]) -> dict[int, Why]:
+        """Why the gradients of the parameters `zero` (indices) are exactly
+        zero everywhere, where a hook, the wiring of the loss, a custom
+        autograd.Function, or what an eager step saw before a compiled graph
+        hid it explains it; the others are left out. The rules keep such a
+        finding at INFO until it lasts (a design that starts at zero)."""
+        out: dict[int, Why] = {}
+        view = self._latest_view(set(zero))
+        roots = view.roots
+        for i in zero:
+            hooks = graph.tensor_hooks(self._params[i].tensor)
+            if hooks:
+                out[i] = _hook_why(self._params[i].name, hooks[0])
+            elif i in self._eager and self._eager[i].cause in (Cause.UNUSED, Cause.DETACHED) and roots and any(
+                c.compiled for c in view.crossings.get(i, [])
+            ):
+                # A compiled graph's backward gives zeros where eager autograd gives none.
+                eager = self._eager[i]
+                out[i] = Why(eager.cause, (
+                    f"every entry of the gradient of {self._params[i].name} is exactly zero, where an eager step "
+                    f"gave it none (a torch.compile graph gives zeros instead): {eager.message}"
+                ), None if eager.root is None else f"{eager.root} (a torch.compile graph gives them zeros)")
+        rest = [i for i in zero if i not in out]
+        if rest:
+            out.update(self._module_hook_whys(rest))
+        rest = [i for i in zero if i not in out]
+        if rest:
+            out.update(self._zero_weighted_outputs(view, zero, rest))
+        rest = [i for i in zero if i not in out]
+        if rest and roots:
+            out.update(self._functions_on_the_way(rest, view))
+        return out
+
+    def _functions_on_the_way(self, zero: list[int], view: graph.GraphView) -> dict[int, Why]:
+        """Zero gradients behind a custom autograd.Function on every way from
+        the outputs: its backward gives that input None (which FSDP's
+        gradient reduction or a compiled graph turns into zeros) or zeros."""
+        out: dict[int, Why] = {}
+        for i in zero:
+            user = [c for c in view.crossings.get(i, []) if not c.compiled]
+            if not user or i in view.free:
+                continue
+            named = listed(list(dict.fromkeys(f"{c.name} (input #{c.input})" for c in user)), 3)
+            said = (
+                f"every way from the outputs to it goes through the custom autograd.Function {named}, whose "
+                "backward most likely gives that input (0-based) None, which FSDP's gradient reduction or a "
+                "compiled graph turns into zeros, or zeros"
+            )
+            name = self._params[i].name
+            out[i] = Why(Cause.EXACT_ZERO, f"every entry of the gradient of {name} is exactly zero; {said}",
+                         f"every entry of these parameters' gradients is exactly zero; {said}")
+        return out
+
+    def _module_hook_whys(self, zero: list[int]) -> dict[int, Why]:
+        """Zero gradients behind a backward hook on a module: a full backward
+        hook changes the gradient of the module's inputs (so of what ran
+        before it), a backward pre-hook that of its output (so also of the
+        module's own parameters)."""
+        modules = list(self.model.named_modules())
+        hooked = [(k, name, hooks) for k, (name, m) in enumerate(modules) if (hooks := graph.module_backward_hooks(m))]
+        if not hooked:
+            return {}
+        order = {name: k for k, (name, _) in enumerate(modules)}
+        out: dict[int, Why] = {}
+        for i in zero:
+            owner = self._params[i].owner
+            at = order.get(owner, len(modules))
+            for k, name, hooks in hooked:
+                inside = name == "" or owner == name or owner.startswith(name + ".")
+                for how, hook in hooks:
+                    pre = how == "register_full_backward_pre_hook"
+                    if (pre and (inside or k > at)) or (not pre and not inside and k > at):
+                        out[i] = _hook_why(self._params[i].name, (how, hook), module_label(self.model, name))
+                        break
+                if i in out:
+                    break
+        return out
+
+    def _zero_weighted_outputs(self, view: graph.GraphView, zero: list[int], rest: list[int]) -> dict[int, Why]:
+        """Zero gradients of every parameter that reaches the loss only through
+        one output, while other outputs' parameters have nonzero ones: that
+        output enters the loss weighted by 0."""
+        roots = view.roots
+        if len(roots) < 2:
+            return {}
+        reach = view.root_reach
+        zero_set, todo = set(zero), set(rest)
+        out: dict[int, Why] = {}
+        for k, r in enumerate(roots):
+            others = set().union(*(reach[j] for j in range(len(roots)) if j != k))
+            only = {i for i in reach[k] - others if self._params[i].tensor.requires_grad}
+            if not only or not only <= zero_set or not (others - zero_set):
+                continue
+            root = (
+                f"every parameter that reaches the loss only through {r.label} has an exactly zero gradient, "
+                f"while the other outputs' do not: {r.label} enters the loss weighted by 0 (or the loss is "
+                "constant in it)"
+            )
+            for i in sorted(only & todo):
+                out[i] = Why(Cause.EXACT_ZERO, (
+                    f"every entry of the gradient of {self._params[i].name} is exactly zero; it reaches the loss "
+                    f"only through {r.label}, and every parameter that does so has a zero gradient while the "
+                    f"other outputs' do not: {r.label} enters the loss weighted by 0 (or the loss is constant in it)"
+                ), root)
+        return out
 
 
-def cleared_cause(name: str) -> tuple[Cause, str]:
-    """`name` had a gradient when backward finished and none at the step."""
-    return Cause.GRAD_CLEARED, (
+def _hook_why(name: str, found: tuple[str, Any], module: str | None = None) -> Why:
+    """A zero gradient with a hook of the user's on its way: on the parameter
+    itself, or (`module`) a backward hook on a module."""
+    how, hook = found
+    label = graph.hook_label(hook)
+    on = f"on {module}" if module is not None else f"on {name}"
+    return Why(Cause.EXACT_ZERO, (
+        f"every entry of the gradient of {name} is exactly zero, and a hook is on its way: "
+        f"{label}, registered with {how} {on}; a hook that returns zeros (or zeroes .grad) does this"
+    ), f"every entry of these parameters' gradients is exactly zero, and the hook {label} ({how}"
+        + (f" on {module}" if module is not None else "")
+        + ") is on their way: a hook that returns zeros (or zeroes .grad) does this")
+
+
+def cleared_cause(name: str) -> Why:
+    """`name` had a gradient when backward finished and none at the optimizer step."""
+    return Why(Cause.GRAD_CLEARED, (
         f"{name} had a gradient when backward() finished, but none at the optimizer step: "
         "zero_grad() (or .grad = None) ran between backward() and step(); clear gradients "
         "before the forward pass or after step()"
-    )
+    ), "these parameters had a gradient when backward() finished, but none at the optimizer step: "
+        "zero_grad() (or .grad = None) ran between backward() and step()")
 
 
 def module_label(model: nn.Module, name: str) -> str:
     """A module of `model` as messages name it: its name and class."""
     module = model.get_submodule(name) if name else model
     return f"{name} ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
-
-
-def unregistered_state(model: nn.Module) -> list[Finding]:
-    """Trainable state that `model` does not register, so that neither
-    model.parameters() nor an optimizer ever sees it: tensors that require
-    grad kept as plain attributes or buffers, and modules or parameters kept
-    in Python lists, tuples or dicts where nn.ModuleList, nn.ParameterList,
-    nn.ModuleDict or nn.ParameterDict was meant."""
-    registered = {id(p) for p in model.parameters()}
-    modules = {id(m) for m in model.modules()}
-    out: list[Finding] = []
-    for mod_name, module in model.named_modules():
-        owner = module_label(model, mod_name)
-        for attr, value in vars(module).items():
-            name = f"{mod_name}.{attr}" if mod_name else attr
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.requires_grad:
-                out.append(Finding(name, "param", Severity.WARNING, Cause.PLAIN_ATTRIBUTE, (
-                    f"{name} requires grad but is a plain tensor attribute of {owner}, "
-                    "not an nn.Parameter: model.parameters(), the optimizer and state_dict() never see it, "
-                    f"so it is never trained; wrap it: self.{attr} = nn.Parameter(...)"
-                )))
-            elif isinstance(value, (list, tuple, dict)):
-                out += _unregistered_in_container(name, owner, value, registered, modules)
-        for attr, value in module._buffers.items():
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                name = f"{mod_name}.{attr}" if mod_name else attr
-                out.append(Finding(name, "param", Severity.WARNING, Cause.PLAIN_ATTRIBUTE, (
-                    f"{name} requires grad but is registered as a buffer, not an nn.Parameter: "
-                    "the optimizer never sees it; use nn.Parameter"
-                )))
-    return out
-
-
-def _unregistered_in_container(
-    name: str, owner: str, value: list | tuple | dict, registered: set[int], modules: set[int]
-) -> list[Finding]:
-    """The trainable modules and parameters inside one plain container
-    attribute that the model does not register."""
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    kind = "dict" if isinstance(value, dict) else type(value).__name__
-    found: list[str] = []
-    module_like = False
-    for key, item in items:
-        if isinstance(item, nn.Module):
-            trainable = [p for p in item.parameters() if p.requires_grad]
-            if id(item) not in modules and trainable and not any(id(p) in registered for p in trainable):
-                found.append(f"{name}[{key!r}]")
-                module_like = True
-        elif isinstance(item, torch.Tensor) and item.requires_grad and id(item) not in registered:
-            found.append(f"{name}[{key!r}]")
-    if not found:
-        return []
-    if module_like:
-        fix = "nn.ModuleDict" if kind == "dict" else "nn.ModuleList"
-        what = "modules"
-    else:
-        fix = "nn.ParameterDict" if kind == "dict" else "nn.ParameterList"
-        what = "parameters"
-    return [Finding(name, "param", Severity.WARNING, Cause.PLAIN_ATTRIBUTE, (
-        f"{name} is a plain Python {kind} on {owner} holding trainable {what} ({listed(found, 10)}): nn.Module does not "
-        f"look inside a {kind}, so model.parameters(), the optimizer, state_dict() and .to(device) never "
-        f"see them, and they never train; use {fix}"
-    ))]

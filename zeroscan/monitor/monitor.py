@@ -12,13 +12,15 @@ import weakref
 from collections import deque
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zeroscan.monitor import records
 from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched
-from zeroscan.monitor.causes import CauseFinder, cleared_cause, output_grad_fns, unregistered_state
+from zeroscan.monitor.causes import CauseFinder, cleared_cause
+from zeroscan.monitor.graph import Root, output_roots
 from zeroscan.monitor.histograms import check_histogram, free_earlier_fields, latest_histograms
 from zeroscan.monitor.hooks import Hooks, WeakHook
 from zeroscan.monitor.ranks import RankExchange, check_group
@@ -27,10 +29,11 @@ from zeroscan.monitor.records import (
 )
 from zeroscan.monitor.report import Report, Thresholds
 from zeroscan.monitor.rules import OptimizerView, judge
-from zeroscan.monitor.series import history, tensor_rows
+from zeroscan.monitor.series import COUNT_COLUMNS, history, tensor_rows
 from zeroscan.monitor.steps import history_records, judged_records
 from zeroscan.monitor.structure import StructureWatch
 from zeroscan.monitor.turns import Turns
+from zeroscan.monitor.unregistered import unregistered_state
 
 MAX_CALLS_PER_STEP = 8  # activation calls of one module scanned per step
 RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.GELU)
@@ -150,10 +153,9 @@ class Monitor:
             if self._closed:
                 return
             self._closed = True
-            self._causes.drop()
+            self._causes.close()
             self._finalizer()  # removes the hooks, once: it will not run again when the Monitor is freed
             self._structure.remove()
-            self._causes.roots = []
             self._acts = []
 
     @property
@@ -186,10 +188,11 @@ class Monitor:
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         with self._turns.step:
-            roots: list[Any] = []
+            roots: list[Root] = []
             if torch.is_grad_enabled() and not self._closed:
-                output_grad_fns(output, roots)
-                self._watch.watch(roots)
+                tensors: list[torch.Tensor] = []
+                output_roots(output, roots, tensors)
+                self._watch.watch([t.grad_fn for t in tensors], tensors)
             self._causes.forward_finished(roots, self._monitored())
 
     def _on_activation(self, name: str, tag: str, module: nn.Module, args: Any, output: Any) -> None:
@@ -246,8 +249,19 @@ class Monitor:
         if self._monitored():  # the gradients as backward left them: a skipped step keeps these
             record = StepRecord(self._count)
             record.stepped = None
-            grads = [(p.tensor.grad, grad_row(p.index)) for p in self._params if p.tensor.grad is not None]
-            self._scan_into(record, [g for g, _ in grads], [s for _, s in grads])
+            tensors: list[torch.Tensor] = []
+            slots: list[int] = []
+            missing: list[int] = []  # require grad, have none: the engine says why while it can
+            for p in self._params:
+                g = p.tensor.grad
+                if g is not None:
+                    tensors.append(g)
+                    slots.append(grad_row(p.index))
+                elif p.tensor.requires_grad:
+                    missing.append(p.index)
+            if missing:
+                self._causes.backward_finished(missing)
+            self._scan_into(record, tensors, slots)
             record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
         self._open = OpenStep(record, grad_state(self._params))
 
@@ -255,7 +269,10 @@ class Monitor:
 
     def step(self, loss: torch.Tensor | None = None) -> None:
         """Marks the end of one training step (call after backward, before
-        zero_grad). Scans on monitored steps; never reads the results."""
+        zero_grad). Scans on monitored steps; never reads the results. The
+        learning rates recorded for the step are the optimizer's param
+        groups' as they are now: call it before optimizer.step() (and before
+        the scheduler steps), as the optimizer hook of auto=True does."""
         self._check_open("step")
         if self._auto and not self._in_auto:
             raise RuntimeError(
@@ -280,6 +297,8 @@ class Monitor:
         elif self._monitored():
             record = StepRecord(self._count)
             self._scan(record, loss, None)
+        if record is not None and self.optimizer is not None:  # the rates this step runs with
+            record.lrs = tuple(step_lr(group.get("lr")) for group in self.optimizer.param_groups)
         self._end_step(record, stepped=True)
 
     def _end_step(self, record: StepRecord | None, stepped: bool) -> None:
@@ -295,7 +314,7 @@ class Monitor:
                 free_earlier_fields(self._records, record)
             self._records.append(record)
         self._count += 1
-        self._causes.step_finished(monitored)
+        self._causes.step_finished(monitored, self._watch.fired)
         self._acts = []
         self._act_calls = {}
         self._act_notes = []
@@ -324,7 +343,7 @@ class Monitor:
         record.notes.extend(self._act_notes)
         if missing:
             seen = (backward is not None) if self._watch.active else None
-            record.none_causes.update(self._causes.explain(missing, loss, seen))
+            record.none_causes.update(self._causes.explain(missing, loss, seen, self._watch.fired))
 
     def _scan_into(self, record: StepRecord, tensors: list[torch.Tensor], slots: list[int]) -> None:
         """Scans `tensors` (at Slot rows `slots`) into `record`."""
@@ -387,6 +406,7 @@ class Monitor:
                 self._scan(now, None, None)
             decode_records([now])
             recorded = [now]
+        self._explain_zeros(judged_records(self._params, recorded)[-1])
         findings = judge(self._params, recorded, self.thresholds, self._optimizer_view(), unregistered_state(self.model))
         latest = judged_records(self._params, recorded)[-1]
         shown = history_records(self._params, recorded)
@@ -394,6 +414,17 @@ class Monitor:
             latest.step, findings, tensor_rows(self._params, latest), history(self._params, shown),
             latest_histograms(self._params, latest),
         )
+
+    def _explain_zeros(self, record: StepRecord) -> None:
+        """Why the gradients of `record` (the step the report judges) that are
+        exactly zero everywhere are so, where the cause analysis can tell."""
+        record.zero_causes = {}
+        if record.rows is None:
+            return
+        counts, present = record.rows.gather(2 * np.arange(len(self._params)), COUNT_COLUMNS)  # numel, zeros
+        zero = np.flatnonzero(present & (counts[:, 0] > 0) & (counts[:, 1] == counts[:, 0])).tolist()
+        if zero:
+            record.zero_causes = self._causes.explain_zeros(zero)
 
     def _decode(self, recorded: list[StepRecord]) -> None:
         """Reads the records back: this rank's rows, or the global rows across ranks."""
@@ -440,13 +471,21 @@ class Monitor:
         self._causes.arm()
 
     def _optimizer_view(self) -> OptimizerView:
+        """Each parameter's (index) optimizer param group (its number)."""
         if self.optimizer is None:
             return None
         by_id = {id(p.tensor): p.index for p in self._params}
-        view: dict[int, object] = {}
-        for group in self.optimizer.param_groups:
+        view: dict[int, int] = {}
+        for number, group in enumerate(self.optimizer.param_groups):
             for t in group["params"]:
                 i = by_id.get(id(t))
                 if i is not None and i not in view:
-                    view[i] = group.get("lr")
+                    view[i] = number
         return view
+
+
+def step_lr(lr: object) -> object:
+    """A param group's learning rate as this step runs with it: a tensor
+    (capturable optimizers, which schedulers update in place) is copied on
+    its device, not read."""
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr

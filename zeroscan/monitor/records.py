@@ -74,6 +74,17 @@ class Param:
     embedding: bool  # rows of tokens absent from a batch get zero gradient by design
 
 
+class Why(NamedTuple):
+    """Why a parameter's gradient is None or exactly zero (the cause
+    analysis): its cause, the message about this parameter, and `root`: the
+    cause itself, worded for every parameter it explains, so that the report
+    gives one finding per root cause (None: this parameter's own)."""
+
+    cause: str
+    message: str
+    root: str | None = None
+
+
 class Activation(NamedTuple):
     """A decoded activation scan: the output and its per-unit summary."""
 
@@ -113,6 +124,7 @@ class StepRecord:
     __slots__ = (
         "step", "stepped", "groups", "fields", "requires_grad", "none_causes", "activations", "notes", "unscanned",
         "rows", "acts", "gather", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared",
+        "zero_causes", "lrs",
     )
 
     def __init__(self, step: int) -> None:
@@ -128,7 +140,11 @@ class StepRecord:
         # the RowTable holds them), or None (scanned without, or dropped).
         self.fields: list[FieldBlock | None] = []
         self.requires_grad: tuple[bool, ...] = ()
-        self.none_causes: dict[int, tuple[str, str]] = {}  # param -> (cause, message)
+        self.none_causes: dict[int, Why] = {}  # param -> why its gradient is None
+        # param -> why its gradient is exactly zero; found by report() for the step it judges.
+        self.zero_causes: dict[int, Why] = {}
+        # Each optimizer param group's learning rate as this step ran (None: no optimizer).
+        self.lrs: tuple[object, ...] | None = None
         self.activations: list[tuple[str, str, torch.Tensor]] = []  # name, "relu"|"softmax", [2, 16]
         self.notes: list[tuple[str, str]] = []  # (name, why it was not scanned)
         self.unscanned: list[Unscanned] = []  # tensors of a dtype (or form) the scan cannot read
@@ -354,6 +370,7 @@ def renumber(r: StepRecord, new_index: dict[int, int], requires_grad: tuple[bool
     r.sharded = [slot(s) for s in r.sharded]
     r.uncounted = [slot(s) for s in r.uncounted]
     r.none_causes = {new_index[i]: v for i, v in r.none_causes.items() if i in new_index}
+    r.zero_causes = {new_index[i]: v for i, v in r.zero_causes.items() if i in new_index}
     r.cleared = [new_index[i] for i in r.cleared if i in new_index]
     old = {new_index[i]: v for i, v in enumerate(r.requires_grad) if i in new_index}
     r.requires_grad = tuple(old.get(j, v) for j, v in enumerate(requires_grad))

@@ -10,6 +10,9 @@ latest histogram of every gradient and weight.
 from __future__ import annotations
 
 import json
+import shutil
+import sys
+import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +40,11 @@ class Finding:
     ranks: with a process group, the (global) ranks the finding is about
     where that is known (the replicas that differ, the shards that hold a
     non-finite value); None otherwise.
+    root: the cause worded for every tensor it explains, where the cause
+    analysis knows one (grouping.py gathers the findings that share it).
+    names / members: a finding that stands for one root cause of several
+    tensors names them all, and keeps each one's own finding as a member;
+    () for a finding about one tensor.
     """
 
     name: str
@@ -45,13 +53,17 @@ class Finding:
     cause: Cause
     message: str
     ranks: tuple[int, ...] | None = None
+    root: str | None = None
+    names: tuple[str, ...] = ()
+    members: tuple[Finding, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cause", Cause(self.cause))  # a code given as a str becomes its Cause
 
     def to_dict(self) -> dict[str, Any]:
         """name, kind, severity, cause, message; plus "ranks" (a list) only
-        when the finding names ranks."""
+        when the finding names ranks, and "names" and "members" (each
+        member's to_dict()) only when it stands for several tensors."""
         out: dict[str, Any] = {
             "name": self.name,
             "kind": self.kind,
@@ -61,6 +73,9 @@ class Finding:
         }
         if self.ranks is not None:
             out["ranks"] = list(self.ranks)
+        if self.members:
+            out["names"] = list(self.names)
+            out["members"] = [m.to_dict() for m in self.members]
         return out
 
 
@@ -137,8 +152,11 @@ class Thresholds:
 
 
 class Report:
-    """What the Monitor saw: findings ranked by severity, the latest scan of
-    every tensor, and the per-step history (see to_dict for the schema).
+    """What the Monitor saw: findings ranked by severity, one per root cause
+    (a finding that stands for several tensors lists them in `names` and
+    keeps each one's own finding in `members`; `detailed` has them all), the
+    latest scan of every tensor, and the per-step history (see to_dict for
+    the schema).
 
     histograms: with Monitor(histogram=True), the exact log2-magnitude
     histogram (zeroscan.histogram.Histogram) of every gradient and weight of
@@ -167,6 +185,12 @@ class Report:
     def __iter__(self) -> Iterator[Finding]:
         return iter(self.findings)
 
+    @property
+    def detailed(self) -> list[Finding]:
+        """Every finding about one tensor: the members of grouped findings in
+        their place, the others as they are."""
+        return [m for f in self.findings for m in (f.members or (f,))]
+
     def __len__(self) -> int:
         return len(self.findings)
 
@@ -178,8 +202,9 @@ class Report:
         where the report has the tensor's histogram, "histogram"
         (Histogram.to_dict()) with "dtype", the dtype it counts (a complex
         tensor's real one): float32 and bfloat16 share binades], "history": {"steps", "names", "grad_norm",
-        "zero_fraction", "underflow_fraction"}}; floats are Python floats,
-        nan where unknown."""
+        "zero_fraction", "subnormal_fraction"} (the tensor rows' names; a
+        history made with the older "underflow_fraction" is read too)};
+        floats are Python floats, nan where unknown."""
         return {
             "step": self.step,
             "findings": [f.to_dict() for f in self.findings],
@@ -189,7 +214,12 @@ class Report:
                 "names": list(self.history["names"]),
                 "grad_norm": [list(r) for r in self.history["grad_norm"]],
                 "zero_fraction": [list(r) for r in self.history["zero_fraction"]],
-                "underflow_fraction": [list(r) for r in self.history["underflow_fraction"]],
+                # A history built before the key's rename (Report(...) by hand) has "underflow_fraction".
+                "subnormal_fraction": [
+                    list(r) for r in self.history[
+                        "subnormal_fraction" if "subnormal_fraction" in self.history else "underflow_fraction"
+                    ]
+                ],
             },
         }
 
@@ -219,22 +249,71 @@ class Report:
         return plot_report(self.to_dict(), path)
 
     def __str__(self) -> str:
-        counts = {s: sum(1 for f in self.findings if f.severity == s) for s in Severity}
-        head = f"zeroscan report · step {self.step} · {len(self.tensors)} tensors scanned"
+        return self.format()
+
+    def format(self, *, verbose: bool = False, width: int | None = None) -> str:
+        """The report as a table, one finding per line group, its messages
+        wrapped to `width` columns, at least 60 (None: the terminal's width,
+        100 when standard output is not a terminal). verbose: also every
+        tensor's own finding under a grouped one."""
+        width = max(60, width if width is not None else text_width())
+        grads = sum(1 for t in self.tensors if t.get("kind") == "grad")
+        weights = sum(1 for t in self.tensors if t.get("kind") == "weight")
+        head = (
+            f"zeroscan report · step {self.step} · {grads} gradient{'s' if grads != 1 else ''}, "
+            f"{weights} weight{'s' if weights != 1 else ''} scanned"
+        )
         if not self.findings:
             return head + " · no findings"
+        counts = {s: sum(1 for f in self.findings if f.severity == s) for s in Severity}
         summary = ", ".join(
             f"{counts[s]} {s.name.lower()}{'s' if counts[s] > 1 and s != Severity.INFO else ''}"
             for s in reversed(Severity)
             if counts[s]
         )
-        rows = [("SEVERITY", "NAME", "KIND", "CAUSE", "MESSAGE")]
-        rows += [(f.severity.name, f.name, f.kind, f.cause, f.message) for f in self.findings]
-        widths = [max(len(r[c]) for r in rows) for c in range(4)]
-        lines = [f"{head} · {summary}"]
-        for r in rows:
-            lines.append("  ".join(r[c].ljust(widths[c]) for c in range(4)) + "  " + r[4])
+        rows: list[tuple[str, ...]] = [("SEVERITY", "NAME", "KIND", "CAUSE", "MESSAGE")]
+        for f in self.findings:
+            rows.append((f.severity.name, f.name, f.kind, f.cause.value, f.message))
+            if verbose:
+                rows += [("", f"  {m.name}", m.kind, m.cause.value, m.message) for m in f.members]
+        lines = textwrap.wrap(f"{head} · {summary}", width, subsequent_indent="  ")
+        lines += table_lines(rows, width)
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return f"Report(step={self.step}, findings={len(self.findings)}, worst={self.worst.name})"
+
+
+NAME_COLUMN = 36  # longer names wrap within their column
+
+
+def text_width() -> int:
+    """The width text output wraps to: the terminal's, or 100 columns."""
+    if sys.stdout is not None and sys.stdout.isatty():
+        return shutil.get_terminal_size((100, 24)).columns
+    return 100
+
+
+def table_lines(rows: list[tuple[str, ...]], width: int) -> list[str]:
+    """Rows of five columns (the first holds the headings), the name and the
+    message wrapped so that no line is longer than `width`. Where the four
+    short columns leave under 30 columns for the message, each finding is
+    one line of them and its message indented below."""
+    name_width = min(NAME_COLUMN, max(len(r[1]) for r in rows))
+    widths = [max(len(r[0]) for r in rows), name_width, max(len(r[2]) for r in rows), max(len(r[3]) for r in rows)]
+    lead = sum(widths) + 2 * len(widths)
+    out = []
+    if width - lead < 30:
+        for r in rows[1:]:
+            out += textwrap.wrap(f"{r[0] or '  ·'} {r[3]} ({r[2]}): {r[1].strip()}", width, subsequent_indent="    ")
+            out += textwrap.wrap(r[4], width, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False)
+        return out
+    for r in rows:
+        names = textwrap.wrap(r[1], name_width, break_on_hyphens=False, drop_whitespace=False) or [""]
+        message = textwrap.wrap(r[4], width - lead, break_on_hyphens=False) or [""]
+        for k in range(max(len(names), len(message))):
+            name = names[k] if k < len(names) else ""
+            cells = (r[0], name, r[2], r[3]) if k == 0 else ("", name, "", "")
+            left = "  ".join(c.ljust(w) for c, w in zip(cells, widths))
+            out.append((left + "  " + (message[k] if k < len(message) else "")).rstrip())
+    return out

@@ -13,7 +13,10 @@ import math
 import numpy as np
 import torch
 
-from zeroscan.monitor.records import Activation, Param, Slot, StepRecord, Unscanned, dtype_name, nonfinite_words
+from zeroscan.monitor.grouping import group_findings
+from zeroscan.monitor.records import (
+    Activation, Param, Slot, StepRecord, Unscanned, Why, dtype_name, nonfinite_words,
+)
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
 from zeroscan.monitor.series import COUNT_COLUMNS, Series
 from zeroscan.monitor.steps import judged_records, nothing_ran, step_findings
@@ -24,9 +27,10 @@ from zeroscan.words import count_noun, is_are, listed
 
 WEIGHT_RMS_FLOOR = 1e-2  # see Thresholds.exploding
 
-# What the optimizer holds: each parameter's (index) learning rate; None for
-# a Monitor without an optimizer.
-OptimizerView = dict[int, object] | None
+# What the optimizer holds: each parameter's (index) param group, by its
+# number in optimizer.param_groups (StepRecord.lrs holds each group's learning
+# rate at that step); None for a Monitor without an optimizer.
+OptimizerView = dict[int, int] | None
 
 
 def judge(
@@ -37,8 +41,9 @@ def judge(
     model_findings: list[Finding],
 ) -> list[Finding]:
     """Every finding over decoded `records` (oldest first), ranked by severity
-    then by parameter order. `model_findings` (about the model itself, such as
-    unregistered state) rank after the parameters' own."""
+    then by parameter order, one per root cause (grouping.py). `model_findings`
+    (about the model itself, such as unregistered state) rank after the
+    parameters' own."""
     found: list[tuple[int, Finding]] = [(len(params), f) for f in model_findings]
     basis = judged_records(params, records)
     series = Series(basis, len(params))
@@ -48,7 +53,7 @@ def judge(
         found += _latest_findings(params, series, thresholds, optimizer)
         found += _history_findings(params, series, thresholds)
     found.sort(key=lambda of: (-int(of[1].severity), of[0]))
-    return [f for _, f in found]
+    return group_findings([f for _, f in found])
 
 
 def _optimizer_findings(params: list[Param], series: Series, optimizer: OptimizerView) -> list[tuple[int, Finding]]:
@@ -63,6 +68,10 @@ def _optimizer_findings(params: list[Param], series: Series, optimizer: Optimize
                 f"{p.name} requires grad but is in none of the optimizer's param groups, so "
                 f"optimizer.step() never updates it{since}; pass it to the optimizer "
                 "(or set requires_grad_(False) if it is meant to stay fixed)"
+            ), root=(
+                "these parameters require grad but are in none of the optimizer's param groups, so "
+                "optimizer.step() never updates them; pass them to the optimizer (or set "
+                "requires_grad_(False) if they are meant to stay fixed)"
             ))))
     return out
 
@@ -100,6 +109,9 @@ def _latest_findings(
             out.append((i, Finding(name, "param", Severity.INFO, Cause.FROZEN, (
                 f"{name} has requires_grad=False (frozen), so it gets no gradient; "
                 "if it should train, call requires_grad_(True) and give it to the optimizer"
+            ), root=(
+                "these parameters have requires_grad=False (frozen), so they get no gradient; if they "
+                "should train, call requires_grad_(True) and give them to the optimizer"
             ))))
             continue
         if grad is None:
@@ -110,7 +122,7 @@ def _latest_findings(
             continue
         if whole is not None:
             continue
-        finding = _grad_finding(p, grad, w, dead, series, underflowing, th)
+        finding = _grad_finding(p, grad, w, dead, series, underflowing, th, rec.zero_causes.get(i))
         if finding is not None:
             if finding.cause == Cause.NONFINITE:
                 finding = in_shards(finding, rec.shard_ranks.get(Slot.grad(i)))
@@ -168,9 +180,9 @@ def _none_finding(p: Param, series: Series) -> Finding:
             f"{len(records) - 1} monitored steps before it: conditional computation (a mixture-of-experts "
             "router that sent it no tokens, a branch not taken) that trains it at other steps"
         ))
-    cause, message = rec.none_causes.get(p.index, (Cause.NOT_REACHED, f"{p.name} has no gradient"))
-    severity = Severity.ERROR if cause == Cause.DETACHED else Severity.WARNING
-    return Finding(p.name, "grad", severity, Cause(cause), message)
+    why = rec.none_causes.get(p.index, Why(Cause.NOT_REACHED, f"{p.name} has no gradient"))
+    severity = Severity.ERROR if why.cause == Cause.DETACHED else Severity.WARNING
+    return Finding(p.name, "grad", severity, Cause(why.cause), why.message, root=why.root)
 
 
 def _all_zero_finding(series: Series) -> Finding | None:
@@ -209,7 +221,9 @@ def _grad_finding(
     series: Series,
     underflowing: bool,
     th: Thresholds,
+    zero_why: Why | None = None,
 ) -> Finding | None:
+    """`zero_why`: why the gradient is exactly zero, where the cause analysis knows."""
     name = p.name
     n = int(g["numel"])
     if n == 0:
@@ -222,12 +236,19 @@ def _grad_finding(
         ))
     zeros = int(g["zeros"])
     if zeros == n:
+        streak = series.zero_streak(p.index)
+        lasting = streak >= th.zero_window or (streak >= 2 and series.unchanged_for(p.index) >= streak)
         if underflowing and p.tensor.dtype in (torch.float16, torch.bfloat16):
             return Finding(name, "grad", Severity.WARNING, Cause.UNDERFLOW, (
                 f"every entry of the gradient of {name} is exactly zero while other {dtype_name(p.tensor.dtype)} "
                 "gradients of this step are subnormal: it most likely underflowed to zero. Scale the "
                 "loss (torch.amp.GradScaler), use bfloat16, or keep float32 master gradients"
             ))
+        if zero_why is not None and lasting:  # a hook, an output weighted by 0, a Function, a compiled cut
+            # Named once the zeros last: before that a design that starts at zero (LoRA's B = 0) is
+            # likelier, whatever sits on the way, and the INFO below says so.
+            severity = Severity.ERROR if zero_why.cause == Cause.DETACHED else Severity.WARNING
+            return Finding(name, "grad", severity, Cause(zero_why.cause), zero_why.message, root=zero_why.root)
         if dead:
             why = (
                 f"the activation{'s' if len(dead) > 1 else ''} {', '.join(dead)} "
@@ -239,17 +260,22 @@ def _grad_finding(
                 "a dead ReLU, a mask or torch.where that selects none of these elements, "
                 "a multiplication by zero, or a loss that is constant in this parameter"
             )
-        streak = series.zero_streak(p.index)
-        if streak >= th.zero_window or (streak >= 2 and series.unchanged_for(p.index) >= streak):
+        if lasting:
             return Finding(name, "grad", Severity.WARNING, Cause.EXACT_ZERO, (
                 f"every entry of the gradient of {name} is exactly zero, at the last {streak} monitored "
                 f"steps: {why}; it does not train"
+            ), root=(
+                f"every entry of these parameters' gradients is exactly zero, at the last {streak} monitored "
+                f"steps: {why}; they do not train"
             ))
-        return Finding(name, "grad", Severity.INFO, Cause.EXACT_ZERO, (
-            f"every entry of the gradient of {name} is exactly zero at step {series.records[-1].step}: {why}. "
+        step = series.records[-1].step
+        by_design = (
             "A parameter that starts at zero by design does this at its first step (LoRA's A while B = 0, "
             f"the blocks of zero_init_residual); a warning if it lasts {th.zero_window} monitored steps"
-        ))
+        )
+        return Finding(name, "grad", Severity.INFO, Cause.EXACT_ZERO, (
+            f"every entry of the gradient of {name} is exactly zero at step {step}: {why}. {by_design}"
+        ), root=f"every entry of these parameters' gradients is exactly zero at step {step}: {why}. {by_design}")
     nonzero = n - zeros
     sub = int(g["subnormal"])
     dtype = dtype_name(p.tensor.dtype)
@@ -313,7 +339,15 @@ def _update_finding(p: Param, series: Series, th: Thresholds, optimizer: Optimiz
     if w is None or int(w["numel"]) == 0:
         return None
     unchanged = series.unchanged_for(p.index)
-    reasons = _no_update_reasons(p, w, g, optimizer)
+    group = optimizer.get(p.index) if optimizer is not None else None
+    lr = prev.lrs[group] if group is not None and prev.lrs is not None and group < len(prev.lrs) else None
+    if isinstance(lr, torch.Tensor):
+        lr = float(lr)  # report() reads it (the step only copied it)
+    if group is not None and prev.lrs is not None and group >= len(prev.lrs):
+        return None  # its param group was added after that step: it was not in the optimizer then
+    if isinstance(lr, (int, float)) and lr == 0:
+        return _zero_lr_finding(p, prev.step, group, unchanged, th)
+    reasons = _no_update_reasons(p, w, g, optimizer, lr)
     if unchanged >= th.frozen_window:
         return Finding(p.name, "weight", Severity.WARNING, Cause.FROZEN_IN_TIME, (
             f"{p.name} has not changed for {unchanged} monitored steps although its gradient is "
@@ -325,7 +359,30 @@ def _update_finding(p: Param, series: Series, th: Thresholds, optimizer: Optimiz
     ))
 
 
-def _no_update_reasons(p: Param, w: Row, g: Row, optimizer: OptimizerView) -> str:
+def _zero_lr_finding(p: Param, step: int, group: int | None, unchanged: int, th: Thresholds) -> Finding:
+    """A weight that did not move at a step its param group ran with lr 0:
+    the learning rate is the cause (a warmup from 0 at its first step; for
+    frozen_window steps in a row, a schedule stuck at 0)."""
+    if unchanged >= th.frozen_window:
+        return Finding(p.name, "weight", Severity.WARNING, Cause.FROZEN_IN_TIME, (
+            f"{p.name} has not changed for {unchanged} monitored steps, and its param group {group} ran with "
+            f"lr=0 at step {step}: a learning rate schedule that stays at 0 trains nothing"
+        ), root=(
+            f"param group {group} ran with lr=0 at step {step}, and its weights have not changed for "
+            f"{unchanged} monitored steps: a learning rate schedule that stays at 0 trains nothing"
+        ))
+    return Finding(p.name, "weight", Severity.INFO, Cause.NOT_UPDATED, (
+        f"{p.name} did not change at step {step}, which its param group {group} ran with lr=0 "
+        "(a warmup that starts from 0 does this at its first step)"
+    ), root=(
+        f"param group {group} ran step {step} with lr=0, so its weights did not change "
+        "(a warmup that starts from 0 does this at its first step)"
+    ))
+
+
+def _no_update_reasons(p: Param, w: Row, g: Row, optimizer: OptimizerView, lr: object) -> str:
+    """Why a weight did not move although its gradient was nonzero; `lr`:
+    the rate its param group ran that step with (None: not known)."""
     dtype = p.tensor.dtype
     ulp = float(w["max_abs"]) * (torch.finfo(dtype).eps if dtype.is_floating_point else 1.0)
     below = (
@@ -333,11 +390,8 @@ def _no_update_reasons(p: Param, w: Row, g: Row, optimizer: OptimizerView) -> st
         f"{float(w['max_abs']):.3g} is about {ulp:.2g}, |g| is at most {float(g['max_abs']):.3g})"
     )
     if optimizer is not None and p.index in optimizer:
-        lr = optimizer[p.index]
-        if isinstance(lr, (int, float)) and lr == 0:
-            return "its optimizer param group has lr=0"
         # Steps that GradScaler skipped are told apart (steps.py), so a skip is no cause here.
-        return f"lr={lr}: {below}"
+        return f"lr={lr}: {below}" if lr is not None else below
     return f"lr 0, a parameter missing from the optimizer, or {below}"
 
 

@@ -147,20 +147,22 @@ def tensor_rows(params: list[Param], rec: StepRecord) -> list[dict[str, Any]]:
 def history(params: list[Param], shown: list[StepRecord]) -> dict[str, Any]:
     """Report.history: per step shown, every gradient's norm, zero and
     subnormal fraction (NaN where it had none), for the parameters that had
-    a gradient at any of the steps."""
+    a gradient at any of the steps. The keys are those of the report's
+    tensor rows ("zero_fraction", "subnormal_fraction"), so one quantity has
+    one name; "grad_norm" is the gradient rows' "norm"."""
     grad_rows = 2 * np.arange(len(params))
     had = np.zeros(len(params), dtype=bool)
     for r in shown:
         had |= _table(r).gather(grad_rows, [Column.NUMEL])[1]
     kept = np.flatnonzero(had)
-    grad_norm, zero_fraction, underflow = [], [], []
+    grad_norm, zero_fraction, subnormal_fraction = [], [], []
     for r in shown:
         words, present = _table(r).gather(grad_rows[kept])
         f = fields(words)
         for out, values in (
             (grad_norm, f["norm"]),
             (zero_fraction, fraction(f["zeros"], f["numel"])),
-            (underflow, fraction(f["subnormal"], f["numel"])),
+            (subnormal_fraction, fraction(f["subnormal"], f["numel"])),
         ):
             values[~present] = np.nan
             # A row of zeros (no gradient underflows, say) shares one 0.0: 10k parameters
@@ -171,5 +173,5 @@ def history(params: list[Param], shown: list[StepRecord]) -> dict[str, Any]:
         "names": [params[i].name for i in kept.tolist()],
         "grad_norm": grad_norm,
         "zero_fraction": zero_fraction,
-        "underflow_fraction": underflow,
+        "subnormal_fraction": subnormal_fraction,
     }
