@@ -5,9 +5,9 @@ before the last block's MLP was unfrozen, so it never updates that MLP.
     pip install "zeroscan[transformers]"
     python examples/hf_trainer.py
 
-The Trainer prints its own log rows; zeroscan's row of summary scalars
-follows each one (through Trainer.log, so report_to would get it too), and
-the findings go to Python logging: here four "not_in_optimizer" warnings.
+The Trainer prints its own log rows; each row carries zeroscan's summary
+scalars (so report_to gets them too), and the findings go to Python logging
+once: here one "not_in_optimizer" warning for the MLP's four parameters.
 """
 
 from __future__ import annotations

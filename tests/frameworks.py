@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from types import ModuleType
 from typing import Any
 
@@ -92,9 +93,21 @@ def optimizer(model: nn.Module, problem: str, lr: float = 1e-3) -> torch.optim.O
 
 
 def finding_names(findings: list[dict[str, Any]], problem: str) -> set[str]:
-    """The names of the findings (to_dict() form) of the planted problem's cause and severity."""
+    """The names of the tensors that the findings (to_dict() form) of the
+    planted problem's cause and severity are about: a grouped finding's
+    members, each under its own name."""
     cause, severity = PROBLEMS[problem]
     return {
-        str(f["name"]) for f in findings
+        str(f["name"]) for g in findings for f in (g.get("members") or [g])
         if f["cause"] == cause.value and f["severity"] == severity.name.lower()
     }
+
+
+def lines(caplog: pytest.LogCaptureFixture, text: str) -> list[tuple[int, int, str]]:
+    """(step named, level, message) of each "zeroscan step N: ..." line that holds `text`."""
+    out = []
+    for r in caplog.records:
+        match = re.match(r"zeroscan step (\d+): ", r.getMessage()) if r.name == "zeroscan" else None
+        if match and text in r.getMessage():
+            out.append((int(match[1]), r.levelno, r.getMessage()))
+    return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -149,6 +150,34 @@ def test_healthy_run_logs_zero_findings(caplog: pytest.LogCaptureFixture) -> Non
     assert run.monitor.steps_seen == 6
 
 
+def test_log_lines_name_the_step_the_tracker_gets(caplog: pytest.LogCaptureFixture) -> None:
+    """log(step=completed_steps) files the scalars at the loop's step; its log lines name
+    that step too, not the Monitor's 0-based report.step (one less)."""
+    caplog.set_level(logging.DEBUG, logger="zeroscan")
+    tracker = Recorder()
+    run = train("frozen", batches=6, log_every=2, log_with=[tracker])
+    summaries = [step for step, _, m in frameworks.lines(caplog, "") if re.search(r", \d+ findings$", m)]
+    assert [step for step, _ in tracker.rows] == summaries == [2, 4, 6]
+    assert [r.step for r in run.reports] == [1, 3, 5]  # the Monitor's own count is left as it is
+    assert {step for step, _, _ in frameworks.lines(caplog, ": frozen: ")} == {2}
+
+
+def test_a_finding_that_holds_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A frozen block is in every report, logged at every step here, and in the log once."""
+    caplog.set_level(logging.DEBUG, logger="zeroscan")
+    run = train("frozen", batches=5, log_every=1, log_with=[Recorder()])
+    assert len(run.reports) == 5 and all(values["zeroscan.findings/info"] >= 1 for values in tracked(run))
+    frozen = frameworks.lines(caplog, ": frozen")
+    first = frozen[0][0] if frozen else None
+    assert frozen and {(step, level) for step, level, _ in frozen} == {(first, logging.INFO)}, frozen
+    # Another Accelerator is another run: its findings are logged afresh.
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerate.state.GradientState._reset_state()
+    caplog.clear()
+    train("frozen", batches=1, log_every=1)
+    assert len(frameworks.lines(caplog, ": frozen: ")) == len(frozen)
+
+
 @pytest.mark.parametrize("problem", sorted(frameworks.PROBLEMS))
 def test_planted_problem_reaches_tracker_and_logging(problem: str, caplog: pytest.LogCaptureFixture) -> None:
     cause, severity = frameworks.PROBLEMS[problem]
@@ -219,7 +248,7 @@ def test_log_per_tensor_and_default_step() -> None:
     run = train(batches=2, log_every=99, log_with=[tracker])
     values = za.log(run.accelerator, run.reports[-1], per_tensor=True)
     assert tracker.rows[-1] == (run.reports[-1].step, values)
-    assert f"zeroscan.grad_norm/{WATCHED}" in values
+    assert f"zeroscan.grad/norm/{WATCHED}" in values and f"zeroscan.grad/underflow_pct/{WATCHED}" in values
     assert "zeroscan.findings/error" in values
 
 

@@ -102,6 +102,21 @@ def zeroscan_records(caplog: pytest.LogCaptureFixture, level: int | None = None)
     return [r for r in caplog.records if r.name == "zeroscan" and (level is None or r.levelno == level)]
 
 
+def lines(caplog: pytest.LogCaptureFixture, text: str) -> list[tuple[int, int, str]]:
+    """(step named, level, message) of each "zeroscan step N: ..." line that holds `text`."""
+    out = []
+    for r in zeroscan_records(caplog):
+        match = re.match(r"zeroscan step (\d+): ", r.getMessage())
+        if match and text in r.getMessage():
+            out.append((int(match[1]), r.levelno, r.getMessage()))
+    return out
+
+
+def summary_steps(caplog: pytest.LogCaptureFixture) -> list[int]:
+    """The step each report's one-line summary ("zeroscan step 4: ..., 2 findings") names."""
+    return [step for step, _, message in lines(caplog, "") if re.search(r", \d+ findings$", message)]
+
+
 def test_healthy_run_logs_clean_scalars_at_every_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="zeroscan")
     callback = ZeroscanCallback()
@@ -141,8 +156,10 @@ def test_planted_problem_reaches_the_log(tmp_path: Path, caplog: pytest.LogCaptu
     expected = {name for name in names if name.startswith(under)}
     assert expected, (cause, sorted(names))
     logged = " ".join(r.getMessage() for r in zeroscan_records(caplog, loggers.LOG_LEVELS[severity.name.lower()]))
-    for name in expected:
-        assert re.search(rf" {re.escape(name)} \(\w+\): {cause.value}:", logged), name
+    # One line per root cause: each finding that names an expected parameter is logged.
+    for f in callback.report.to_dict()["findings"]:
+        if expected & {str(m["name"]) for m in f.get("members") or [f]} and f["cause"] == cause.value:
+            assert re.search(rf" {re.escape(f['name'])} \(\w+\): {cause.value}:", logged), f["name"]
 
 
 class CallsSubmodule(TinyGPT2):
@@ -160,7 +177,7 @@ def test_training_step_that_bypasses_forward(tmp_path: Path) -> None:
     trainer = fit(tmp_path, CallsSubmodule("detached"), callback, steps=3)
     assert callback.monitor is not None and callback.monitor.steps_seen == trainer.global_step == 3
     assert callback.report is not None
-    flagged = {f.name for f in callback.report.findings if f.severity >= Severity.WARNING}
+    flagged = {f.name for f in callback.report.detailed if f.severity >= Severity.WARNING}
     assert "model.transformer.h.0.attn.c_attn.weight" in flagged, sorted(flagged)
 
 
@@ -193,7 +210,115 @@ def test_report_every_and_final_report(tmp_path: Path) -> None:
     rows = zeroscan_rows(trainer, prefix="zs")
     # Steps 2 and 4, and the final report at the last step (5).
     assert [int(row["step"]) for row in rows] == [2, 4, 5]
-    assert all(row["zs.grad_norm/model.transformer.h.1.mlp.c_fc.weight"] for row in rows)
+    assert all(row["zs.grad/norm/model.transformer.h.1.mlp.c_fc.weight"] for row in rows)
+
+
+class StepLog(lightning.Callback):
+    """trainer.global_step after each batch (after the zeroscan callback's report)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        self.steps.append(trainer.global_step)
+
+
+def test_everything_logged_names_the_trainers_global_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """metrics.csv files zeroscan's scalars at trainer.global_step (5 after the fifth
+    step); the log lines of the same report name that step too, not the Monitor's
+    0-based report.step (4)."""
+    caplog.set_level(logging.DEBUG, logger="zeroscan")
+    steps = StepLog()
+    callback = ZeroscanCallback()
+    data = DataLoader(frameworks.token_rows(BATCH * 5), batch_size=BATCH)
+    trainer = lightning.Trainer(
+        max_steps=5, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path), log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[callback, steps],
+    )
+    trainer.fit(TinyGPT2("frozen"), data)
+    assert steps.steps == [1, 2, 3, 4, 5]
+    assert [int(row["step"]) for row in zeroscan_rows(trainer)] == steps.steps
+    assert summary_steps(caplog) == steps.steps  # one summary line per report, naming its row's step
+    assert {step for step, _, _ in lines(caplog, ": frozen: ")} == {1}
+    assert callback.report is not None and callback.report.step == 4  # the Monitor's own count is left as it is
+
+
+def test_the_summary_line_counts_what_grad_scanned_counts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One count, one name: the log line says how many gradients were scanned, the number
+    zeroscan.grad/scanned logs, and the weights apart (not one sum of "tensors")."""
+    caplog.set_level(logging.DEBUG, logger="zeroscan")
+    callback = ZeroscanCallback()
+    trainer = fit(tmp_path, TinyGPT2("frozen"), callback, steps=2)
+    counts = [re.search(r": (\d+) gradients, (\d+) weights scanned, ", m) for _, _, m in lines(caplog, " scanned, ")]
+    rows = zeroscan_rows(trainer)
+    assert len(counts) == len(rows) == 2
+    for match, row in zip(counts, rows):
+        assert match is not None
+        assert int(match[1]) == float(row["zeroscan.grad/scanned"]) == 24  # the frozen block's 4 have none
+        assert int(match[2]) == 28
+
+
+def test_a_finding_is_logged_when_it_appears_and_when_it_clears(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Reports at every step: the frozen block is logged once, not at each report; unfrozen
+    at the fourth batch (its parameters are in no optimizer), its "frozen" finding clears in
+    one line and the new "not_in_optimizer" one is logged once."""
+    caplog.set_level(logging.DEBUG, logger="zeroscan")
+    callback = ZeroscanCallback()
+    fit(tmp_path, UnfrozenAtFourthBatch(), callback, steps=6)
+    reports = summary_steps(caplog)
+    assert len(reports) == 6
+    frozen = lines(caplog, ": frozen")
+    assert [(step, level) for step, level, _ in frozen] == [(reports[0], logging.INFO), (reports[3], logging.INFO)], frozen
+    assert frozen[1][2].endswith(": frozen cleared (was info)")
+    assert all(name in frozen[1][2] for name in block_names())
+    moved = lines(caplog, ": not_in_optimizer: ")
+    assert [(step, level) for step, level, _ in moved] == [(reports[3], logging.WARNING)], moved
+
+
+def test_a_finding_is_logged_again_when_its_severity_changes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A block whose output is multiplied by 0 gets exactly-zero gradients: INFO at first
+    (designs that start from zero train from the next step), a WARNING once it lasts
+    (Thresholds.zero_window, 3 steps). Reported at every step, the finding is logged when
+    it appears and when it becomes a warning, and not at the reports after."""
+    caplog.set_level(logging.DEBUG, logger="zeroscan")
+    callback = ZeroscanCallback()
+    fit(tmp_path, ZeroedBlock(), callback, steps=6)
+    reports = summary_steps(caplog)
+    assert len(reports) == 6
+    zero = lines(caplog, ": exact_zero: ")
+    assert zero[0][:2] == (reports[0], logging.INFO), zero
+    assert max(step for step, _, _ in zero) <= reports[2], zero  # settled by the window's end: nothing after
+    assert any(level == logging.WARNING and m.endswith("(was info)") for _, level, m in zero), zero
+    assert callback.report is not None
+    assert {f.severity for f in callback.report.findings if f.cause == Cause.EXACT_ZERO} == {Severity.WARNING}
+
+
+def block_names() -> list[str]:
+    """The planted block's parameters, as the LightningModule names them."""
+    return [f"model.{frameworks.PLANTED}.{name}" for name in ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")]
+
+
+class UnfrozenAtFourthBatch(TinyGPT2):
+    """The planted block frozen (left out of the optimizer), then unfrozen at the fourth batch."""
+
+    def __init__(self) -> None:
+        super().__init__("frozen")
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if batch_idx == 3:
+            self.model.get_submodule(frameworks.PLANTED).requires_grad_(True)
+        return super().training_step(batch, batch_idx)
+
+
+class ZeroedBlock(TinyGPT2):
+    """The planted block's output multiplied by 0: its gradients are exactly zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.get_submodule(frameworks.PLANTED).register_forward_hook(lambda module, args, out: out * 0.0)
 
 
 def test_bf16_mixed_healthy(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -41,25 +41,39 @@ def hand_report(g: torch.Generator, n: int = 5, step: int = 7) -> dict[str, Any]
         {"name": names[2], "kind": "grad", "severity": "info", "cause": "mostly_zero", "message": "zeros"},
     ]
     history = {"steps": [step - 1, step], "names": names, "grad_norm": [[1.0] * n, [2.0] * n],
-               "zero_fraction": [[0.0] * n, [0.1] * n], "underflow_fraction": [[0.0] * n, [0.0] * n]}
+               "zero_fraction": [[0.0] * n, [0.1] * n], "subnormal_fraction": [[0.0] * n, [0.0] * n]}
     return {"step": step, "findings": findings, "tensors": tensors, "history": history}
 
 
 def test_scalars_tags_and_values() -> None:
+    """One tag scheme, {prefix}.{kind}/{quantity}/{name}: the per-tensor tags of a
+    quantity sit under the model-wide one of the integrations (zeroscan.grad/zero_pct);
+    underflow is the subnormal share alone."""
     report = hand_report(fresh_generator())
     got = scalars(report)
     grads = [t for t in report["tensors"] if t["kind"] == "grad"]
     want = {}
     for t in grads:
-        want[f"zeroscan.grad_norm/{t['name']}"] = t["norm"]
-        want[f"zeroscan.grad_zero_pct/{t['name']}"] = 100 * t["zero_fraction"]
-        want[f"zeroscan.grad_underflow_pct/{t['name']}"] = 100 * t["subnormal_fraction"]
+        want[f"zeroscan.grad/norm/{t['name']}"] = t["norm"]
+        want[f"zeroscan.grad/zero_pct/{t['name']}"] = 100 * t["zero_fraction"]
+        want[f"zeroscan.grad/underflow_pct/{t['name']}"] = 100 * t["subnormal_fraction"]
     want.update({"zeroscan.findings/error": 1.0, "zeroscan.findings/warning": 1.0, "zeroscan.findings/info": 1.0})
     assert got.keys() == want.keys()
     for tag, value in want.items():
         assert got[tag] == pytest.approx(value, rel=1e-12), tag
     weights = scalars(report, prefix="zs", kinds=("weight",))
-    assert len([t for t in weights if t.startswith("zs.weight_norm/")]) == 5
+    assert len([t for t in weights if t.startswith("zs.weight/norm/")]) == 5
+
+
+def test_underflow_is_read_from_old_rows_too() -> None:
+    """A tensor row names its underflow share subnormal_fraction; a saved report whose
+    rows (or history) said underflow_fraction still gives the same scalar."""
+    row = {"name": "w", "kind": "grad", "zero_fraction": 0.5, "subnormal_fraction": 0.25, "norm": 1.0}
+    old = {k: v for k, v in row.items() if k != "subnormal_fraction"} | {"underflow_fraction": 0.25}
+    for t in (row, old):
+        assert loggers.underflow_fraction(t) == 0.25
+        assert scalars({"tensors": [t]})["zeroscan.grad/underflow_pct/w"] == 25.0
+    assert loggers.underflow_fraction({"name": "w"}) is None
 
 
 def test_scalars_skip_missing_values_and_take_objects() -> None:
@@ -71,7 +85,7 @@ def test_scalars_skip_missing_values_and_take_objects() -> None:
             return report
 
     got = scalars(Fake())
-    assert "zeroscan.grad_norm/layer0.weight" not in got and "zeroscan.grad_zero_pct/layer0.weight" in got
+    assert "zeroscan.grad/norm/layer0.weight" not in got and "zeroscan.grad/zero_pct/layer0.weight" in got
     with pytest.raises(TypeError, match="report must be a zeroscan Report or its to_dict"):
         scalars(42)
 
@@ -110,7 +124,7 @@ def test_log_tensorboard_real_summary_writer(tmp_path: Path) -> None:
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert tags == set(scalars(report))
-    (event,) = acc.Scalars("zeroscan.grad_norm/layer0.weight")
+    (event,) = acc.Scalars("zeroscan.grad/norm/layer0.weight")
     assert event.step == 3 and event.value == pytest.approx(report["tensors"][0]["norm"], rel=1e-6)
 
 
@@ -174,7 +188,12 @@ def test_log_report_levels(caplog: pytest.LogCaptureFixture) -> None:
     levels = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert levels[0][0] == logging.ERROR and "layer1.weight (grad): detached" in levels[0][1]
     assert levels[1][0] == logging.WARNING and levels[2][0] == logging.INFO
-    assert levels[3] == (logging.DEBUG, f"zeroscan step 5: {len(report['tensors'])} tensors, 3 findings")
+    # Gradients and weights counted apart, as zeroscan.grad/scanned counts the gradients.
+    assert levels[3] == (logging.DEBUG, "zeroscan step 5: 4 gradients, 5 weights scanned, 3 findings")
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="zeroscan.test"):
+        log_report(report, log, step=6)  # a framework's step, named in every line
+    assert all(r.getMessage().startswith("zeroscan step 6: ") for r in caplog.records)
 
 
 # --- with a real Monitor -----------------------------------------------------------------
@@ -200,20 +219,36 @@ def test_loggers_on_a_real_monitor_report(tmp_path: Path, caplog: pytest.LogCapt
     g = fresh_generator()
     report, model = monitored_report(g)
     got = scalars(report)
-    assert got["zeroscan.grad_norm/b.weight"] == pytest.approx(float(model.b.weight.grad.norm()), rel=1e-5)
-    assert "zeroscan.grad_norm/a.weight" not in got  # detached: no gradient
-    assert got["zeroscan.findings/error"] >= 2
+    assert got["zeroscan.grad/norm/b.weight"] == pytest.approx(float(model.b.weight.grad.norm()), rel=1e-5)
+    assert "zeroscan.grad/norm/a.weight" not in got  # detached: no gradient
+    assert got["zeroscan.findings/error"] == 1  # one cut, one finding for a.weight and a.bias
     with JsonlLogger(tmp_path / "r.jsonl") as log:
         log.log(report)
     doc = json.loads((tmp_path / "r.jsonl").read_text())
-    assert {f["cause"] for f in doc["findings"] if f["name"] == "a.weight"} == {"detached"}
+    (cut,) = [f for f in doc["findings"] if "a.weight" in f.get("names", [])]
+    assert cut["cause"] == "detached" and {m["name"]: m["cause"] for m in cut["members"]} == {
+        "a.weight": "detached", "a.bias": "detached"}
     with CsvLogger(tmp_path / "r.csv") as log:
         log.log(report)
     rows = list(csv.DictReader(open(tmp_path / "r.csv", newline="")))
     assert {r["cause"] for r in rows if r["name"] == "a.weight"} == {"detached"}
     with caplog.at_level(logging.WARNING, logger="zeroscan"):
         log_report(report)
-    assert any("a.weight (grad): detached" in r.getMessage() for r in caplog.records)
+    assert any("a.weight (+1 more) (grad): detached" in r.getMessage() for r in caplog.records)
+
+
+def test_history_names_underflow_as_the_rows_do(tmp_path: Path) -> None:
+    """One quantity, one name: the history's per-step underflow share is
+    "subnormal_fraction", as in the tensor rows, and its last step equals them."""
+    report, _ = monitored_report(fresh_generator())
+    with JsonlLogger(tmp_path / "h.jsonl", history=True) as log:
+        log.log(report)
+    history = json.loads((tmp_path / "h.jsonl").read_text())["history"]
+    assert "underflow_fraction" not in history and "underflow_fraction" not in report.history
+    rows = {t["name"]: t for t in report.tensors if t["kind"] == "grad"}
+    last = dict(zip(history["names"], history["subnormal_fraction"][-1]))
+    assert last and last == {name: rows[name]["subnormal_fraction"] for name in last}
+    assert len(history["subnormal_fraction"]) == len(history["steps"]) == 3
 
 
 # --- Lightning ---------------------------------------------------------------------------
@@ -327,10 +362,10 @@ def test_tensorboard_histograms_are_the_exact_counts() -> None:
     report, scanned = histogram_report(fresh_generator(), plant=False)
     w = FakeHistogramWriter()
     n = log_tensorboard(w, report, kinds=("grad", "weight"))
-    assert set(w.histograms) == {f"zeroscan.{key.replace(':', '_magnitude/', 1)}" for key in scanned}
+    assert set(w.histograms) == {f"zeroscan.{key.replace(':', '/magnitude/', 1)}" for key in scanned}
     for key, t in scanned.items():
         kind, name = key.split(":", 1)
-        call = w.histograms[f"zeroscan.{kind}_magnitude/{name}"]
+        call = w.histograms[f"zeroscan.{kind}/magnitude/{name}"]
         assert call["global_step"] == report.step == 1
         assert_buckets_are_the_exact_counts(call, t)
         assert call["max"] == float(t.double().abs().max())
@@ -338,10 +373,10 @@ def test_tensorboard_histograms_are_the_exact_counts() -> None:
     assert n == len(w.calls) + len(w.histograms) == len(scalars(report, kinds=("grad", "weight"))) + 3 * len(scanned)
     for key in scanned:
         kind, name = key.split(":", 1)
-        assert scalar_calls[f"zeroscan.{kind}_nan/{name}"] == 0.0 and scalar_calls[f"zeroscan.{kind}_inf/{name}"] == 0.0
+        assert scalar_calls[f"zeroscan.{kind}/nan/{name}"] == 0.0 and scalar_calls[f"zeroscan.{kind}/inf/{name}"] == 0.0
     grads_only = FakeHistogramWriter()
     log_tensorboard(grads_only, report)
-    assert set(grads_only.histograms) == {tag for tag in w.histograms if tag.startswith("zeroscan.grad_")}
+    assert set(grads_only.histograms) == {tag for tag in w.histograms if tag.startswith("zeroscan.grad/")}
 
 
 def test_tensorboard_histograms_leave_nan_and_inf_to_scalars() -> None:
@@ -349,15 +384,15 @@ def test_tensorboard_histograms_leave_nan_and_inf_to_scalars() -> None:
     w = FakeHistogramWriter()
     log_tensorboard(w, report, kinds=("grad",))
     t = scanned["grad:2.weight"]
-    call = w.histograms["zeroscan.grad_magnitude/2.weight"]
+    call = w.histograms["zeroscan.grad/magnitude/2.weight"]
     assert_buckets_are_the_exact_counts(call, t)
     assert call["num"] == t.numel() - 3
     top = max(k for k, c in enumerate(call["bucket_counts"]) if c)
     assert call["max"] == call["bucket_limits"][top]  # the inf hides the largest finite |x|: the bucket's limit
     assert call["max"] > float(t[torch.isfinite(t)].abs().max())
     scalar_calls = {tag: value for tag, value, _ in w.calls}
-    assert scalar_calls["zeroscan.grad_nan/2.weight"] == 1.0 and scalar_calls["zeroscan.grad_inf/2.weight"] == 2.0
-    assert scalar_calls["zeroscan.grad_nan/0.weight"] == 0.0
+    assert scalar_calls["zeroscan.grad/nan/2.weight"] == 1.0 and scalar_calls["zeroscan.grad/inf/2.weight"] == 2.0
+    assert scalar_calls["zeroscan.grad/nan/0.weight"] == 0.0
     # A report replayed from its JSON (inf and NaN became null) draws the same histograms.
     from zeroscan.report_data import json_safe
 
@@ -410,7 +445,7 @@ def test_tensorboard_histograms_real_summary_writer(tmp_path: Path) -> None:
         log_tensorboard(writer, report)
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
-    (event,) = acc.Histograms("zeroscan.grad_magnitude/2.weight")
+    (event,) = acc.Histograms("zeroscan.grad/magnitude/2.weight")
     assert event.step == report.step and event.histogram_value.num == scanned["grad:2.weight"].numel() - 3
-    (nan,) = acc.Scalars("zeroscan.grad_nan/2.weight")
+    (nan,) = acc.Scalars("zeroscan.grad/nan/2.weight")
     assert nan.value == 1.0

@@ -8,7 +8,9 @@ import math
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from helpers import fresh_generator, train_monitored
@@ -62,13 +64,93 @@ def report_dict(g: torch.Generator, n: int, steps: int, problems: bool) -> dict[
     grid = [[10 ** (-6 * float(torch.rand((), generator=g))) for _ in history_names] for _ in range(steps)]
     history = {"steps": list(range(steps)), "names": history_names, "grad_norm": grid,
                "zero_fraction": [[0.1] * len(history_names)] * steps,
-               "underflow_fraction": [[0.0] * len(history_names)] * steps}
+               "subnormal_fraction": [[0.0] * len(history_names)] * steps}
     return {"step": steps - 1, "findings": findings, "tensors": tensors, "history": history}
 
 
 @pytest.fixture(autouse=True)
-def _needs_matplotlib() -> None:
-    pytest.importorskip("matplotlib")
+def _needs_matplotlib(request: pytest.FixtureRequest) -> None:
+    if "drawn" not in request.fixturenames:  # the recording stand-in needs no matplotlib
+        pytest.importorskip("matplotlib")
+
+
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """What the plots draw, recorded instead of drawn: matplotlib's Figure and the
+    modules the plots import replaced by mocks, so that the data each panel gets
+    can be read back (and checked where matplotlib is not installed). Returns the
+    axes grids that each figure's subplots() made, in order."""
+    grids: list[Any] = []
+
+    def figure(*args: Any, **kwargs: Any) -> Any:
+        fig = mock.MagicMock()
+
+        def subplots(rows: int, cols: int, **options: Any) -> Any:
+            axes = np.empty((rows, cols), dtype=object)
+            for index in np.ndindex(rows, cols):
+                axes[index] = mock.MagicMock()
+            grids.append(axes)
+            return axes
+
+        fig.subplots.side_effect = subplots
+        return fig
+
+    monkeypatch.setattr(plot, "require_matplotlib", lambda: figure)
+    for name in ("matplotlib", "matplotlib.patches", "matplotlib.colors"):
+        monkeypatch.setitem(sys.modules, name, mock.MagicMock())
+    return grids
+
+
+def panels(axes: Any) -> dict[str, Any]:
+    """The axes of one row of a recorded figure, by the title each was given."""
+    return {ax.set_title.call_args.args[0]: ax for ax in axes if ax.set_title.called}
+
+
+def bars(ax: Any) -> list[list[float]]:
+    """The bar lengths of each barh call on a recorded axes."""
+    return [list(call.args[1]) for call in ax.barh.call_args_list]
+
+
+def test_underflow_is_the_subnormal_share_and_near_zero_a_panel_of_its_own(drawn: list[Any]) -> None:
+    """One definition: the "underflow %" panel draws the subnormal share alone (the
+    report's subnormal_fraction, the loggers' underflow_pct), and near-zero % is drawn
+    in its own panel, under its own name, never added to it."""
+    report = report_dict(fresh_generator(), 8, 1, problems=False)
+    grads = [t for t in report["tensors"] if t["kind"] == "grad"]
+    plot.plot_report(report, "flow")
+    (grid,) = drawn
+    by_title = panels(grid[0])
+    (underflow,) = [t for t in by_title if t.startswith("underflow %")]
+    assert bars(by_title[underflow]) == [pytest.approx([100 * t["subnormal_fraction"] for t in grads])]
+    assert "near" not in underflow and "+" not in underflow
+    (near,) = [t for t in by_title if t.startswith("near zero %")]
+    assert bars(by_title[near]) == [pytest.approx([100 * t["near_zero_fraction"] for t in grads])]
+
+    rows = [{"name": f"t{i}", "numel": 100, "zeros": i, "subnormal": i, "near_zero": 3 * i, "nan": 0, "posinf": 0,
+             "neginf": 0, "min_abs_nonzero": 1e-3, "max_abs": 1.0, "severity": "ok"} for i in range(5)]
+    plot.plot_scan(rows, "scan")
+    by_title = panels(drawn[1][0])
+    (underflow,) = [t for t in by_title if t.startswith("underflow %")]
+    assert bars(by_title[underflow]) == [pytest.approx([float(i) for i in range(5)])]
+    (near,) = [t for t in by_title if t.startswith("near zero %")]
+    assert bars(by_title[near]) == [pytest.approx([3.0 * i for i in range(5)])]
+
+
+@pytest.mark.parametrize("key", ["subnormal_fraction", "underflow_fraction"])
+def test_the_underflow_heat_map_reads_the_history(drawn: list[Any], key: str) -> None:
+    """The history's per-step underflow share is "subnormal_fraction", the tensor rows'
+    name; a report saved before the rename ("underflow_fraction") draws the same."""
+    report = report_dict(fresh_generator(), 4, 3, problems=False)
+    history = report["history"]
+    history.pop("subnormal_fraction")
+    history[key] = [[0.01 * (step + 1) * (k + 1) for k in range(4)] for step in range(3)]
+    plot.plot_report(report, "flow")
+    (grid,) = drawn
+    by_title = panels(grid[1])
+    (title,) = [t for t in by_title if t.startswith("underflow %")]
+    (call,) = by_title[title].imshow.call_args_list
+    shown = np.ma.filled(call.args[0], np.nan)  # rows: parameters, columns: steps
+    np.testing.assert_allclose(shown.T, 100 * np.array(history[key]), rtol=1e-12)
 
 
 @pytest.mark.parametrize("steps", [1, 6])

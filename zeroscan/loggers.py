@@ -3,8 +3,9 @@
 Everything here takes a Report or its ``to_dict()`` dict (see
 zeroscan.monitor), so a report saved as JSON can be replayed too:
 
-    scalars(report)                  {tag: value}: norm, zero %, underflow % per tensor,
-                                     and finding counts; feed it to any dashboard
+    scalars(report)                  {tag: value}: norm, zero %, underflow % per tensor
+                                     ("zeroscan.grad/zero_pct/fc1.weight"), and finding
+                                     counts; feed it to any dashboard
     log_tensorboard(writer, report)  writer.add_scalar for each of them (you pass the
                                      SummaryWriter; zeroscan never creates one), and
                                      writer.add_histogram_raw for each histogram of a
@@ -103,9 +104,23 @@ class MagnitudeHistogram(NamedTuple):
 
 
 def underflow_fraction(t: Mapping[str, Any]) -> float | None:
-    """The report's underflow share of one tensor: subnormal values over all."""
-    value = t.get("underflow_fraction", t.get("subnormal_fraction"))
+    """The underflow share of one tensor row: its subnormal values over all
+    ("subnormal_fraction"; near-zero values are "near_zero_fraction", a
+    quantity of its own). Reports saved before the key had that name have
+    "underflow_fraction", read here too."""
+    value = t.get("subnormal_fraction", t.get("underflow_fraction"))
     return None if value is None else float(value)
+
+
+def scanned_words(tensors: Sequence[Mapping[str, Any]]) -> str:
+    """What a report scanned, by kind: "24 gradients, 28 weights" (and
+    activations where it has them), the words the report itself uses."""
+    counts = {kind: sum(1 for t in tensors if t.get("kind") == kind) for kind in ("grad", "weight", "activation")}
+    words = [f"{counts['grad']} gradient{'s' if counts['grad'] != 1 else ''}",
+             f"{counts['weight']} weight{'s' if counts['weight'] != 1 else ''}"]
+    if counts["activation"]:
+        words.append(f"{counts['activation']} activation{'s' if counts['activation'] != 1 else ''}")
+    return ", ".join(words)
 
 
 # --- dashboards ----------------------------------------------------------------
@@ -115,10 +130,13 @@ def scalars(report: object, *, prefix: str = "zeroscan", kinds: Sequence[str] = 
     """Dashboard scalars of one report, by tag.
 
     Per tensor of the given kinds ("grad", "weight", "activation"), tags
-    ``{prefix}.{kind}_norm/{name}``, ``{prefix}.{kind}_zero_pct/{name}`` and
-    ``{prefix}.{kind}_underflow_pct/{name}`` (so each quantity gets its own
-    section in TensorBoard and W&B); plus ``{prefix}.findings/{severity}``
-    counts. Missing values (a gradient that was never computed) are left out.
+    ``{prefix}.{kind}/norm/{name}``, ``{prefix}.{kind}/zero_pct/{name}`` and
+    ``{prefix}.{kind}/underflow_pct/{name}`` (underflow: subnormal values
+    only); plus ``{prefix}.findings/{severity}`` counts. One scheme with the
+    model-wide ``{prefix}.grad/zero_pct`` of the framework integrations
+    (zeroscan.integrations.common.summary_scalars), so each quantity's tags
+    sit under one group. Missing values (a gradient that was never computed)
+    are left out.
     """
     data = report_dict(report)
     out: dict[str, float] = {}
@@ -135,7 +153,7 @@ def scalars(report: object, *, prefix: str = "zeroscan", kinds: Sequence[str] = 
         }
         for metric, value in values.items():
             if value is not None:
-                out[f"{prefix}.{kind}_{metric}/{name}"] = float(value)
+                out[f"{prefix}.{kind}/{metric}/{name}"] = float(value)
     counts = {"error": 0, "warning": 0, "info": 0}
     for f in data.get("findings", []):
         sev = str(f.get("severity", "info")).lower()
@@ -235,11 +253,11 @@ def log_tensorboard_histograms(
 ) -> int:
     """Writes the histogram of |x| of each tensor of the given kinds that has
     one (Monitor(histogram=True)) with writer.add_histogram_raw, tag
-    ``{prefix}.{kind}_magnitude/{name}``, from the report's exact counts (no
+    ``{prefix}.{kind}/magnitude/{name}``, from the report's exact counts (no
     second pass over any tensor; see magnitude_histogram), and its NaN and
     inf counts, which a TensorBoard histogram cannot hold, with
-    writer.add_scalar as ``{prefix}.{kind}_nan/{name}`` and
-    ``{prefix}.{kind}_inf/{name}``; at `step` (default the report's step).
+    writer.add_scalar as ``{prefix}.{kind}/nan/{name}`` and
+    ``{prefix}.{kind}/inf/{name}``; at `step` (default the report's step).
     Returns how many histograms and scalars were written."""
     data = report_dict(report)
     if step is None:
@@ -249,12 +267,12 @@ def log_tensorboard_histograms(
     written = 0
     for t in tensors:
         kind, name, hist = str(t.get("kind", "grad")), str(t["name"]), t["histogram"]
-        writer.add_scalar(f"{prefix}.{kind}_nan/{name}", float(hist["nan"]), global_step=step)
-        writer.add_scalar(f"{prefix}.{kind}_inf/{name}", float(hist["posinf"] + hist["neginf"]), global_step=step)
+        writer.add_scalar(f"{prefix}.{kind}/nan/{name}", float(hist["nan"]), global_step=step)
+        writer.add_scalar(f"{prefix}.{kind}/inf/{name}", float(hist["posinf"] + hist["neginf"]), global_step=step)
         written += 2
         raw = magnitude_histogram(t)
         if raw is not None:
-            writer.add_histogram_raw(f"{prefix}.{kind}_magnitude/{name}", **raw._asdict(), global_step=step)
+            writer.add_histogram_raw(f"{prefix}.{kind}/magnitude/{name}", **raw._asdict(), global_step=step)
             written += 1
     return written
 
@@ -334,7 +352,8 @@ class CsvLogger(_FileLogger):
     """Appends one row per tensor per report (columns CSV_COLUMNS; the header
     is written once, when the file is empty). severity and cause are those of
     the worst finding about the tensor's name (its gradient, weight or the
-    parameter as a whole), empty when it has none."""
+    parameter as a whole; a grouped finding's members each count for their
+    own name), empty when it has none."""
 
     def __init__(self, path: str | os.PathLike[str], *, mode: str = "a") -> None:
         super().__init__(path, mode)
@@ -346,7 +365,7 @@ class CsvLogger(_FileLogger):
     def log(self, report: object) -> None:
         data = report_dict(report)
         worst: dict[str, Mapping[str, Any]] = {}
-        for f in data.get("findings", []):
+        for f in (m for g in data.get("findings", []) for m in (g.get("members") or [g])):
             name = str(f.get("name"))
             sev = str(f.get("severity", "info")).lower()
             if name not in worst or SEVERITY_RANK.get(sev, 0) > SEVERITY_RANK.get(str(worst[name].get("severity")), 0):
@@ -364,26 +383,44 @@ class CsvLogger(_FileLogger):
 # --- Python logging --------------------------------------------------------------------
 
 
-def log_report(report: object, logger: logging.Logger | None = None, *, summary_level: int = logging.DEBUG) -> int:
+def log_report(
+    report: object, logger: logging.Logger | None = None, *, step: int | None = None, summary_level: int = logging.DEBUG
+) -> int:
     """Logs each finding at its severity (info, warning, error) and a one-line
-    summary at `summary_level`; returns the number of findings logged."""
+    summary at `summary_level` ("zeroscan step 7: 24 gradients, 28 weights
+    scanned, 2 findings"); returns the number of findings logged. `step`:
+    the step the lines name, default the report's own (the Monitor's count,
+    from 0); the framework integrations pass their framework's step."""
     logger = logger or logging.getLogger("zeroscan")
     data = report_dict(report)
     findings = list(data.get("findings", []))
-    step = data.get("step")
+    if step is None:
+        step = data.get("step")
     for f in findings:
-        sev = str(f.get("severity", "info")).lower()
-        logger.log(
-            LOG_LEVELS.get(sev, logging.INFO),
-            "zeroscan step %s: %s (%s): %s: %s",
-            step, f.get("name"), f.get("kind"), f.get("cause"), f.get("message"),
-        )
-    logger.log(
-        summary_level,
-        "zeroscan step %s: %d tensors, %d findings",
-        step, len(data.get("tensors", [])), len(findings),
-    )
+        log_finding(logger, f, step)
+    log_summary(logger, data, step, summary_level)
     return len(findings)
+
+
+def log_finding(logger: logging.Logger, finding: Mapping[str, Any], step: object, *, was: str | None = None) -> None:
+    """One finding (its to_dict() form) to `logger` at its severity; `was`:
+    the severity it had when last logged, said at the end of the line."""
+    sev = str(finding.get("severity", "info")).lower()
+    logger.log(
+        LOG_LEVELS.get(sev, logging.INFO),
+        "zeroscan step %s: %s (%s): %s: %s%s",
+        step, finding.get("name"), finding.get("kind"), finding.get("cause"), finding.get("message"),
+        "" if was is None else f" (was {was})",
+    )
+
+
+def log_summary(logger: logging.Logger, report: Mapping[str, Any], step: object, level: int) -> None:
+    """The one-line summary of a report (a to_dict() form) at `level`."""
+    logger.log(
+        level,
+        "zeroscan step %s: %s scanned, %d findings",
+        step, scanned_words(report.get("tensors", [])), len(report.get("findings", [])),
+    )
 
 
 # --- Lightning ------------------------------------------------------------------------------

@@ -1,11 +1,16 @@
 """Pictures: per-layer gradient flow from a Monitor report, and a checkpoint scan.
 
 ``plot_report(report, path)`` draws, per parameter in model order, the
-gradient norm, the zero % and the underflow % side by side, with the layers
-that have findings named in colour; when the report's history holds more than
-one step, heat maps of the same three quantities over the steps sit below.
-``plot_scan(rows, path)`` draws the same kind of picture for the tensors of a
-scanned checkpoint (``zeroscan scan --plot``).
+gradient norm, the zero %, the underflow % and the near-zero % side by side,
+with the layers that have findings named in colour; when the report's history
+holds more than one step, heat maps of the norm, zero % and underflow % over
+the steps sit below. ``plot_scan(rows, path)`` draws the same kind of picture
+for the tensors of a scanned checkpoint (``zeroscan scan --plot``).
+
+Underflow % is the subnormal values' share, as everywhere in zeroscan (the
+report's "subnormal_fraction", the loggers' "underflow_pct"); near-zero %
+(0 < |x| <= tol, subnormals included: "near_zero_fraction") is a quantity of
+its own, in its own panel, never added to it.
 
 Both work on plain dicts (Report.to_dict() and the scan's JSON rows), so they
 can be fed from saved JSON. matplotlib is optional: it is imported on the
@@ -20,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zeroscan.cli_format import printable
+from zeroscan.loggers import scanned_words
 from zeroscan.report_data import report_dict
 
 SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
@@ -31,6 +37,8 @@ NEAR_ZERO_COLOR = "#80deea"
 MISSING_COLOR = "#9e9e9e"
 EXACT_ZERO_CELL = "#000000"  # heat-map cells whose gradient norm is exactly 0
 MAX_LABELS = 160  # above this many layers, only every k-th name (and every problem layer) is written
+# Underflow is the subnormal values, in every picture, scalar and report row; near-zero has its own panel.
+UNDERFLOW_TITLE = "underflow % (subnormal)"
 
 
 def require_matplotlib() -> Any:
@@ -185,12 +193,12 @@ def plot_report(report: object, path: str | os.PathLike[str], *, dpi: int = 110)
     n_layers = max(len(names), len(history.get("names") or []), 1)
     height = _figure_height(n_layers, rows)
     fig = Figure(figsize=(13, height), dpi=dpi, layout="constrained")
-    axes = fig.subplots(rows, 3, squeeze=False, sharey="row")
+    axes = fig.subplots(rows, 4, squeeze=False, sharey="row")
     what = "gradient" if kind == "grad" else "weight"
     n_findings = len(data.get("findings", []))
     step = data.get("step")
     fig.suptitle(
-        f"zeroscan · {what} flow at step {step} · {len(names)} tensors · "
+        f"zeroscan · {what} flow at step {step} · {scanned_words(tensors)} scanned · "
         f"{n_findings} finding{'s' if n_findings != 1 else ''}",
         fontsize=11,
     )
@@ -201,9 +209,11 @@ def plot_report(report: object, path: str | os.PathLike[str], *, dpi: int = 110)
         for ax in axes[0]:
             ax.text(0.5, 0.5, "no tensors in this report", ha="center", va="center", transform=ax.transAxes)
             ax.set_axis_off()
-    extra = [(SUBNORMAL_COLOR, "subnormal"), (NEAR_ZERO_COLOR, "near zero (normal)"), (MISSING_COLOR, "no gradient")]
-    if with_history and _report_heatmaps(fig, axes[1], history, names, worst, height / rows):
-        extra.append((EXACT_ZERO_CELL, "norm exactly 0 (heat map)"))
+    extra = [(SUBNORMAL_COLOR, "underflow (subnormal)"), (NEAR_ZERO_COLOR, "near zero"), (MISSING_COLOR, "no gradient")]
+    if with_history:
+        axes[1][3].set_axis_off()  # the history keeps no near-zero share
+        if _report_heatmaps(fig, axes[1][:3], history, names, worst, height / rows):
+            extra.append((EXACT_ZERO_CELL, "norm exactly 0 (heat map)"))
     _legend(fig, set(severities), extra)
     fig.savefig(target, format=fmt)
     return target
@@ -222,8 +232,6 @@ def _report_bars(
     zero_pct = [100.0 * _num(t.get("zero_fraction")) for t in grads]
     sub_pct = [100.0 * _num(t.get("subnormal_fraction")) for t in grads]
     near_pct = [100.0 * _num(t.get("near_zero_fraction")) for t in grads]
-    # near_zero counts subnormals too; the light bar is the normal remainder.
-    near_only = [max(0.0, n - s) if math.isfinite(n) else math.nan for n, s in zip(near_pct, sub_pct)]
     nonfinite = [int(t.get("nan") or 0) + int(t.get("inf") or 0) for t in grads]
 
     ax = axes[0]
@@ -258,14 +266,11 @@ def _report_bars(
 
     ax = axes[2]
     ax.barh(y, [v if math.isfinite(v) else 0.0 for v in sub_pct], color=SUBNORMAL_COLOR, height=0.75)
-    ax.barh(
-        y,
-        [v if math.isfinite(v) else 0.0 for v in near_only],
-        left=[v if math.isfinite(v) else 0.0 for v in sub_pct],
-        color=NEAR_ZERO_COLOR,
-        height=0.75,
-    )
-    _percent_axis(ax, [a + b for a, b in zip(sub_pct, near_only)], "underflow % (subnormal + near zero)")
+    _percent_axis(ax, sub_pct, UNDERFLOW_TITLE)
+
+    ax = axes[3]
+    ax.barh(y, [v if math.isfinite(v) else 0.0 for v in near_pct], color=NEAR_ZERO_COLOR, height=0.75)
+    _percent_axis(ax, near_pct, "near zero % (0 < |x| ≤ eps)")
 
 
 def _report_heatmaps(
@@ -287,11 +292,13 @@ def _report_heatmaps(
     panels = (
         ("grad_norm", "gradient norm over steps", 1.0, "viridis"),
         ("zero_fraction", "exact zeros % over steps", 100.0, "magma_r"),
-        ("underflow_fraction", "underflow % over steps", 100.0, "magma_r"),
+        ("subnormal_fraction", "underflow % (subnormal) over steps", 100.0, "magma_r"),
     )
     for ax, (key, title, scale, cmap_name) in zip(axes, panels):
         grid = np.full((len(names), len(steps)), np.nan)
-        for j, row in enumerate(history.get(key) or []):
+        # A report saved before the history's key was renamed has "underflow_fraction".
+        series = history.get(key) or (history.get("underflow_fraction") if key == "subnormal_fraction" else None)
+        for j, row in enumerate(series or []):
             for name, k in columns.items():
                 if k < len(row):
                     grid[row_of[name], j] = _num(row[k]) * scale
@@ -330,9 +337,9 @@ def plot_scan(
     rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], *, title: str = "", dpi: int = 110
 ) -> str:
     """Draws a checkpoint scan (the JSON rows of `zeroscan scan`, in file
-    order): zero %, underflow % and the |x| range per tensor, with tensors
-    that have findings named in colour. Returns the path written (`path`,
-    with .png appended when it has no extension)."""
+    order): zero %, underflow %, near-zero % and the |x| range per tensor,
+    with tensors that have findings named in colour. Returns the path
+    written (`path`, with .png appended when it has no extension)."""
     Figure = require_matplotlib()
     target, fmt = plot_destination(path)
     rows = list(rows)
@@ -340,7 +347,7 @@ def plot_scan(
     severities = [str(r.get("severity", "ok")) for r in rows]
     height = _figure_height(max(len(rows), 1), 1)
     fig = Figure(figsize=(13, height), dpi=dpi, layout="constrained")
-    axes = fig.subplots(1, 3, squeeze=False, sharey="row")[0]
+    axes = fig.subplots(1, 4, squeeze=False, sharey="row")[0]
     n_findings = sum(1 for s in severities if s in SEVERITY_COLORS)
     fig.suptitle(
         (title + " · " if title else "") + f"{len(rows)} tensors · {n_findings} with findings", fontsize=11
@@ -357,7 +364,6 @@ def plot_scan(
     zero_pct = [100.0 * int(r.get("zeros") or 0) / n for r, n in zip(rows, numel)]
     sub_pct = [100.0 * int(r.get("subnormal") or 0) / n for r, n in zip(rows, numel)]
     near_pct = [100.0 * int(r.get("near_zero") or 0) / n for r, n in zip(rows, numel)]
-    near_only = [max(0.0, a - b) for a, b in zip(near_pct, sub_pct)]
 
     ax = axes[0]
     ax.barh(y, zero_pct, color=_bar_colors(severities, ZERO_COLOR), height=0.75)
@@ -366,10 +372,13 @@ def plot_scan(
 
     ax = axes[1]
     ax.barh(y, sub_pct, color=SUBNORMAL_COLOR, height=0.75)
-    ax.barh(y, near_only, left=sub_pct, color=NEAR_ZERO_COLOR, height=0.75)
-    _percent_axis(ax, [a + b for a, b in zip(sub_pct, near_only)], "underflow % (subnormal + near zero)")
+    _percent_axis(ax, sub_pct, UNDERFLOW_TITLE)
 
     ax = axes[2]
+    ax.barh(y, near_pct, color=NEAR_ZERO_COLOR, height=0.75)
+    _percent_axis(ax, near_pct, "near zero % (0 < |x| ≤ tol)")
+
+    ax = axes[3]
     lows = [_num(r.get("min_abs_nonzero")) for r in rows]
     highs = [_num(r.get("max_abs")) for r in rows]
     finite = [v for v in lows + highs if v > 0 and math.isfinite(v)]
@@ -391,6 +400,6 @@ def plot_scan(
             ax.text(lo, i, " all zero", va="center", ha="left", fontsize=7, color=ZERO_COLOR, fontweight="bold")
     ax.set_title("|x| range (smallest non-zero … largest, log)", fontsize=9)
     ax.grid(axis="x", alpha=0.3)
-    _legend(fig, set(severities), [(SUBNORMAL_COLOR, "subnormal"), (NEAR_ZERO_COLOR, "near zero (normal)")])
+    _legend(fig, set(severities), [(SUBNORMAL_COLOR, "underflow (subnormal)"), (NEAR_ZERO_COLOR, "near zero")])
     fig.savefig(target, format=fmt)
     return target

@@ -35,11 +35,26 @@ optimizer step followed, and counts it as one.
 
 The Monitor is this process's own: in a multi-process run each process
 monitors its replica or shard, and log() writes from the main process only.
+
+Steps: log() sends the scalars, and names in its log lines, the `step` it
+is given: the loop's own count of optimizer steps (completed_steps above,
+from 1, as the Trainer and Lightning count them), so that zeroscan's
+values sit at the step of the loop's other logs. Without one it uses the
+report's own step, the Monitor's 0-based index of the step it scanned (5
+where completed_steps is 6).
+
+Findings: log() sends each finding to Python logging when it first
+appears in a report logged for that accelerator, when its severity
+changes, and, in a short INFO line, when it clears; a finding that holds
+for the whole run is logged once, not at every log() call
+(common.LoggedFindings). It remembers this per Accelerator: one Monitor's
+reports per Accelerator.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +62,6 @@ import torch
 from torch import nn
 
 from zeroscan.integrations import common
-from zeroscan.loggers import log_report
 from zeroscan.monitor import Monitor, Report
 
 # Imported now, so that without Accelerate the import of this module fails
@@ -61,6 +75,10 @@ __all__ = ["log", "monitor"]
 
 MONITOR = "zeroscan.integrations.accelerate.monitor"
 LOG = "zeroscan.integrations.accelerate.log"
+
+# What log() has sent to Python logging, per Accelerator (a run's), so that each finding
+# is logged once; weakly held, so that a finished run's Accelerator is not kept alive.
+_LOGGED: weakref.WeakKeyDictionary[Any, common.LoggedFindings] = weakref.WeakKeyDictionary()
 
 
 def monitor(
@@ -130,8 +148,10 @@ def log(
     use (W&B drops a step lower than one already logged); by default the
     report's step (the Monitor's count of optimizer steps, from 0), so that
     a tracker never files every report under one step. On the main process,
-    each finding also goes to Python logging at its severity (`logger`,
-    default the "zeroscan" logger)."""
+    what changed in the findings since the last log() for this accelerator
+    goes to Python logging (`logger`, default the "zeroscan" logger): each
+    finding when it first appears or changes severity, at its severity, and
+    a line when it clears; the lines name the same `step`."""
     _check_accelerator(LOG, accelerator)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise TypeError(f"{LOG}: step must be an int or None, got {step!r}")
@@ -145,7 +165,8 @@ def log(
     # go to logging there too, so that a multi-process run prints each once.
     accelerator.log(values, step=step)
     if accelerator.is_main_process:
-        log_report(data, logger)
+        logged = _LOGGED.setdefault(accelerator, common.LoggedFindings())
+        logged.log(data, logger or logging.getLogger("zeroscan"), step=step, summary_level=logging.DEBUG)
     return values
 
 

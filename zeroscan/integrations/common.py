@@ -1,10 +1,18 @@
 """What every framework integration shares: importing the framework with an
 error that names zeroscan's extra, the torch optimizer inside a wrapper,
-the scalars each logs, and the callbacks' common arguments.
+the scalars each logs, what each has sent to Python logging (so that a
+finding is logged once, not at every report), and the callbacks' common
+arguments.
 
 The summary is a handful of numbers per report whatever the model's size,
 so it can ride along in a framework's own log rows (and its console
 printout); per-tensor scalars (zeroscan.loggers.scalars) are opt-in.
+
+Steps: an integration logs everything of a report (its scalars, its log
+lines) at its framework's step, the count of optimizer steps taken, from 1
+(the Trainer's state.global_step, Lightning's trainer.global_step, the
+`step` given to Accelerate's log()), not at the report's own step, the
+Monitor's 0-based index of the step it scanned.
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zeroscan.loggers import scalars
+from zeroscan.loggers import SEVERITY_RANK, log_finding, log_summary, scalars
 from zeroscan.monitor import Report, Severity
 from zeroscan.report_data import report_dict
+from zeroscan.words import listed
 
 
 def require(module: str, extra: str, user: str) -> ModuleType:
@@ -48,13 +57,15 @@ def summary_scalars(report: Report | Mapping[str, Any], *, prefix: str = "zerosc
 
     {prefix}.findings/error, /warning, /info   findings of each severity
     {prefix}.grad/zero_pct                     exact zeros, % of all gradient elements scanned
-    {prefix}.grad/underflow_pct                subnormal values, % of the same
+    {prefix}.grad/underflow_pct                subnormal values (underflow), % of the same
     {prefix}.grad/nonfinite                    NaN and inf gradient elements
     {prefix}.grad/scanned                      gradients scanned (a None gradient is not)
 
-    Tag style as zeroscan.loggers.scalars, so the two merge into one dict.
-    The gradient numbers are of the report's step; with no gradient
-    scanned, the three gradient shares are left out (not logged as 0).
+    The tag scheme of zeroscan.loggers.scalars, whose per-tensor tags add
+    the tensor's name ({prefix}.grad/zero_pct/fc1.weight), so the two merge
+    into one dict. The gradient numbers are of the report's step; with no
+    gradient scanned, the three gradient shares are left out (not logged
+    as 0).
     """
     data = report_rows(report)
     counts = {s.name.lower(): 0 for s in (Severity.ERROR, Severity.WARNING, Severity.INFO)}
@@ -85,6 +96,69 @@ def logged_scalars(report: Report | Mapping[str, Any], *, prefix: str, per_tenso
     if per_tensor:
         values.update(scalars(data, prefix=prefix))
     return values
+
+
+class LoggedFindings:
+    """What an integration has sent to Python logging of one run's findings:
+    the severity it logged each at, by (finding name, cause).
+
+    A report lists every finding that still holds, so a frozen block is in
+    each report of the run, and logging each report whole would print the
+    same lines at every interval (Lightning's own callbacks warn once). log()
+    logs a finding when it first appears, when its severity changes, and,
+    in one short INFO line, when it clears (is in no later report). Only
+    names, causes and severities are compared: a message whose counts grow
+    makes no new line. A finding that stands for several tensors (its
+    "members", each one's own finding) counts as its members, so that the
+    same tensors grouped otherwise at the next report (a name with "+2
+    more" where it had "+5 more") are no new finding either.
+    """
+
+    def __init__(self) -> None:
+        self.logged: dict[tuple[str, str], str] = {}  # (name, cause) -> severity, lower case
+
+    def log(self, report: Mapping[str, Any], logger: logging.Logger, *, step: int | None, summary_level: int) -> int:
+        """Logs what changed since the last report (report: report_rows'
+        form) and the report's one-line summary at `summary_level`, all
+        naming `step`; returns the number of finding lines logged."""
+        findings = list(report.get("findings", []))
+        units = [_units(f) for f in findings]
+        now: dict[tuple[str, str], str] = {}
+        for key, severity in (u for us in units for u in us):
+            if SEVERITY_RANK.get(severity, 0) >= SEVERITY_RANK.get(now.get(key, "ok"), 0):
+                now[key] = severity  # the worst of a name's findings of one cause (grad and weight)
+        lines = 0
+        for f, us in zip(findings, units):
+            before = {self.logged.get(key) for key, _ in us}
+            if any(self.logged.get(key) != now[key] for key, _ in us):
+                was = next(iter(before)) if len(before) == 1 else None  # None: new, or of several
+                log_finding(logger, f, step, was=was)
+                lines += 1
+        cleared: dict[tuple[str, str], list[str]] = {}
+        for (name, cause), was in self.logged.items():
+            if (name, cause) not in now:
+                cleared.setdefault((cause, was), []).append(name)
+        for (cause, was), names in cleared.items():
+            logger.info("zeroscan step %s: %s: %s cleared (was %s)", step, listed(names, SHOWN_NAMES), cause, was)
+            lines += 1
+        self.logged = now
+        log_summary(logger, report, step, summary_level)
+        return lines
+
+    def clear(self) -> None:
+        """Forgets what was logged: a new run logs its findings afresh."""
+        self.logged = {}
+
+
+SHOWN_NAMES = 8  # names a "cleared" line lists before "and N more"
+
+
+def _units(finding: Mapping[str, Any]) -> list[tuple[tuple[str, str], str]]:
+    """((name, cause), severity) of each tensor a finding (to_dict() form) is about."""
+    return [
+        ((str(m.get("name")), str(m.get("cause"))), str(m.get("severity", "info")).lower())
+        for m in finding.get("members") or [finding]
+    ]
 
 
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -21,12 +21,22 @@ given, the callback
 - logs summary_scalars(report) (zeroscan.integrations.common), and with
   per_tensor=True zeroscan.loggers.scalars(report) too, through each of the
   Trainer's loggers (Logger.log_metrics at trainer.global_step);
-- on the global-zero process, sends each finding to Python logging (the
-  "zeroscan" logger, at the finding's severity: warnings and errors show
-  by default).
+- on the global-zero process, sends to Python logging (the "zeroscan"
+  logger, at the finding's severity: warnings and errors show by default)
+  each finding when it first appears and when its severity changes, and a
+  short INFO line when it clears: a finding that holds for the whole run
+  is logged once, not at every report (common.LoggedFindings).
 
 When training ends it does the same for the steps since the last report,
 if any, then removes the Monitor's hooks. Its latest Report stays as `callback.report`.
+
+Steps: the scalars and the log lines name trainer.global_step, the number
+of optimizer steps taken, as ModelCheckpoint counts them (the report after
+the fifth step is at step 5), not the report's own step, the Monitor's
+0-based index of the step it scanned (4 there). With several optimizers,
+global_step counts each optimizer's steps. What training_step logs with
+self.log, Lightning files under the batches that stepped before it (4
+there), so in metrics.csv such a row sits one step before zeroscan's.
 
 Limits: the Monitor's cause analysis (why a gradient is None) and its check
 for skipped steps watch the LightningModule's own forward, so training_step
@@ -50,7 +60,6 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from zeroscan.integrations import common
-from zeroscan.loggers import log_report
 from zeroscan.monitor import Monitor, Report
 
 USER = "zeroscan.integrations.lightning.ZeroscanCallback"
@@ -114,6 +123,7 @@ class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
         self._checked_at = 0  # trainer.global_step when on_train_batch_end last looked
         self._reported_at = 0  # trainer.global_step at the last report
         self._steps_reported = 0  # the Monitor's steps_seen at the last report
+        self._logged = common.LoggedFindings()  # the findings sent to Python logging so far
 
     # ---- the Trainer's events --------------------------------------------------------------
 
@@ -138,6 +148,7 @@ class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
         self._closure_ran.clear()
         self.report = None
         self._steps_reported = 0
+        self._logged.clear()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Here rather than in on_fit_start: a resumed fit() restores global_step in between.
@@ -221,9 +232,9 @@ class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
             trainer.global_step != self._reported_at
         ):
             self._report(trainer, pl_module, final=True)
-        elif trainer.is_global_zero:  # nothing new since the last report, logged just now
+        elif trainer.is_global_zero:  # nothing new since the last report, made just now
             self.logger.info(
-                "zeroscan: training ended at step %d; the report of that step (above) has %d findings",
+                "zeroscan: training ended at step %d; the last report, of that step, has %d findings",
                 trainer.global_step, len(self.report.findings),
             )
         self._stop()
@@ -244,7 +255,8 @@ class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
     # ---- reporting ------------------------------------------------------------------------
 
     def _report(self, trainer: Any, pl_module: Any, *, final: bool) -> None:
-        """One report: its scalars to every logger of the Trainer, its findings to Python logging."""
+        """One report: its scalars to every logger of the Trainer, what changed
+        in its findings to Python logging, both at trainer.global_step."""
         assert self.monitor is not None
         self.report = self.monitor.report()
         self._reported_at = trainer.global_step
@@ -256,4 +268,6 @@ class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
         for lg in pl_module.loggers:
             lg.log_metrics(values, step=trainer.global_step)
         if trainer.is_global_zero:
-            log_report(rows, self.logger, summary_level=logging.INFO if final else logging.DEBUG)
+            self._logged.log(
+                rows, self.logger, step=trainer.global_step, summary_level=logging.INFO if final else logging.DEBUG
+            )

@@ -12,26 +12,46 @@ never reaches that optimizer; the Monitor records it as skipped and does not
 count it as an update.
 
 Reports follow the Trainer's own logging (TrainingArguments.logging_steps).
-Right after each training log row, or, with `report_every`, after the first
-such row at least that many steps past the last report, the callback does
-two things:
+At each training log row, or, with `report_every`, at the first such row at
+least that many steps past the last report, the callback does two things:
 
-- it sends each finding to Python logging (the "zeroscan" logger, at the
-  finding's severity);
-- it logs summary_scalars(report) through the Trainer's own log(), as a row
-  of log_history at the same step that reaches every `report_to` integration
-  (TensorBoard, W&B, MLflow, ...) and the console printer. That row is
-  logged when the next step begins (or the epoch or training ends), so that
-  it follows the Trainer's own row instead of being nested inside it.
+- it adds summary_scalars(report) to that row: to the `logs` dict that
+  on_log hands every callback, and to the row's copy in log_history, so
+  they reach every `report_to` integration (TensorBoard, W&B, MLflow, ...)
+  and the console printer in the Trainer's own row, and log_history has
+  no row of zeroscan's alone (unless the row log_history ends with is not
+  the copy of that `logs`, as in a Trainer that logs otherwise: then the
+  scalars get a row of their own rather than join another);
+- it sends to Python logging (the "zeroscan" logger, at the finding's
+  severity) each finding when it first appears and when its severity
+  changes, and a short INFO line when it clears: a finding that holds for
+  the whole run is logged once, not at every report (common.LoggedFindings).
 
-At the end of training it does the same for the steps since the last
-report, if any, then removes the Monitor's hooks. Its latest Report stays as `callback.report`.
+Trainer.log appends a copy of the row to log_history and only then calls
+on_log, with the callbacks in their list's order: the report_to
+integrations first, the callbacks given to the Trainer after them. So keys
+added to `logs` would miss log_history and the integrations. The callback
+therefore adds its scalars to the row's log_history copy too, and at the
+start of training moves itself to the front of the Trainer's callback list,
+so that its on_log runs before any other's.
+
+At the end of training it reports the steps since the last report, if any,
+in the Trainer's end-of-training row (train_loss, train_runtime, ...), then
+removes the Monitor's hooks. Its latest Report stays as `callback.report`.
+Where no such row reaches on_log (a loop that drives the callbacks itself),
+on_train_end makes that report, for Python logging only.
+
+Steps: the scalars and the log lines name the Trainer's state.global_step,
+the number of optimizer steps taken, as the row's "step" in log_history
+does (the report after the tenth step is at step 10), not the report's own
+step, the Monitor's 0-based index of the step it scanned (9 there).
 
 A callback is not given its Trainer, so on_train_begin finds it on the call
 stack: the Trainer whose callback handler holds this callback. Where none is
-found (a loop that drives the callbacks itself), the scalars are not logged,
-and one warning says so. With logging_strategy="no" there are no training
-rows, so the only report comes at the end.
+found (a loop that drives the callbacks itself), the callback stays where it
+is in the list, so callbacks before it get no scalars in on_log, and one
+warning says so. With logging_strategy="no" there are no training rows, so
+the only report comes at the end.
 """
 
 from __future__ import annotations
@@ -43,7 +63,6 @@ from typing import Any
 import torch
 
 from zeroscan.integrations import common
-from zeroscan.loggers import log_report
 from zeroscan.monitor import Monitor, Report
 
 transformers = common.require("transformers", "transformers", "zeroscan.integrations.transformers")
@@ -88,8 +107,7 @@ class ZeroscanCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         self._auto = True  # the Monitor scans from the torch optimizer's step pre-hook
         self._reported_at = 0  # the Trainer's global_step at the last report
         self._steps_reported = 0  # the Monitor's steps_seen at the last report
-        self._logging = False  # inside our own Trainer.log call
-        self._pending: dict[str, float] | None = None  # scalars of a report, not yet logged
+        self._logged = common.LoggedFindings()  # the findings sent to Python logging so far
 
     # ---- the Trainer's events --------------------------------------------------------------
 
@@ -107,69 +125,84 @@ class ZeroscanCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         self.report = None
         self._reported_at = state.global_step
         self._steps_reported = 0
+        self._logged.clear()
         self._trainer = self._find_trainer()
         if self._trainer is None:
             self.logger.warning(
-                "%s: no Trainer holding this callback was found on the call stack; "
-                "findings go to Python logging only, and no scalars reach the Trainer's log", USER,
+                "%s: no Trainer holding this callback was found on the call stack; its scalars reach "
+                "only the rows whose on_log it runs in, and not the callbacks before it", USER,
             )
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._flush()
-
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._flush()
+        else:
+            # First in the list, so that the report_to integrations' on_log sees the scalars
+            # this one's adds. A new list: the handler is iterating the old one right now.
+            handler = self._trainer.callback_handler
+            handler.callbacks = [self] + [cb for cb in handler.callbacks if cb is not self]
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None and not self._auto and not self.monitor.closed:
             self.monitor.step()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        # Only the Trainer's training rows ("loss"; evaluation rows have "eval_loss", the
-        # end-of-training summary "train_loss"), and never the row this callback logs.
-        if self._logging or self.monitor is None or self.monitor.closed or not logs or "loss" not in logs:
+        # The Trainer's training rows ("loss"; evaluation rows have "eval_loss"), and its
+        # end-of-training row ("train_loss"), which takes the steps since the last report.
+        if self.monitor is None or self.monitor.closed or not logs:
             return
-        if self.report_every is not None and state.global_step - self._reported_at < self.report_every:
+        if "loss" in logs:
+            key, final = "loss", False
+            if self.report_every is not None and state.global_step - self._reported_at < self.report_every:
+                return
+        elif "train_loss" in logs:
+            key, final = "train_loss", True
+            if not self._unreported():
+                return
+        else:
             return
-        self._report(state, final=False)
+        values = self._report(state, final=final)
+        logs.update(values)
+        # Trainer.log appended {**logs, "step": global_step} to log_history before on_log:
+        # that row, its last, gets the same keys. Where the last row is not the copy of
+        # these logs (a Trainer that logs otherwise), the scalars get a row of their own.
+        history = state.log_history
+        row = history[-1] if history else None
+        if row is not None and row.get("step") == state.global_step and row.get(key) is logs[key]:
+            row.update(values)
+        else:
+            history.append({**values, "step": state.global_step})
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None or self.monitor.closed:
             return
-        if self.report is None or self.monitor.steps_seen > self._steps_reported:
+        if self._unreported():
+            # No end-of-training row reached on_log (a loop that drives the callbacks itself):
+            # the report's findings go to Python logging, and its scalars have no row to join.
             self._report(state, final=True)
-        elif state.is_world_process_zero:  # nothing new since the last report, logged just now
+        elif state.is_world_process_zero and self.report is not None:  # nothing new since the last report
             self.logger.info(
-                "zeroscan: training ended at step %d; the report of that step (above) has %d findings",
+                "zeroscan: training ended at step %d; the last report, of that step, has %d findings",
                 state.global_step, len(self.report.findings),
             )
-        self._flush()
         self.monitor.close()
 
     # ---- reporting ------------------------------------------------------------------------
 
-    def _report(self, state: Any, *, final: bool) -> None:
-        """One report: its findings to Python logging now, its scalars to
-        Trainer.log at the next _flush."""
+    def _unreported(self) -> bool:
+        """Whether the Monitor has seen steps since the last report (or none was made)."""
+        assert self.monitor is not None
+        return self.report is None or self.monitor.steps_seen > self._steps_reported
+
+    def _report(self, state: Any, *, final: bool) -> dict[str, float]:
+        """One report: what changed in its findings to Python logging, at
+        state.global_step; returns its scalars."""
         assert self.monitor is not None
         self.report = self.monitor.report()
         self._reported_at = state.global_step
         self._steps_reported = self.monitor.steps_seen
         rows = common.report_rows(self.report)
-        self._pending = common.logged_scalars(rows, prefix=self.prefix, per_tensor=self.per_tensor)
         if state.is_world_process_zero:
-            log_report(rows, self.logger, summary_level=logging.INFO if final else logging.DEBUG)
-
-    def _flush(self) -> None:
-        """Logs the scalars of the latest report through Trainer.log, once."""
-        values, self._pending = self._pending, None
-        if values is None or self._trainer is None:
-            return
-        self._logging = True
-        try:
-            self._trainer.log(values)
-        finally:
-            self._logging = False
+            self._logged.log(
+                rows, self.logger, step=state.global_step, summary_level=logging.INFO if final else logging.DEBUG
+            )
+        return common.logged_scalars(rows, prefix=self.prefix, per_tensor=self.per_tensor)
 
     def _find_trainer(self) -> Any:
         """The Trainer running this callback: on the call stack above
