@@ -13,7 +13,7 @@ listed with where they were defined, leaving out torch's own and zeroscan's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from functools import cached_property
 from typing import Any, NamedTuple
 
@@ -67,11 +67,10 @@ def own_node(output: torch.Tensor) -> Node:
     return node
 
 
-def reachable(nodes: Iterable[Node], pindex: dict[int, int], *, through_functions: bool = True) -> set[int]:
-    """The parameters (indices by id of the tensor, `pindex`) that the graph
-    behind `nodes` reaches; with through_functions=False, without going
-    behind a custom autograd.Function (see function_kind)."""
-    found: set[int] = set()
+def nodes_behind(nodes: Iterable[Node], *, through_functions: bool = True) -> Iterator[Node]:
+    """Every node of the graph behind `nodes`, each once (depth first, with a
+    stack: graphs are deep); with through_functions=False, a custom
+    autograd.Function's node (see function_kind) is the last on its way."""
     seen: set[int] = set()
     stack = list(nodes)
     while stack:
@@ -79,16 +78,25 @@ def reachable(nodes: Iterable[Node], pindex: dict[int, int], *, through_function
         if id(node) in seen:
             continue
         seen.add(id(node))
+        yield node
         if not through_functions and function_kind(node) is not None:
             continue
+        for nxt, _ in getattr(node, "next_functions", ()):
+            if nxt is not None and id(nxt) not in seen:
+                stack.append(nxt)
+
+
+def reachable(nodes: Iterable[Node], pindex: dict[int, int], *, through_functions: bool = True) -> set[int]:
+    """The parameters (indices by id of the tensor, `pindex`) that the graph
+    behind `nodes` reaches; with through_functions=False, without going
+    behind a custom autograd.Function (see function_kind)."""
+    found: set[int] = set()
+    for node in nodes_behind(nodes, through_functions=through_functions):
         var = getattr(node, "variable", None)
         if var is not None:
             i = pindex.get(id(var))
             if i is not None:
                 found.add(i)
-        for nxt, _ in getattr(node, "next_functions", ()):
-            if nxt is not None and id(nxt) not in seen:
-                stack.append(nxt)
     return found
 
 
@@ -112,19 +120,10 @@ def crossings(roots: Iterable[Node], targets: set[int], pindex: dict[int, int]) 
     module-hook ones, left out). One walk of the graph, and one more behind
     each input of each such Function: a graph without any costs one walk."""
     functions = []
-    seen: set[int] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in nodes_behind(roots):
         kind = function_kind(node)
         if kind is not None and len(functions) < MAX_FUNCTIONS:
             functions.append((node, kind))
-        for nxt, _ in getattr(node, "next_functions", ()):
-            if nxt is not None and id(nxt) not in seen:
-                stack.append(nxt)
     out: dict[int, list[Crossing]] = {}
     for node, (name, compiled) in functions:
         for k, (nxt, _) in enumerate(node.next_functions):
