@@ -531,6 +531,9 @@ def test_the_table_wraps_to_the_width_and_never_runs_hundreds_of_columns() -> No
     for width in (60, 80, 140):
         text = report.format(width=width, verbose=True)
         assert max(len(line) for line in text.splitlines()) <= width, text
+    for bad in (0, -3, 2.5, "80", True):
+        with pytest.raises(ValueError, match=r"width must be an int >= 1 or None, got"):
+            report.format(width=bad)  # type: ignore[arg-type]
     assert "a_module_with_a_rather_long_name_indeed_that_goes_on" in "".join(
         line.strip() for line in report.format(width=80).splitlines()
     )

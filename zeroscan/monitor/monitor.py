@@ -406,9 +406,9 @@ class Monitor:
                 self._scan(now, None, None)
             decode_records([now])
             recorded = [now]
-        self._explain_zeros(judged_records(self._params, recorded)[-1])
-        findings = judge(self._params, recorded, self.thresholds, self._optimizer_view(), unregistered_state(self.model))
         latest = judged_records(self._params, recorded)[-1]
+        self._explain_zeros(latest)
+        findings = judge(self._params, recorded, self.thresholds, self._optimizer_view(), unregistered_state(self.model))
         shown = history_records(self._params, recorded)
         return Report(
             latest.step, findings, tensor_rows(self._params, latest), history(self._params, shown),

@@ -141,7 +141,8 @@ class StepRecord:
         self.fields: list[FieldBlock | None] = []
         self.requires_grad: tuple[bool, ...] = ()
         self.none_causes: dict[int, Why] = {}  # param -> why its gradient is None
-        # param -> why its gradient is exactly zero; found by report() for the step it judges.
+        # param -> why its gradient is exactly zero: found afresh by each report() for the
+        # step it judges (so never renumbered).
         self.zero_causes: dict[int, Why] = {}
         # Each optimizer param group's learning rate as this step ran (None: no optimizer).
         self.lrs: tuple[object, ...] | None = None
@@ -370,7 +371,6 @@ def renumber(r: StepRecord, new_index: dict[int, int], requires_grad: tuple[bool
     r.sharded = [slot(s) for s in r.sharded]
     r.uncounted = [slot(s) for s in r.uncounted]
     r.none_causes = {new_index[i]: v for i, v in r.none_causes.items() if i in new_index}
-    r.zero_causes = {new_index[i]: v for i, v in r.zero_causes.items() if i in new_index}
     r.cleared = [new_index[i] for i in r.cleared if i in new_index]
     old = {new_index[i]: v for i, v in enumerate(r.requires_grad) if i in new_index}
     r.requires_grad = tuple(old.get(j, v) for j, v in enumerate(requires_grad))

@@ -256,6 +256,8 @@ class Report:
         wrapped to `width` columns, at least 60 (None: the terminal's width,
         100 when standard output is not a terminal). verbose: also every
         tensor's own finding under a grouped one."""
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+            raise ValueError(f"zeroscan.Report.format: width must be an int >= 1 or None, got {width!r}")
         width = max(60, width if width is not None else text_width())
         grads = sum(1 for t in self.tensors if t.get("kind") == "grad")
         weights = sum(1 for t in self.tensors if t.get("kind") == "weight")
