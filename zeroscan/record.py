@@ -133,14 +133,19 @@ def _norm(finite: int, mean: float, m2: float) -> float:
     return s * math.sqrt(ra * ra + rb * rb)
 
 
+POS_INF_BITS = 0x7FF0000000000000  # float64 +inf as an int64 word
+NEG_INF_BITS = -0x10000000000000  # float64 -inf (0xFFF0000000000000) as an int64 word
+
+
 def empty_rows(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """int64 [n, 16] rows of the empty partial (the identity of the merge)."""
-    rows = torch.zeros((n, NUM_FIELDS), dtype=torch.int64, device=device)
-    floats = rows[:, FLOATS].view(torch.float64)
-    floats[:, Column.MIN_ABS - Column.MIN_ABS] = math.inf
-    floats[:, Column.MIN_ABS_NONZERO - Column.MIN_ABS] = math.inf
-    floats[:, Column.MAX_ABS - Column.MIN_ABS] = -math.inf
-    return rows
+    """int64 [n, 16] rows of the empty partial (the identity of the merge):
+    zeros, but min |x| and min nonzero |x| +inf and max |x| -inf. Made on
+    `device` from the column numbers, with no copy from the host (the
+    Monitor's merge makes one at every step)."""
+    column = torch.arange(NUM_FIELDS, dtype=torch.int64, device=device)
+    lowest = (column == Column.MIN_ABS) | (column == Column.MIN_ABS_NONZERO)
+    row = torch.where(lowest, POS_INF_BITS, torch.where(column == Column.MAX_ABS, NEG_INF_BITS, 0))
+    return row.expand(n, NUM_FIELDS).clone()
 
 
 def finite_count(rows: torch.Tensor) -> torch.Tensor:

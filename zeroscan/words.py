@@ -1,10 +1,14 @@
 """Counts in words that agree in number: "1 NaN is", "2 NaNs are".
 
 Every message that puts a count before a noun or a verb builds it here, so
-that a tensor of one value never reads "1 values are".
+that a tensor of one value never reads "1 values are"; and so do the
+messages that name ranks ("rank 3", "ranks 3 and 9", "5 ranks from 3 to 40").
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
 
 
 def count_noun(n: int, singular: str, plural: str | None = None) -> str:
@@ -28,3 +32,33 @@ def is_are(n: int) -> str:
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"zeroscan.words.is_are: n must be an int, got {type(n).__name__}")
     return "is" if n == 1 else "are"
+
+
+class RankSet(NamedTuple):
+    """Ranks known by their number and their lowest and highest member
+    (global ranks): all of them when they are one or two."""
+
+    count: int
+    first: int
+    last: int
+
+    @property
+    def named(self) -> tuple[int, ...]:
+        """The ranks known by number: all when one or two, else the lowest and highest."""
+        if self.count <= 0:
+            return ()
+        return (self.first,) if self.count == 1 else (self.first, self.last)
+
+    def words(self) -> str:
+        if self.count == 1:
+            return f"rank {self.first}"
+        if self.count == 2:
+            return f"ranks {self.first} and {self.last}"
+        return f"{self.count} ranks from {self.first} to {self.last}"
+
+
+def span(ranks: Sequence[int]) -> str:
+    """A short phrase for a list of ranks: every rank up to four, else their number and range."""
+    if len(ranks) <= 4:
+        return f"ranks {list(ranks)}"
+    return f"{len(ranks)} ranks from {min(ranks)} to {max(ranks)}"

@@ -1,0 +1,551 @@
+"""Result rows merged across ranks by all-reduces whose size is independent of W.
+
+Every rank holds one int64 [N, 16] result row per tensor (zeroscan/record.py)
+and says, per row, whether it holds the tensor at all (`present`), whether
+its row enters the merge (`counted`) and whether the ranks' rows are pieces
+of one tensor (`sharded`: shards, each counted on one rank) or copies of it
+(replicas, compared, of which one copy is counted: rank 0's in the Monitor).
+Two rounds of all-reduces give every rank the same int64 [N, 24] summary
+(columns: `Col`); what each rank sends, receives and keeps does not grow
+with the world size W:
+
+round one  SUM int64    the counts of the counted rows; how many ranks hold
+                        the tensor, and hold a non-finite value in it
+           SUM float64  n_i * mean_i of the counted rows (n_i finite values)
+           MIN int64    min |x|, min nonzero |x| and (as ~key) max |x| of the
+                        counted rows, by the ordered bits of their float64s;
+                        each rank's mean and m2 range; the least and greatest
+                        fingerprint of the ranks' exact words (counts, min/max
+                        |x|) and the counted copy's, with its mean; the lowest
+                        and highest rank with a non-finite value, and without
+                        the tensor; the header words' range
+round two  SUM float64  the moments about a shift c known to every rank from
+                        round one: sum of (n_i / n)(mean_i - c) and of
+                        m2_i + n_i (mean_i - c)^2; the sizes of the replica
+                        classes (below)
+           MIN int64    the lowest and highest rank outside each class
+
+That is 320 bytes per row plus 64 per merge in five all-reduces, and 192
+bytes per row plus 64 kept (`payload_bytes`, `summary_bytes`).
+
+Counts and min/max |x| are bit for bit those of the exact merge
+(zeroscan.distributed.combine_rows). For shards c = sum(n_i mean_i) / n, the
+mean; with the unit roundoff u = 2^-53,
+
+    |mean - exact mean| <= u |mean| + (W + 2) u * sum((n_i / n) |mean_i - c|)
+    |m2 - exact m2|     <= (W + 3) u * (m2 + n (mean - c)^2)
+
+where c, a float64 quotient of W-term sums, lies within (W + 1) u *
+sum((n_i / n) |mean_i|) of the mean: m2 is good to (W + 3) u relative (1e-12
+at W = 4,096) but for a term of order u^3 n mean^2. The bounds are relative
+to normal floats: values whose mean is subnormal can differ by a few of the
+2^-1074 steps (a sum n_i mean_i that overflows float64, from |x| near 1e308
+in float64 data, makes c the least mean of a rank instead). For replicas c
+is the counted copy's mean, so its moments come back exactly.
+
+Replicas (data-parallel copies that should hold the same tensor) are
+compared without gathering them. Three candidate values: the least and the
+greatest fingerprint, and the counted copy's (where the fingerprints all
+agree, the least, greatest and counted copy's mean within the relative
+tolerance `rtol`, reduction order, then the least and greatest m2). Round
+two counts the ranks equal to each (classes L, H and C) and finds the
+lowest and highest rank outside each. The largest class is the reference
+(then the one holding fewer non-finite values, then C, L, H), and the ranks
+outside it are named: exactly when they are one or two, else by their
+number and their lowest and highest rank. A majority that holds none of the
+candidate values (ranks on both sides of it that differ from each other,
+and the counted copy among them) goes unseen: so when the reference holds
+at most half of the ranks while some rank is in no class, or two different
+classes tie, the summary marks that no majority is sure. The fingerprint is
+a 64-bit hash: two different rows pass for equal with a probability near
+2^-64.
+
+`start` runs the rounds over a process group; `simulate` runs the same code
+over the stacked inputs of W ranks (or of blocks of identical ranks) in one
+process, for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zeroscan.record import FLOATS, NONFINITE, NUM_COUNTS, NUM_FIELDS, Column, empty_rows
+
+INT64_MAX = (1 << 63) - 1
+_SIGN_FREE = INT64_MAX  # the bits a negative float64's ordered key flips
+NUM_HEADER = 4  # header words each rank adds: any int64s every rank should agree on
+
+
+class Col(enum.IntEnum):
+    """Columns of the summary: int64 [N, SUMMARY_WIDTH], the same on every rank.
+    Columns 0..12 are a result row (zeroscan.record.Column) of the merged
+    counted rows; ranks are group ranks (0..W-1); a "last" rank is -1 and a
+    "first" rank is W when there is none."""
+
+    PRESENT = 13  # ranks that hold the tensor
+    NONFINITE_RANKS = 14  # ranks whose own row holds a NaN or an infinity
+    FIRST_NONFINITE = 15
+    LAST_NONFINITE = 16
+    FIRST_ABSENT = 17  # the lowest rank without the tensor
+    LAST_ABSENT = 18
+    REFERENCE = 19  # replicas: ranks in the reference class (W: all agree); negative: no sure majority
+    FIRST_OTHER = 20  # replicas: the lowest rank outside the reference class
+    LAST_OTHER = 21
+    MEAN_LO = 22  # replicas: float64 bits, the least and greatest mean of any rank holding it
+    MEAN_HI = 23
+
+
+SUMMARY_WIDTH = len(Col) + Col.PRESENT
+
+
+# ---------------------------------------------------------------- words
+
+
+def ordered(bits: torch.Tensor) -> torch.Tensor:
+    """int64 keys of float64 bit patterns (non-NaN) that order as the floats
+    do; the map is its own inverse."""
+    return torch.where(bits < 0, bits ^ _SIGN_FREE, bits)
+
+
+def as_floats(words: torch.Tensor) -> torch.Tensor:
+    return words.contiguous().view(torch.float64)
+
+
+def as_words(values: torch.Tensor) -> torch.Tensor:
+    return values.contiguous().view(torch.int64)
+
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64: odd, its multiples spread over 64 bits
+
+
+def _fingerprint(words: torch.Tensor) -> torch.Tensor:
+    """int64 [...]: a 64-bit hash of int64 [..., K] words: their sum weighted
+    by odd constants, wrapping modulo 2^64, then mixed. Two rows that differ
+    in one word always differ here (an odd weight is invertible modulo 2^64).
+    The weights are made on the words' device: no copy from the host."""
+    k = torch.arange(1, words.shape[-1] + 1, dtype=torch.int64, device=words.device)
+    weights = (k * _GOLDEN) | 1
+    h = (words * weights).sum(-1)
+    h = h ^ ((h >> 31) & ((1 << 33) - 1))
+    return h ^ (h << 17)
+
+
+def _finite_count(rows: torch.Tensor) -> torch.Tensor:
+    return (rows[..., Column.NUMEL] - rows[..., NONFINITE].sum(-1)).to(torch.float64)
+
+
+def _moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    floats = as_floats(rows[..., FLOATS])
+    return floats[..., Column.MEAN - Column.MIN_ABS], floats[..., Column.M2 - Column.MIN_ABS]
+
+
+def _neither(condition: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """value where condition holds, else the identity of MIN."""
+    return torch.where(condition, value, torch.full_like(value, INT64_MAX))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rtol: float) -> torch.Tensor:
+    return ((a - b).abs() <= rtol * scale) | (a == b)
+
+
+def _key_value(key: torch.Tensor) -> torch.Tensor:
+    """The float64 whose ordered key is `key`."""
+    return as_floats(ordered(key))
+
+
+# ---------------------------------------------------------------- the rounds
+
+
+class Local(NamedTuple):
+    """One rank's input (a leading batch dim of W ranks in `simulate`).
+
+    rows: int64 [..., N, 16] this rank's rows (any words where absent).
+    present: bool [..., N] this rank holds the tensor.
+    counted: bool [..., N] its row enters the merge.
+    sharded: bool [..., N] the ranks' rows are pieces of one tensor (merged);
+        False: replicas (compared), of which one copy is counted (group rank 0's).
+    rank: int64 [..., 1] this rank's group rank.
+    header: int64 [..., NUM_HEADER].
+    """
+
+    rows: torch.Tensor
+    present: torch.Tensor
+    counted: torch.Tensor
+    sharded: torch.Tensor
+    rank: torch.Tensor
+    header: torch.Tensor
+
+
+class Prepared(NamedTuple):
+    """What both rounds read of one rank's input, computed once."""
+
+    mine: torch.Tensor  # int64 [..., N, 16]: the row this rank adds to the merge (empty unless counted)
+    n: torch.Tensor  # float64 [..., N]: finite values in `mine`
+    mean: torch.Tensor  # float64 [..., N]: of `mine`
+    m2: torch.Tensor
+    own_mean: torch.Tensor  # float64 [..., N]: of this rank's own row, counted or not
+    own_m2: torch.Tensor
+    own_n: torch.Tensor
+    nonfinite: torch.Tensor  # bool [..., N]: this rank holds the tensor and a NaN or infinity in it
+    fingerprint: torch.Tensor  # int64 [..., N]: a hash of the exact words (counts, min/max |x|) and `present`
+
+
+def prepare(local: Local) -> Prepared:
+    empty = empty_rows(1, local.rows.device)[0]
+    mine = torch.where((local.present & local.counted).unsqueeze(-1), local.rows, empty)
+    mean, m2 = _moments(mine)
+    own_mean, own_m2 = _moments(local.rows)
+    held = local.present.unsqueeze(-1)
+    exact = torch.cat([local.rows[..., : Column.MAX_ABS + 1], held.to(torch.int64)], -1)
+    return Prepared(
+        mine, _finite_count(mine), mean, m2, own_mean, own_m2, _finite_count(local.rows),
+        local.present & (local.rows[..., NONFINITE].sum(-1) > 0),
+        _fingerprint(torch.where(held, exact, torch.zeros_like(exact))),
+    )
+
+
+class RoundOne(NamedTuple):
+    sums: torch.Tensor  # int64 [..., N, 10]: counts (8), ranks holding it, ranks with non-finite values
+    fsums: torch.Tensor  # float64 [..., N, 1]: n_i mean_i of the counted rows
+    mins: torch.Tensor  # int64 [..., N * ONE_MINS + 2 * NUM_HEADER]
+
+
+class RoundTwo(NamedTuple):
+    fsums: torch.Tensor  # float64 [..., N, 8]: mean correction, m2, |L|, |H|, |C|, |none|, non-finite in L, in H
+    mins: torch.Tensor  # int64 [..., N, 6]: first and ~last rank outside L, outside H, outside C
+
+
+# Columns of RoundOne.mins (per row, before the header words).
+(M_MIN_ABS, M_MIN_NONZERO, M_MAX_ABS, M_PRINT_LO, M_PRINT_HI, M_PRINT_COPY, M_MEAN_LO, M_MEAN_HI, M_MEAN_COPY,
+ M_M2_LO, M_M2_HI, M_FIRST_NONFINITE, M_LAST_NONFINITE, M_FIRST_ABSENT, M_LAST_ABSENT) = range(15)
+ONE_MINS = 15
+S_PRESENT, S_NONFINITE = NUM_COUNTS, NUM_COUNTS + 1
+
+
+def round_one(local: Local, prep: Prepared, world: int) -> RoundOne:
+    mine, n, mean = prep.mine, prep.n, prep.mean
+    nonfinite, held = prep.nonfinite, local.present
+    sums = torch.cat([mine[..., :NUM_COUNTS], torch.stack([held, nonfinite], -1).to(torch.int64)], -1)
+    fsums = torch.where(n > 0, n * mean, 0.0).unsqueeze(-1)
+    fp = prep.fingerprint
+    rank = local.rank.expand_as(fp)
+    counted = local.counted
+    mean_key, m2_key = ordered(as_words(prep.own_mean)), ordered(as_words(prep.own_m2))
+    mins = torch.stack([
+        ordered(mine[..., Column.MIN_ABS]),
+        ordered(mine[..., Column.MIN_ABS_NONZERO]),
+        ~ordered(mine[..., Column.MAX_ABS]),
+        fp,
+        ~fp,
+        _neither(counted, fp),
+        _neither(held, mean_key),
+        _neither(held, ~mean_key),
+        _neither(counted & held, mean_key),
+        _neither(held, m2_key),
+        _neither(held, ~m2_key),
+        torch.where(nonfinite, rank, world),
+        _neither(nonfinite, ~rank),
+        torch.where(held, world, rank),
+        _neither(~held, ~rank),
+    ], -1)
+    header = torch.cat([local.header, ~local.header], -1)
+    return RoundOne(sums, fsums, torch.cat([mins.flatten(-2), header], -1))
+
+
+def _one_mins(one_mins: torch.Tensor, rows: int) -> torch.Tensor:
+    return one_mins[..., : rows * ONE_MINS].unflatten(-1, (rows, ONE_MINS))
+
+
+def _finite_total(sums: torch.Tensor) -> torch.Tensor:
+    return (sums[..., Column.NUMEL] - sums[..., NONFINITE].sum(-1)).to(torch.float64)
+
+
+def _shift(sums: torch.Tensor, fsums: torch.Tensor, mins: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
+    """float64 [N]: the shift c of round two, the same on every rank: for
+    replicas the mean of the counted copy (the least, were there several), so
+    that its moments come back exactly; for shards the mean, or where n_i
+    mean_i overflowed the least mean of a rank."""
+    total = _finite_total(sums)
+    mean = fsums[..., 0] / total.clamp_min(1.0)
+    merged = torch.where(mean.isfinite(), mean, _key_value(mins[..., M_MEAN_LO]))
+    c = torch.where(sharded, merged, _key_value(mins[..., M_MEAN_COPY]))
+    return torch.where((total > 0) & c.isfinite(), c, 0.0)
+
+
+class Classes(NamedTuple):
+    """Which replica class each rank is in (bool [..., N] each): equal to the
+    least value (L), to the greatest (H), to the counted copy's (C: rank
+    0's in the Monitor)."""
+
+    low: torch.Tensor
+    high: torch.Tensor
+    copy: torch.Tensor
+
+
+def _classes(local: Local, prep: Prepared, mins: torch.Tensor, rtol: float) -> Classes:
+    """By fingerprint (the exact words) where the ranks' differ; where they
+    all agree, by mean within rtol, and where the means agree too, by m2."""
+    fp = prep.fingerprint
+    fp_lo, fp_hi, fp_copy = mins[..., M_PRINT_LO], ~mins[..., M_PRINT_HI], mins[..., M_PRINT_COPY]
+    mean_lo, mean_hi = _key_value(mins[..., M_MEAN_LO]), _key_value(~mins[..., M_MEAN_HI])
+    mean_copy = _key_value(mins[..., M_MEAN_COPY])
+    m2_lo, m2_hi = _key_value(mins[..., M_M2_LO]), _key_value(~mins[..., M_M2_HI])
+    n = prep.own_n.clamp_min(1.0)
+    mean, m2 = prep.own_mean, prep.own_m2
+    mean_sq = torch.maximum(mean_lo * mean_lo, mean_hi * mean_hi)
+    m2_top = torch.maximum(m2_lo.abs(), m2_hi.abs())
+    mean_scale = torch.sqrt(m2_top / n + mean_sq)
+    m2_scale = m2_top + n * mean_sq
+    same_print = fp_lo == fp_hi
+    means_agree = _close(mean_lo, mean_hi, mean_scale, rtol)
+    held = local.present
+
+    def near_mean(ref: torch.Tensor) -> torch.Tensor:
+        return ~held | _close(mean, ref, mean_scale, rtol)
+
+    def near_m2(ref: torch.Tensor) -> torch.Tensor:
+        return ~held | _close(m2, ref, m2_scale, rtol)
+
+    low = torch.where(same_print, torch.where(means_agree, near_m2(m2_lo), near_mean(mean_lo)), fp == fp_lo)
+    high = torch.where(same_print, torch.where(means_agree, near_m2(m2_hi), near_mean(mean_hi)), fp == fp_hi)
+    copy = torch.where(same_print, torch.where(means_agree, low & high, near_mean(mean_copy)), fp == fp_copy)
+    return Classes(low, high, copy)
+
+
+def round_two(local: Local, prep: Prepared, one: RoundOne, rtol: float, world: int) -> RoundTwo:
+    """Round two's words; `one` holds round one's reduced results."""
+    rows = local.rows.shape[-2]
+    mins = _one_mins(one.mins, rows)
+    c = _shift(one.sums, one.fsums, mins, local.sharded)
+    total = _finite_total(one.sums)
+    n, mean, m2 = prep.n, prep.mean, prep.m2
+    d = mean - c
+    weight = n / total.clamp_min(1.0)
+    correction = torch.where(n > 0, weight * (0.5 * mean - 0.5 * c), 0.0)
+    spread = torch.where(n > 0, m2 + n * d * d, 0.0)
+    classes = _classes(local, prep, mins, rtol)
+    nonfinite = prep.nonfinite
+    none = ~(classes.low | classes.high | classes.copy)
+    fsums = torch.stack([
+        correction, spread, classes.low.double(), classes.high.double(), classes.copy.double(), none.double(),
+        (classes.low & nonfinite).double(), (classes.high & nonfinite).double(),
+    ], -1)
+    rank = local.rank.expand_as(classes.low)
+    outside = []
+    for member in classes:
+        outside += [torch.where(member, world, rank), _neither(~member, ~rank)]
+    return RoundTwo(fsums, torch.stack(outside, -1))
+
+
+def summarize(one: RoundOne, two: RoundTwo, world: int, sharded: torch.Tensor) -> torch.Tensor:
+    """int64 [N * SUMMARY_WIDTH + 2 * NUM_HEADER]: the summary rows (see Col)
+    then the header's least and (as ~) greatest words, from both rounds'
+    reduced results."""
+    rows = one.sums.shape[-2]
+    mins = _one_mins(one.mins, rows)
+    c = _shift(one.sums, one.fsums, mins, sharded)
+    total = _finite_total(one.sums)
+    shift = 2.0 * two.fsums[..., 0]
+    spread = two.fsums[..., 1]
+    largest = torch.finfo(torch.float64).max  # rounding may carry a mean near it past it
+    mean = torch.where(total > 0, (c + shift).clamp(-largest, largest), 0.0)
+    # An m2 past the float64 range stays +inf (its correction may overflow too: inf - inf).
+    m2 = torch.where(spread.isinf(), spread, (spread - total * shift * shift).clamp_min(0.0))
+    m2 = torch.where(total > 0, m2, 0.0)
+    reference, first_other, last_other = _reference(mins, two, world)
+    columns = [
+        ordered(mins[..., M_MIN_ABS]),
+        ordered(mins[..., M_MIN_NONZERO]),
+        ordered(~mins[..., M_MAX_ABS]),
+        as_words(mean),
+        as_words(m2),
+        one.sums[..., S_PRESENT],
+        one.sums[..., S_NONFINITE],
+        mins[..., M_FIRST_NONFINITE],
+        _last(mins[..., M_LAST_NONFINITE]),
+        mins[..., M_FIRST_ABSENT],
+        _last(mins[..., M_LAST_ABSENT]),
+        reference,
+        first_other,
+        last_other,
+        ordered(mins[..., M_MEAN_LO]),
+        ordered(~mins[..., M_MEAN_HI]),
+    ]
+    out = torch.cat([one.sums[..., :NUM_COUNTS], torch.stack(columns, -1)], -1)
+    return torch.cat([out.flatten(), one.mins[..., rows * ONE_MINS :]])
+
+
+def _reference(mins: torch.Tensor, two: RoundTwo, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the reference class's size (negative when no majority is
+    sure), and the first and last rank outside it. The candidates are the
+    classes of the least value, the greatest and the counted copy's; the
+    largest wins, then the one holding fewer non-finite values, then the
+    counted copy's, the least's, the greatest's. No majority is sure on a tie between classes that differ,
+    or when the winner holds at most half of the ranks and some rank is in
+    no candidate class (its value, between the extremes, may be held by more)."""
+    counts = two.fsums[..., 2:5].round().long()  # [N, 3]: L, H, C
+    none = two.fsums[..., 5].round().long()
+    # C's members hold what the counted copy holds: rank 0's, where the replicas are compared.
+    copy_nonfinite = mins[..., M_FIRST_NONFINITE] == 0
+    bad = torch.stack([
+        two.fsums[..., 6].round().long(), two.fsums[..., 7].round().long(),
+        torch.where(copy_nonfinite, counts[..., 2], 0),
+    ], -1)
+    firsts, lasts = two.mins[..., 0::2], _last(two.mins[..., 1::2])
+    score = (counts * (world + 1) + (world - bad)) * 3
+    score[..., 0] += 1  # on a full tie: C, then L, then H
+    score[..., 2] += 2
+    best = score.argmax(-1, keepdim=True)
+    count, worse = counts.gather(-1, best), bad.gather(-1, best)
+    first, last = firsts.gather(-1, best), lasts.gather(-1, best)
+    differs = (firsts != first) | (lasts != last)
+    tie = ((counts == count) & (bad == worse) & differs).any(-1)
+    count, first, last = count[..., 0], first[..., 0], last[..., 0]
+    unsure = tie | ((2 * count <= world) & (none > 0))
+    return torch.where(unsure, -count, count), first, last
+
+
+def _last(min_of_not: torch.Tensor) -> torch.Tensor:
+    """The greatest rank from MIN(~rank), -1 where no rank took part."""
+    return torch.where(min_of_not == INT64_MAX, -1, ~min_of_not)
+
+
+# ---------------------------------------------------------------- running them
+
+
+def payload_bytes(rows: int) -> int:
+    """Bytes each rank all-reduces per merge of `rows` rows: the same at every W."""
+    one = rows * (S_NONFINITE + 1) + rows + rows * ONE_MINS + 2 * NUM_HEADER
+    two = rows * 8 + rows * 6
+    return (one + two) * 8
+
+
+def summary_bytes(rows: int) -> int:
+    """Bytes of the summary a merge of `rows` rows leaves (what a Monitor keeps per step)."""
+    return (rows * SUMMARY_WIDTH + 2 * NUM_HEADER) * 8
+
+
+def start(local: Local, group: dist.ProcessGroup, *, rtol: float = 1e-9) -> torch.Tensor:
+    """Both rounds over `group` (every rank must call it with the same N):
+    the summary, on the rows' device. With NCCL nothing waits on the host
+    (a synchronous all_reduce only orders the device's streams); with gloo
+    each all_reduce is waited for."""
+    world = dist.get_world_size(group)
+
+    def reduce(parts: Sequence[tuple[torch.Tensor, dist.ReduceOp]]) -> list[torch.Tensor]:
+        # One after another: gloo runs concurrent small collectives ten times slower
+        # than the same ones in sequence (measured: 3 at once 6.5 ms, one 0.39 ms, on
+        # 2 cores); NCCL's synchronous call only orders the streams.
+        buffers = [t.contiguous() for t, _ in parts]
+        for buffer, (_, op) in zip(buffers, parts):
+            dist.all_reduce(buffer, op=op, group=group)
+        return buffers
+
+    prep = prepare(local)
+    one = round_one(local, prep, world)
+    sums, fsums, mins = reduce([(one.sums, dist.ReduceOp.SUM), (one.fsums, dist.ReduceOp.SUM),
+                                (one.mins, dist.ReduceOp.MIN)])
+    one = RoundOne(sums, fsums, mins)
+    two = round_two(local, prep, one, rtol, world)
+    two_fsums, two_mins = reduce([(two.fsums, dist.ReduceOp.SUM), (two.mins, dist.ReduceOp.MIN)])
+    return summarize(one, RoundTwo(two_fsums, two_mins), world, local.sharded)
+
+
+class Disagreement(NamedTuple):
+    """A value the ranks hold differently: its least and greatest, each with
+    the lowest (global) rank that holds it."""
+
+    index: int
+    low: int
+    low_rank: int
+    high: int
+    high_rank: int
+
+
+def disagreements(values: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[Disagreement]:
+    """Which of `values` (host ints) differ across the ranks of `group`: one
+    all_reduce of 2 words per value, read back (a host wait, for setup
+    checks), and a second when some differ, to name ranks."""
+    k = len(values)
+    words = torch.tensor([*values, *(~v for v in values)], dtype=torch.int64, device=device)
+    dist.all_reduce(words, op=dist.ReduceOp.MIN, group=group)
+    host = words.tolist()
+    low, high = host[:k], [~w for w in host[k:]]
+    if low == high:
+        return []
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = [rank if v == lo else world for v, lo in zip(values, low)]
+    mine += [rank if v == hi else world for v, hi in zip(values, high)]
+    who = torch.tensor(mine, dtype=torch.int64, device=device)
+    dist.all_reduce(who, op=dist.ReduceOp.MIN, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    at = who.tolist()
+    return [
+        Disagreement(i, low[i], ranks[at[i]], high[i], ranks[at[k + i]])
+        for i in range(k)
+        if low[i] != high[i]
+    ]
+
+
+def simulate(
+    local: Local, *, rtol: float = 1e-9, copies: Sequence[int] | None = None, chunk: int | None = None
+) -> torch.Tensor:
+    """Both rounds in one process over W ranks' inputs stacked along dim 0
+    (rows int64 [R, N, 16], rank int64 [R, 1], ...): the summary every rank
+    would get. `copies`: input r stands for copies[r] ranks with the same
+    input, ranks rank[r] .. rank[r] + copies[r] - 1 (so a world of 16,384
+    replicas is a handful of inputs): its sums count copies[r] times, and
+    its MIN words are taken at both end ranks (every MIN word is monotone in
+    the rank, so an end rank holds the block's least). `chunk` inputs at a
+    time bound the memory."""
+    blocks = local.rows.shape[0]
+    sizes = torch.ones(blocks, dtype=torch.int64) if copies is None else torch.tensor(list(copies), dtype=torch.int64)
+    if sizes.shape != (blocks,) or bool((sizes < 1).any()):
+        raise ValueError(f"simulate: copies must hold {blocks} ints >= 1, got {copies!r}")
+    world = int(sizes.sum())
+    step = chunk or blocks
+
+    Make = Callable[[Local, Prepared], tuple[torch.Tensor, ...]]
+
+    def reduced(make: Make, ops: tuple[str, ...]) -> list[torch.Tensor]:
+        acc: list[torch.Tensor] | None = None
+        for k in range(0, blocks, step):
+            piece = Local(*(t[k : k + step] for t in local))
+            size = sizes[k : k + step].to(local.rows.device)
+            prep = prepare(piece)
+            first = make(piece, prep)
+            last = make(piece._replace(rank=piece.rank + (size - 1).unsqueeze(1)), prep)
+            folded = []
+            for a, b, op in zip(first, last, ops):
+                if op == "sum":
+                    folded.append((a * size.view(-1, *([1] * (a.dim() - 1))).to(a.dtype)).sum(0))
+                else:
+                    folded.append(torch.minimum(a, b).amin(0))
+            acc = folded if acc is None else [
+                a + f if op == "sum" else torch.minimum(a, f) for a, f, op in zip(acc, folded, ops)
+            ]
+        assert acc is not None
+        return acc
+
+    one = RoundOne(*reduced(lambda p, prep: tuple(round_one(p, prep, world)), ("sum", "sum", "min")))
+    two = RoundTwo(*reduced(lambda p, prep: tuple(round_two(p, prep, one, rtol, world)), ("sum", "min")))
+    return summarize(one, two, world, local.sharded[0])
+
+
+def summary_rows(summary: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64 [rows, 16]: the merged result rows of a summary (spare columns zero)."""
+    body = summary[: rows * SUMMARY_WIDTH].view(rows, SUMMARY_WIDTH)
+    out = torch.zeros((rows, NUM_FIELDS), dtype=torch.int64, device=summary.device)
+    out[:, : Column.M2 + 1] = body[:, : Column.M2 + 1]
+    return out
+
+
+def header_range(summary: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The header words' least and greatest values over the ranks (host ints)."""
+    words = summary[-2 * NUM_HEADER :].tolist()
+    return words[:NUM_HEADER], [~w for w in words[NUM_HEADER:]]
