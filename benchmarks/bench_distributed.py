@@ -5,10 +5,12 @@ parameter list, and times, per training step:
 
   scan full       zeroscan.scan_buffers over every parameter (a DDP replica)
   scan shard      the same over this rank's 1/world of each parameter (FSDP)
-  all_gather      the ONE collective: every rank's int64 [N, 16] rows
+  all_gather      every rank's int64 [N, 16] rows (gather_rows: compare_replicas, by hand)
   combine         the local exact (Chan) merge of the gathered rows
   replica check   replica_report on gathered full-parameter rows (no rank differs)
-  merge_stats     StatsBatch -> packed rows -> all_gather -> merge, end to end
+  all-reduce merge the two rounds of zeroscan/allreduce.py over the shard rows (the
+                  Monitor's and zeroscan.distributed's merge; its size does not grow with W)
+  merge_stats     StatsBatch -> rows -> the all-reduce merge, end to end
   DTensor stats   zeroscan.distributed.stats_many over Shard(0) DTensors
   scan + async    shard scan with the previous step's merge in flight
 
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 import zeroscan
 import zeroscan.distributed as zd
+from zeroscan import allreduce
 from timing import time_batches
 
 
@@ -65,6 +68,11 @@ def worker(rank: int, args: argparse.Namespace, store: str, queue: multiprocessi
     gathered = zd.gather_rows(rows)
     replicas = zd.gather_rows(zeroscan.scan_buffers(params)[0])  # every rank holds the same params
     batch = zeroscan.stats_many(shards)
+    n = rows.shape[0]
+    local = allreduce.Local(
+        rows, torch.ones(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool),
+        torch.tensor([rank]), torch.zeros(allreduce.NUM_HEADER, dtype=torch.int64),
+    )
 
     def scan_and_overlap() -> None:
         pending = zd.gather_rows(rows, async_op=True)  # the previous step's rows
@@ -81,6 +89,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, queue: multiprocessi
         "all_gather": timed(lambda: zd.gather_rows(rows), args.steps),
         "combine": timed(gathered.merged, args.steps),
         "replica check": timed(replicas.replica_report, args.steps),
+        "all-reduce merge": timed(lambda: allreduce.start(local, dist.group.WORLD), args.steps),
         "merge_stats": timed(lambda: zd.merge_stats(batch), args.steps),
         "DTensor stats": timed(lambda: zd.stats_many(dtensors), args.steps),
         "scan + merge, sequential": timed(sequential, args.steps),
@@ -116,7 +125,8 @@ def main() -> None:
     print(
         f"gloo, {args.world} processes x {args.threads} thread(s), torch {torch.__version__}; "
         f"{n_tensors} float32 parameters, {numel / 1e6:.1f} M elements; "
-        f"gathered per step: {args.world} x {n_tensors} x 128 B = {args.world * n_tensors * 128 / 1024:.1f} KiB"
+        f"gathered per step: {args.world} x {n_tensors} x 128 B = {args.world * n_tensors * 128 / 1024:.1f} KiB; "
+        f"all-reduced: {allreduce.payload_bytes(n_tensors) / 1024:.1f} KiB at any world size"
     )
     shard, full = results["scan shard"][0], results["scan full"][0]
     print(f"{'per step':<26}{'median ms':>11}{'min ms':>10}{'/ scan shard':>14}{'/ scan full':>13}")

@@ -6,20 +6,21 @@ order, or the ranks that did wait until the group's timeout. zeroscan.stats
 and zeroscan.stats_many never are: they refuse a DTensor and name the calls
 here.
 
-Every rank scans what it holds; the result rows (int64 [N, 16], see
-zeroscan/record.py) travel in ONE all_gather on the given process group, and
-every rank then merges the gathered rows locally with the native
-`torch.ops.zeroscan.combine_rows`, the `combine` of csrc/stats_record.h:
+Every rank scans what it holds into result rows (int64 [N, 16], see
+zeroscan/record.py), and the ranks merge them with two rounds of
+all-reduces whose size does not depend on the world size W
+(zeroscan/allreduce.py says what travels, and bounds the moments' error):
 
   counts          summed (int64, exact)
-  min/max |x|     reduced with min/max (exact)
-  mean, m2        the parallel-variance (Chan et al.) update in float64;
+  min/max |x|     reduced with MIN on the ordered bits of their float64s (exact)
+  mean, m2        sums about a shift every rank knows after the first round;
                   stds are never averaged.
 
-The merge combines ranks pairwise in a fixed tree (0+1, 2+3, ... then the
-pairs), so every rank computes bitwise-identical results from the same
-gathered rows. The gathered buffer is world_size x N x 128 bytes per step, on
-the device the group's backend uses (NCCL: CUDA, gloo: CPU).
+Every rank gets the same bits (the all-reduce gives every rank the same
+sums, and the rest is computed from them alike). Each rank sends and
+receives a few hundred bytes per tensor, on the device the group's backend
+uses (NCCL: CUDA, gloo: CPU); with NCCL nothing waits on the host, with
+gloo each all-reduce is waited for before the call returns.
 
 What a rank's tensor means decides how its row is used (each result says so
 in its `mode`):
@@ -37,17 +38,16 @@ in its `mode`):
 
 Data-parallel replicas (DDP) are compared, not merged: `compare_replicas`
 reports which rank's gradient differs from the others (a NaN on one rank
-only, a replica that diverged).
+only, a replica that diverged), with every rank's values: it gathers the
+rows (W x N x 128 bytes), a diagnostic call. The Monitor compares replicas
+without gathering (zeroscan/allreduce.py).
 
-A per-step monitor uses the pieces directly, with one collective per step:
-  1. per tensor, `local_part(t, grouped=...)` (a DTensor's local shard and
-     whether this rank's copy counts); scan the parts with
-     `zeroscan.scan_buffers` (traceable, CUDA-graph safe) into rows [N, 16];
-  2. `gather_rows(drop_uncounted(rows, parts), group, async_op=True)` right
-     after the step, and `.wait()` when the report is due;
-  3. `GatheredRows.merged()` gives the global rows of sharded tensors, and
-     `GatheredRows.replica_report(names)` names the ranks whose rows differ
-     (for replicas such as DDP gradients, whose global rows are the local ones).
+The pieces of a merge by hand: per tensor, `local_part(t, grouped=...)` (a
+DTensor's local shard and whether this rank's copy counts); scan the parts
+with `zeroscan.scan_buffers` (traceable, CUDA-graph safe) into rows [N, 16];
+then `gather_rows(drop_uncounted(rows, parts), group)` and
+`GatheredRows.merged()` (exact, the native combine; O(W N) memory) or
+`GatheredRows.replica_report(names)`.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+from zeroscan import allreduce
 from zeroscan.ops import check_tensor, check_tol, is_dtensor, refused
 from zeroscan.record import NUM_FIELDS, empty_rows
 from zeroscan.replicas import ReplicaMismatch, ReplicaReport, replica_report, rows_agree
@@ -265,9 +266,11 @@ def merge_stats(
     stats_or_batch: Stats | StatsBatch, group: dist.ProcessGroup | None = None, *, async_op: bool = False
 ) -> GlobalStats | StatsBatch | PendingMerge[GlobalStats] | PendingMerge[StatsBatch]:
     """Merges Stats that each rank computed over its piece of the same tensors
-    (mode "concatenated"): counts summed, min/max reduced, moments by Chan's
-    formula; one all_gather for the whole batch. `shape` stays this rank's
-    piece's shape; numel and every other field are global."""
+    (mode "concatenated"): counts summed, min/max reduced, moments from sums
+    about a shared shift; one merge (two rounds of all-reduces) for the whole batch.
+    `shape` stays this rank's piece's shape; numel and every other field are
+    global. async_op=True gives a PendingMerge, already merged (see the
+    module doc on what waits)."""
     op = "zeroscan.distributed.merge_stats"
     single = isinstance(stats_or_batch, Stats)
     if not single and not isinstance(stats_or_batch, StatsBatch):
@@ -276,19 +279,33 @@ def merge_stats(
     pg = _member_group(op, group)
     device = items[0].buffer.device if items else torch.device("cpu")
     rows = _rows_of(items, comm_device(pg, device))
-    pending = gather_rows(rows, pg, async_op=True)
+    readout = Readout(_merge(rows, [True] * len(items), [True] * len(items), pg))
+    world = dist.get_world_size(pg)
+    out = [
+        GlobalStats(readout, i, (s.dtype, s.shape, s.device), s.tol, MODE_CONCATENATED, world)
+        for i, s in enumerate(items)
+    ]
+    result = out[0] if single else StatsBatch(out)  # type: ignore[arg-type]
+    return PendingMerge(None, lambda: result) if async_op else result  # type: ignore[return-value]
 
-    def finish(gathered: GatheredRows) -> GlobalStats | StatsBatch:
-        readout = Readout(gathered.merged())
-        world = len(gathered.ranks)
-        out = [
-            GlobalStats(readout, i, (s.dtype, s.shape, s.device), s.tol, MODE_CONCATENATED, world)
-            for i, s in enumerate(items)
-        ]
-        return out[0] if single else StatsBatch(out)  # type: ignore[arg-type]
 
-    merged = pending.then(finish)  # type: ignore[union-attr]
-    return merged if async_op else merged.wait()  # type: ignore[return-value]
+def _merge(
+    rows: torch.Tensor, counted: Sequence[bool], pieces: Sequence[bool], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """int64 [N, 16]: the merge over `group` of every rank's rows int64 [N, 16]
+    (those not `counted` here stay out; `pieces`: the ranks' rows are pieces
+    of one tensor, else copies of it), by all-reduces (zeroscan/allreduce.py)."""
+    n = rows.shape[0]
+    device = rows.device
+    local = allreduce.Local(
+        rows,
+        torch.ones(n, dtype=torch.bool, device=device),
+        torch.tensor(list(counted), dtype=torch.bool, device=device).reshape(n),
+        torch.tensor(list(pieces), dtype=torch.bool, device=device).reshape(n),
+        torch.full((1,), dist.get_rank(group), dtype=torch.int64, device=device),
+        torch.zeros(allreduce.NUM_HEADER, dtype=torch.int64, device=device),
+    )
+    return allreduce.summary_rows(allreduce.start(local, group), n)
 
 
 # ------------------------------------------------------- DTensor / sharded
@@ -372,7 +389,7 @@ def stats_many(
     """zeroscan.stats_many for tensors spread over ranks: DTensors (FSDP2
     parameters and gradients) by their placements, plain tensors as pieces of
     one tensor when `group` is given, else locally (see the module doc).
-    One all_gather for the whole list; every result is a GlobalStats."""
+    One merge for the whole list; every result is a GlobalStats."""
     op = "zeroscan.distributed.stats_many"
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use stats(x)")
@@ -430,18 +447,13 @@ def _stats_many(
     if not collective:
         batch = build(rows, 1)
         return PendingMerge(None, lambda: batch) if async_op else batch
-    own = rows
-    pending = gather_rows(drop_uncounted(rows, parts), pg, async_op=True)
-
-    def finish(gathered: GatheredRows) -> StatsBatch:
-        final = gathered.merged()
-        if any(p.mode == MODE_LOCAL for p in parts):
-            local = torch.tensor([p.mode == MODE_LOCAL for p in parts], device=device).unsqueeze(1)
-            final = torch.where(local, own, final)
-        return build(final, len(gathered.ranks))
-
-    merged = pending.then(finish)  # type: ignore[union-attr]
-    return merged if async_op else merged.wait()
+    pieces = [p.mode != MODE_REPLICATED for p in parts]
+    final = _merge(rows, [p.counted for p in parts], pieces, pg)  # type: ignore[arg-type]
+    if any(p.mode == MODE_LOCAL for p in parts):
+        local = torch.tensor([p.mode == MODE_LOCAL for p in parts], device=device).unsqueeze(1)
+        final = torch.where(local, rows, final)
+    batch = build(final, dist.get_world_size(pg))
+    return PendingMerge(None, lambda: batch) if async_op else batch
 
 
 def stats(
