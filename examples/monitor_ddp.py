@@ -47,7 +47,7 @@ def train(
             if step == steps - 1 and rank == nan_rank:
                 grad = dict(ddp.named_parameters())[nan_param].grad
                 grad.view(-1)[grad.numel() // 2] = float("nan")  # this rank only
-            opt.step()  # the Monitor scans here and starts one all_gather of its rows
+            opt.step()  # the Monitor scans here and merges its rows across ranks (all-reduces)
     return monitor
 
 
@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str, seed: int) -> None:
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     try:
-        report = train(seed).report()  # waits for the gathers that the steps started
+        report = train(seed).report()  # reads the merged rows back; no collective
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"text": str(report), "report": report.to_dict()}))
     finally:
         dist.destroy_process_group()

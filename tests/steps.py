@@ -1,16 +1,31 @@
 """The small training step that the guard's and the Monitor's step tests
 share: a model, its batches, copies of everything a step may change, the
-checks on them, and host reads made to fail."""
+checks on them, host reads made to fail, and the aten ops after which a
+CUDA host waits for its device, recorded (DeviceWaits)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zeroscan
+
+ZEROSCAN_DIR = str(Path(zeroscan.__file__).resolve().parent)
+# aten ops after which a CUDA host waits for its device: a value read on the host (item, bool(),
+# int(), float() all end in _local_scalar_dense), an output sized by the values, or a tensor made
+# from host data (a copy from pageable memory). None of them can be captured in a CUDA graph.
+DEVICE_WAITS = frozenset(f"aten::{name}" for name in (
+    "_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "argwhere", "masked_select",
+    "_unique2", "unique_dim", "unique_consecutive", "lift_fresh",
+))
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -124,3 +139,32 @@ def step_past_freed_memory(opt: torch.optim.Optimizer) -> None:
 
     opt.register_step_pre_hook(hide)
     opt.register_step_post_hook(give_back)
+
+
+def zeroscan_frame() -> str | None:
+    """file:line of the innermost zeroscan frame on the Python stack, if any."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(ZEROSCAN_DIR):
+            return f"zeroscan{filename[len(ZEROSCAN_DIR):]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+class DeviceWaits(TorchDispatchMode):
+    """Records every op of DEVICE_WAITS that runs while it is active (in
+    backward too), with the zeroscan line that called it (None: not
+    zeroscan's code). On the CPU it stands in for CUDA's sync debug mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str | None]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func._schema.name in DEVICE_WAITS:
+            self.seen.append((str(func), zeroscan_frame()))
+        return func(*args, **(kwargs or {}))
+
+    def by_zeroscan(self) -> list[tuple[str, str | None]]:
+        return [(op, where) for op, where in self.seen if where is not None]

@@ -22,10 +22,8 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,7 +34,10 @@ from torch.utils._pytree import tree_leaves
 
 import zeroscan
 from helpers import DEVICES, fresh_generator, serious
-from steps import Batch, assert_moved, assert_same, backward, batches, everything, host_reads_refused, loss_of, make_model
+from steps import (
+    Batch, DeviceWaits, assert_moved, assert_same, backward, batches, everything, host_reads_refused, loss_of,
+    make_model,
+)
 from zeroscan.guard import GuardReport, SkippedStep, guard
 from zeroscan.monitor import Cause, Monitor, Report, Severity, Slot, records
 from zeroscan.record import Column, decode
@@ -57,15 +58,6 @@ WARMUP, REPLAYS = 3, 3  # the CUDA-graph recipe's eager warm-up steps, then repl
 # algorithm choice that differs on the capture stream cannot fail a test that a skipped, repeated or
 # stale step fails by far.
 RTOL, ATOL = 1e-5, 1e-6
-
-ZEROSCAN_DIR = str(Path(zeroscan.__file__).resolve().parent)
-# aten ops after which a CUDA host waits for its device: a value read on the host (item, bool(),
-# int(), float() all end in _local_scalar_dense), an output sized by the values, or a tensor made
-# from host data (a copy from pageable memory). None of them can be captured in a CUDA graph.
-DEVICE_WAITS = frozenset(f"aten::{name}" for name in (
-    "_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "argwhere", "masked_select",
-    "_unique2", "unique_dim", "unique_consecutive", "lift_fresh",
-))
 
 
 # ---- models, data, steps ---------------------------------------------------------
@@ -155,35 +147,6 @@ def assert_all_close(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
 
 
 # ---- the detectors ---------------------------------------------------------------
-
-
-def zeroscan_frame() -> str | None:
-    """file:line of the innermost zeroscan frame on the Python stack, if any."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if filename.startswith(ZEROSCAN_DIR):
-            return f"zeroscan{filename[len(ZEROSCAN_DIR):]}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
-
-
-class DeviceWaits(TorchDispatchMode):
-    """Records every op of DEVICE_WAITS that runs while it is active (in
-    backward too), with the zeroscan line that called it (None: not
-    zeroscan's code). On the CPU it stands in for CUDA's sync debug mode."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, str | None]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func._schema.name in DEVICE_WAITS:
-            self.seen.append((str(func), zeroscan_frame()))
-        return func(*args, **(kwargs or {}))
-
-    def by_zeroscan(self) -> list[tuple[str, str | None]]:
-        return [(op, where) for op, where in self.seen if where is not None]
 
 
 class OpLog(TorchDispatchMode):

@@ -11,13 +11,14 @@ scan of the full tensors.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import io
 import json
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ import zeroscan.distributed as zdist
 import zeroscan.monitor.records as monitor_records
 from zeroscan.monitor import Slot
 from helpers import assert_same_stats, example, fresh_generator, serious
+from steps import DeviceWaits
 from world import Check, World, spawn_world
 from zeroscan import Finding, Monitor, Report, Severity, Thresholds
 
@@ -46,6 +48,29 @@ def summary(report: Report) -> list[tuple[str, str, str, tuple[int, ...] | None]
     return sorted((f.name, f.kind, f.cause, f.ranks) for f in serious(report))  # type: ignore[type-var]
 
 
+@contextlib.contextmanager
+def collectives_counted() -> Iterator[list[str]]:
+    """The names of the torch.distributed collectives called inside the block, in order."""
+    names = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather", "broadcast")
+    real = {name: getattr(dist, name) for name in names}
+    calls: list[str] = []
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
 # ------------------------------------------------------------ the checks
 # Each runs on every rank of the spawned world and returns its report.
 
@@ -55,43 +80,41 @@ def check_ddp_nan_on_one_rank(rank: int, seed: int) -> Report:
     names = ["module.0.weight", "module.0.bias", "module.2.weight", "module.2.bias"]
     nan_param = names[seed % len(names)]
     steps = 5
-    gathers: list[int] = []
-    real_gather, real_decode = dist.all_gather_single, monitor_records.decode
-
-    def counting_gather(*args: Any, **kwargs: Any) -> Any:
-        gathers.append(1)
-        return real_gather(*args, **kwargs)
+    real_decode = monitor_records.decode
 
     def no_decode(*args: Any) -> Any:
         raise AssertionError("the Monitor read results back during training")
 
-    dist.all_gather_single = counting_gather  # type: ignore[assignment]
     monitor_records.decode = no_decode  # type: ignore[assignment]
     try:
-        monitor = example("monitor_ddp").train(seed, steps=steps, nan_rank=1, nan_param=nan_param)
+        with collectives_counted() as calls:
+            monitor = example("monitor_ddp").train(seed, steps=steps, nan_rank=1, nan_param=nan_param)
     finally:
-        dist.all_gather_single = real_gather  # type: ignore[assignment]
         monitor_records.decode = real_decode  # type: ignore[assignment]
     records = list(monitor._records)
-    assert len(gathers) == steps, f"{len(gathers)} all_gathers in {steps} steps"
-    assert len(records) == steps and all(r.rows is None and r.gather is not None for r in records)
+    # One all_reduce when the Monitor is built (the ranks' parameters), then 3 + 2 per step.
+    assert calls == ["all_reduce"] * (1 + 5 * steps), f"{calls} in {steps} steps"
+    assert len(records) == steps and all(r.rows is None and r.exchange is not None for r in records)
 
     report = monitor.report()
     assert summary(report) == [(nan_param, "grad", "replica_mismatch", (1,))], str(report)
     (finding,) = serious(report)
-    assert finding.severity == Severity.ERROR and "rank 1 holds 1 NaN" in finding.message, finding.message
+    assert finding.severity == Severity.ERROR and "rank 1 holds NaN" in finding.message, finding.message
     assert report.to_dict()["findings"][0]["ranks"] == [1]
     grad_row = next(t for t in report.tensors if (t["name"], t["kind"]) == (nan_param, "grad"))
     model = monitor.model
     assert grad_row["nan"] == 0 and grad_row["numel"] == dict(model.named_parameters())[nan_param].numel()
-    assert all(r.gather is None for r in monitor._records)  # read once, kept as global rows
+    assert all(r.exchange is None for r in monitor._records)  # read once, kept as global rows
     assert monitor.report().to_json_lines() == report.to_json_lines()
     return report
 
 
 def check_ddp_healthy(rank: int, seed: int) -> Report:
     """DDP training with nothing wrong: no findings, and the global rows are
-    this rank's own (replicas agree), as a Monitor without a group sees them."""
+    this rank's own (replicas agree), as a Monitor without a group sees them.
+    After the first step (which builds the packing it reuses) the step path,
+    merge included, calls no op after which a CUDA host would wait for its
+    device (DeviceWaits: the CPU's stand-in for CUDA's sync debug mode)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 3))
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -99,11 +122,13 @@ def check_ddp_healthy(rank: int, seed: int) -> Report:
     g = torch.Generator().manual_seed(seed + 1 + rank)
     across = Monitor(ddp, opt, process_group=dist.group.WORLD)
     alone = Monitor(ddp, opt)
-    for _ in range(6):
+    for step in range(6):
         x = torch.randn(16, 12, generator=g)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), x[:, :3].cos()).backward()
-        opt.step()
+        with DeviceWaits() as waits:
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), x[:, :3].cos()).backward()
+            opt.step()
+        assert step == 0 or waits.by_zeroscan() == [], f"step {step}: {waits.by_zeroscan()}"
     across.close()
     alone.close()
     report, local = across.report(), alone.report()
@@ -144,7 +169,7 @@ def check_replicas_diverge(rank: int, seed: int) -> Report:
         ("2.bias", "grad", "replica_mismatch", (1,)),
     ], str(report)
     found = {f.name: f for f in serious(report)}
-    assert "no majority" in found["0.weight"].message and "max_abs" in found["0.weight"].message
+    assert "no majority" in found["0.weight"].message and "the mean is" in found["0.weight"].message
     assert "rank 1 has no gradient" in found["2.bias"].message
     bias_grad = next(t for t in report.tensors if (t["name"], t["kind"]) == ("2.bias", "grad"))
     assert bias_grad["numel"] == 2  # rank 0's gradient, the reference
@@ -288,6 +313,76 @@ def check_fsdp2_lifetime(rank: int, seed: int) -> Report:
     return Report(-1, [], [], EMPTY_HISTORY)
 
 
+def check_report_mid_step_alone(rank: int, seed: int) -> Report:
+    """DDP; rank 0 alone calls report() between backward and optimizer.step()
+    at every step (a logger on rank 0): the report makes no collective, so
+    training goes on (a collective there would pair with DDP's and hang until
+    the group's timeout), and the final reports agree on every rank."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(seed + 5 + rank)
+    monitor = Monitor(ddp, opt, process_group=dist.group.WORLD)
+    steps = 4
+    for step in range(steps):
+        opt.zero_grad()
+        ddp(torch.randn(5, 6, generator=g)).square().mean().backward()
+        if rank == 0:
+            with collectives_counted() as calls:
+                mid = monitor.report()
+            assert calls == [], f"report() between backward and step made collectives {calls}"
+            # The steps before this one; at the first, the open step as this rank scanned it.
+            assert mid.step == max(step - 1, 0), (step, mid.step)
+        opt.step()
+    report = monitor.report()
+    monitor.close()
+    assert report.step == steps - 1 and serious(report) == [], str(report)
+    return report
+
+
+def check_ranks_monitor_different_models(rank: int, seed: int) -> Report:
+    """Ranks whose Monitors hold different parameters: every rank raises one
+    error naming the ranks and their counts when the Monitor is built, before
+    any merge; pipeline stages, each with a Monitor over its own group, are
+    fine."""
+    stage = [dist.new_group([0]), dist.new_group([1])]  # every rank makes every group, in order
+    two = nn.Linear(3, 2)  # 2 parameters
+    four = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))  # 4 parameters
+    with pytest.raises(ValueError, match=r"^zeroscan.Monitor: rank 0 monitors 2 parameters and rank 1 4: "):
+        Monitor(two if rank == 0 else four, process_group=dist.group.WORLD)
+    renamed = nn.Module()
+    renamed.a = nn.Linear(3, 2) if rank == 0 else nn.Linear(2, 3)
+    with pytest.raises(ValueError, match=r"monitor 2 parameters under different names"):
+        Monitor(two if rank == 0 else renamed, process_group=dist.group.WORLD)
+    model = two if rank == 0 else four
+    with Monitor(model, process_group=stage[rank]) as monitor:
+        model.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        monitor.step()
+    assert monitor.report().step == 0
+    return Report(-1, [], [], EMPTY_HISTORY)
+
+
+def check_dtensors_on_two_meshes(rank: int, seed: int) -> Report:
+    """Parameters on two device meshes (expert parallel beside data
+    parallel) are refused in one line that says what to pass."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    everyone = DeviceMesh("cpu", [0, 1], _init_backend=False)
+    alone = DeviceMesh("cpu", [rank], _init_backend=False)
+    model = nn.Module()
+    model.dense = nn.Parameter(DTensor.from_local(torch.ones(2, 3), everyone, [Shard(0)], run_check=False))
+    model.expert = nn.Parameter(DTensor.from_local(torch.ones(2, 3), alone, [Shard(0)], run_check=False))
+    with pytest.raises(ValueError, match=(
+        r"^zeroscan.Monitor: the DTensor parameters live on 2 device meshes \(dense on ranks \[0, 1\]; expert on "
+        r"ranks \[\d\]\); a Monitor merges over one group: .*Monitor\(submodule, process_group="
+    )):
+        Monitor(model, process_group=dist.group.WORLD)
+    return Report(-1, [], [], EMPTY_HISTORY)
+
+
 CHECKS: dict[str, Callable[[int, int], Report]] = {
     "fsdp2_lifetime": check_fsdp2_lifetime,
     "ddp_guard_skips_and_lifetime": check_ddp_guard_skips_and_lifetime,
@@ -296,6 +391,9 @@ CHECKS: dict[str, Callable[[int, int], Report]] = {
     "replicas_diverge": check_replicas_diverge,
     "fsdp2": check_fsdp2,
     "misuse": check_misuse,
+    "report_mid_step_alone": check_report_mid_step_alone,
+    "ranks_monitor_different_models": check_ranks_monitor_different_models,
+    "dtensors_on_two_meshes": check_dtensors_on_two_meshes,
 }
 
 
@@ -337,6 +435,7 @@ def test_without_a_group_nothing_is_gathered(monkeypatch: pytest.MonkeyPatch) ->
         raise AssertionError("a Monitor without a process group gathered")
 
     monkeypatch.setattr(zdist, "gather_rows", no_gather)
+    monkeypatch.setattr(zeroscan.allreduce, "start", no_gather)
     g = fresh_generator()
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
     with Monitor(model) as monitor:
@@ -345,7 +444,7 @@ def test_without_a_group_nothing_is_gathered(monkeypatch: pytest.MonkeyPatch) ->
             model(torch.randn(5, 4, generator=g)).sum().backward()
             monitor.step()
     report = monitor.report()
-    assert all(r.gather is None and not r.rank_findings for r in monitor._records)
+    assert all(r.exchange is None and not r.rank_findings for r in monitor._records)
     grad = next(t for t in report.tensors if (t["name"], t["kind"]) == ("0.weight", "grad"))
     assert grad["norm"] == zeroscan.stats(model[0].weight.grad).norm
 

@@ -51,23 +51,26 @@ pass (probe.py), only when an unexplained None gradient shows up. What the
 records mean is rules.py, a pure function testable without a model; one
 root cause is one finding (grouping.py).
 
-Across ranks (`process_group=`; ranks.py): each monitored step also issues
-ONE asynchronous all_gather of its packed rows on the group, so the Monitor
-is then a collective: sharded tensors (FSDP2, tensor parallel) are merged
-into the statistics of the full tensor, and replicas (DDP) are compared,
-with findings that name the ranks that differ.
-report() issues no collective of its own: it only waits for the all_gathers
-that the recorded steps issued, and each completes once every rank of the
-group has run that step. Every rank that calls it gets the same global
-findings; calling it on some ranks only (rank 0, to log) is safe, and such a
-rank blocks until the others have passed the steps it reads. What stays
-this rank's own: the cause analysis of a None gradient, activation findings
-(this rank's batch) and notes on tensors that could not be scanned.
-Every rank must build its Monitor on the same model (after wrapping it in DDP
-or fully_shard), with the same `every`, and step it the same number of times:
-the gathers pair up by order, and report() raises if the header rows disagree.
-The ring keeps each step's gathered buffer, world_size x (2P + 1) x 128 bytes
-on the device the group's backend uses, until report() has read it.
+Across ranks (`process_group=`; ranks.py): building the Monitor and each
+monitored step are then collectives. Each step merges its rows over the
+group with two rounds of all-reduces of a few hundred bytes per tensor,
+whatever the world size (zeroscan/allreduce.py): sharded tensors (FSDP2,
+tensor parallel) are merged into the statistics of the full tensor, and
+replicas (DDP) are compared, with findings that name the ranks that differ.
+The step keeps only the merged summary, 2P x 192 + 64 bytes on the device the
+group's backend uses, until report() reads it.
+report() issues no collective: any rank may call it, alone (rank 0, to
+log), at any point of a step; every rank that calls it gets the same global
+findings. A step between backward() and optimizer.step() stays open across
+ranks (ending it would be a collective), so such a report judges the steps
+before it. What stays this rank's own: the cause analysis of a None
+gradient, activation findings (this rank's batch) and notes on tensors that
+could not be scanned. Every rank must build its Monitor on the same model
+(after wrapping it in DDP or fully_shard), with the same `every`, and step
+it the same number of times: a Monitor whose ranks hold different parameters
+raises on every rank when it is built, and report() raises if the ranks
+recorded different steps. Which group to pass (DDP, FSDP2, HSDP, tensor and
+pipeline parallel) is in the README.
 """
 
 from zeroscan.monitor.monitor import Monitor

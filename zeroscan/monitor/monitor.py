@@ -64,7 +64,9 @@ class Monitor:
         all ranks): the report then shows global findings, sharded tensors
         merged and replicas compared across the group's ranks (see the module
         doc). Every DTensor parameter's device mesh must hold exactly the
-        group's ranks. None (the default): this rank alone.
+        group's ranks. Building the Monitor is then a collective (every rank
+        of the group checks that the others monitor the same parameters), and
+        so is each monitored step. None (the default): this rank alone.
     histogram: also count, in the same scans, the exact log2-magnitude
         histogram of every gradient and weight (Report.histograms; see
         histograms.py for what it keeps). Not with a process_group yet.
@@ -307,9 +309,8 @@ class Monitor:
         if record is not None:
             record.stepped = stepped
             if self._ranks is not None:
-                record.gather = self._ranks.start(
-                    record.step, record.groups, record.sharded, record.uncounted, record.cleared
-                )
+                record.exchange = self._ranks.start(record)
+                record.groups, record.fields = [], []  # the summary is all this step keeps
             if self.histogram:
                 free_earlier_fields(self._records, record)
             self._records.append(record)
@@ -319,10 +320,14 @@ class Monitor:
         self._act_calls = {}
         self._act_notes = []
 
-    def _scan(self, record: StepRecord, loss: torch.Tensor | None, backward: GradState | None) -> None:
+    def _scan(
+        self, record: StepRecord, loss: torch.Tensor | None, backward: GradState | None, *, collective: bool = True
+    ) -> None:
         """One native scan per device of every gradient and weight, into
         `record`; never reads it. `backward`: the gradients as the step's
-        backward pass left them, where the Monitor saw it end."""
+        backward pass left them, where the Monitor saw it end.
+        collective=False (a report() on some ranks only) leaves out what only
+        a collective could read (a Partial DTensor)."""
         tensors: list[torch.Tensor] = []
         slots: list[int] = []  # Slot rows
         missing = []
@@ -338,20 +343,22 @@ class Monitor:
             tensors.append(p.tensor)
             slots.append(weight_row(p.index))
         record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
-        self._scan_into(record, tensors, slots)
+        self._scan_into(record, tensors, slots, collective=collective)
         record.activations = self._acts
         record.notes.extend(self._act_notes)
         if missing:
             seen = (backward is not None) if self._watch.active else None
             record.none_causes.update(self._causes.explain(missing, loss, seen, self._watch.fired))
 
-    def _scan_into(self, record: StepRecord, tensors: list[torch.Tensor], slots: list[int]) -> None:
+    def _scan_into(
+        self, record: StepRecord, tensors: list[torch.Tensor], slots: list[int], *, collective: bool = True
+    ) -> None:
         """Scans `tensors` (at Slot rows `slots`) into `record`."""
         with torch.no_grad():
             if self._ranks is None:
                 record.add(self._run(tensors, slots, record))
             else:
-                local, sharded, uncounted = self._ranks.local_parts(tensors, slots)
+                local, slots, sharded, uncounted = self._ranks.local_parts(tensors, slots, collective=collective)
                 record.add(self._run(local, slots, record))
                 record.sharded += sharded
                 record.uncounted += uncounted
@@ -374,8 +381,9 @@ class Monitor:
         """Reads the recorded history back (one copy per device) and judges it.
         With no step recorded it scans the gradients as they are now (as the
         last backward pass left them) and says that no step was seen.
-        With a process group it first waits for the recorded steps' gathers;
-        it issues no collective itself (see the package doc).
+        With a process group it reads the recorded steps' merged summaries
+        and issues no collective, so any rank may call it at any point of a
+        step, alone (see the package doc).
 
         Safe from any thread while training runs (a logger's, a dashboard's):
         the training thread's hooks wait while a report is being made, and go
@@ -390,20 +398,22 @@ class Monitor:
         self._refresh_structure(check=True)
         open_step = self._open
         on_training_thread = self._training_thread in (None, threading.get_ident())
-        if open_step is not None and on_training_thread:
+        if open_step is not None and on_training_thread and self._ranks is None:
             # A backward pass with no step after it: GradScaler skipped the step (its
             # unscaling bumps no version counter, so nothing else tells), or no step
             # follows at all. Judged as such: a skip only if its gradients hold inf/NaN.
+            # Across ranks the step stays open (ending it merges it, a collective that
+            # only the ranks calling report() would make): the next backward pass ends it.
             self._open = None
             self._end_step(open_step.record, stepped=False)
         recorded = list(self._records)
         self._decode(recorded)
-        if not recorded:  # this rank's own scan: no gather was started for it
+        if not recorded:  # this rank's own scan: no merge was started for it
             now = self._open.record if self._open is not None and self._open.record is not None else None
             if now is None:
                 now = StepRecord(-1)
                 now.stepped = None
-                self._scan(now, None, None)
+                self._scan(now, None, None, collective=False)
             decode_records([now])
             recorded = [now]
         latest = judged_records(self._params, recorded)[-1]

@@ -1,118 +1,172 @@
-"""The Monitor across ranks (`process_group=`): one all_gather per step.
+"""The Monitor across ranks (`process_group=`): all-reduces of O(P) words per step.
 
 Each monitored step scans as on one rank, a DTensor parameter or gradient
 (FSDP2, tensor parallel) through its local shard (a Partial placement is
 reduced first, a collective of its own) and a plain tensor as one
-data-parallel replica (DDP), then packs the rows into one int64 [2P + 1, 16]
-buffer (a row per Slot, and a header row: step, P, a checksum of the names)
-and issues ONE asynchronous all_gather of it on the group. The pending
-gather stays in the step's record; nothing is waited for until report(),
-which then judges global rows:
-  sharded tensors    the ranks' rows merged exactly (zeroscan.distributed):
-                     the statistics of the full tensor; a non-finite value is
+data-parallel replica (DDP), then packs the rows into one int64 [2P, 16]
+buffer (a row per Slot) and merges it over the group with the two rounds of
+all-reduces of zeroscan/allreduce.py: what each rank sends and keeps is a
+few hundred bytes per tensor, whatever the world size. The step keeps only
+the summary, int64 [2P, 24] on the device the group's backend uses
+(allreduce.Col), and nothing is read back until report(), which judges:
+  sharded tensors    the ranks' rows merged (counts and min/max exact): the
+                     statistics of the full tensor; a non-finite value is
                      reported with the ranks whose shards hold it.
   replicated tensors (plain tensors, all-Replicate DTensors) compared across
-                     ranks: their common value when the ranks agree (rank 0's
-                     bits), else a "replica_mismatch" finding naming the
-                     ranks that differ and the majority's value.
+                     ranks: their statistics are group rank 0's, and when
+                     the ranks disagree a "replica_mismatch" finding names
+                     the ranks outside the largest class of agreeing ranks.
+The group is checked once when the Monitor is built (and again after the
+model changes): every rank must monitor as many tensors, under the same
+names, or every rank raises one error naming the ranks that differ.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from zeroscan import allreduce
 from zeroscan import distributed as zdist
-from zeroscan.monitor.records import (
-    Param, Slot, StepRecord, decode_records, nonfinite_words, slot_rows,
-)
-from zeroscan.monitor.table import RowTable
+from zeroscan.allreduce import Col
+from zeroscan.monitor.records import Param, Slot, StepRecord, decode_records, slot_rows
 from zeroscan.monitor.report import Finding
+from zeroscan.monitor.table import RowTable
 from zeroscan.ops import is_dtensor
-from zeroscan.record import NONFINITE, NUM_FIELDS, Column, decode, empty_rows
+from zeroscan.record import Column, NUM_FIELDS, empty_rows
 from zeroscan.verdicts import Cause, Severity
+from zeroscan.words import RankSet, count_noun, span
 
-# Two spare columns of a result row (zero from the scan) mark the packed rows;
-# the merge and the comparison read only the record's own columns.
-SHARDED_COL = Column.SPARE_1  # 1: a sharded DTensor's row (merged across ranks, not compared)
-PRESENT_COL = Column.SPARE_2  # 1: this rank scanned the tensor (0: no gradient, or not scannable)
-# Fields a replica_mismatch message shows, at most three that differ.
-SHOWN_FIELDS = ("numel", "nan", "posinf", "neginf", "zeros", "max_abs", "min_abs", "mean", "std")
-# The per-slot flags of a step's host summary (see _summarize).
-IS_SHARDED, ALL_PRESENT, ANY_PRESENT, AGREE, NONFINITE_FLAG, SAME_KIND = range(6)
-NUM_FLAGS = 6
+# One step's packing, built once per layout: the rows before the scans are
+# copied in, which slots this rank holds, counts and calls sharded, and per
+# device group where its rows go.
+Copies = list[tuple[torch.Tensor, torch.Tensor | None]]  # per group: Slot rows to fill, rows to take (None: all)
+Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Copies]
 
 
 class RankExchange:
     """A Monitor's rows across the ranks of its process group: each monitored
-    step packs this rank's rows and starts one all_gather; report() turns the
-    gathered rows into global rows and findings about ranks."""
+    step packs this rank's rows and merges them with the other ranks' (two
+    rounds of all-reduces); report() turns the merged summary into global
+    rows and findings about ranks."""
 
     def __init__(self, group: dist.ProcessGroup, params: list[Param], replica_rtol: float) -> None:
+        self._setup(group, dist.get_rank(group), tuple(dist.get_process_group_ranks(group)), params, replica_rtol)
+        self._check_params(zdist.comm_device(group, params[0].tensor.device if params else torch.device("cpu")))
+
+    @classmethod
+    def simulated(cls, params: list[Param], world: int, replica_rtol: float = 1e-9) -> RankExchange:
+        """Rank 0 of a world of `world` ranks, with no process group: pack()
+        and decode() work (the scale benchmark feeds decode() summaries from
+        zeroscan.allreduce.simulate); start() is refused."""
+        exchange = cls.__new__(cls)
+        exchange._setup(None, 0, range(world), params, replica_rtol)
+        exchange._checked = True
+        return exchange
+
+    def _setup(
+        self, group: dist.ProcessGroup | None, rank: int, ranks: Sequence[int], params: list[Param], rtol: float
+    ) -> None:
         self.group = group
-        self._params = params
-        self._rtol = replica_rtol
-        self._names_crc = zlib.crc32("\n".join(p.name for p in params).encode())
-        self._layouts: dict[tuple[Any, ...], tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]] = {}
+        self._rank = rank
+        self._world = len(ranks)
+        self._ranks = ranks  # group rank -> global rank
+        self._rtol = rtol
+        self._layouts: dict[tuple[Any, ...], Layout] = {}
+        self.set_params(params)
 
     def set_params(self, params: list[Param]) -> None:
-        """The model changed: later steps pack these parameters."""
+        """The model changed: later steps pack these parameters (checked across ranks first)."""
         self._params = params
         self._names_crc = zlib.crc32("\n".join(p.name for p in params).encode())
         self._layouts.clear()
+        self._checked = False
+
+    def _check_params(self, device: torch.device) -> None:
+        """Every rank monitors as many tensors under the same names: checked
+        before any merge, whose all-reduces would otherwise pair buffers of
+        different sizes (an error, or a hang) or mix up tensors."""
+        found = allreduce.disagreements([len(self._params), self._names_crc], self.group, device)
+        self._checked = True
+        for d in found:
+            if d.index == 0:
+                raise ValueError(
+                    f"zeroscan.Monitor: rank {d.low_rank} monitors {d.low} parameters and rank {d.high_rank} "
+                    f"{d.high}: every rank of process_group must monitor the same model (pipeline stages: one "
+                    "Monitor per stage, over that stage's data-parallel group)"
+                )
+        if found:
+            d = found[0]
+            raise ValueError(
+                f"zeroscan.Monitor: ranks {d.low_rank} and {d.high_rank} monitor {len(self._params)} parameters "
+                "under different names: every rank of process_group must monitor the same model, wrapped the "
+                "same way"
+            )
 
     def local_parts(
-        self, tensors: list[torch.Tensor], slots: list[int]
-    ) -> tuple[list[torch.Tensor], list[Slot], list[Slot]]:
-        """What this rank scans of each tensor (at Slot rows `slots`; a
-        DTensor's local shard), the sharded slots, and those of them whose
-        shard another rank contributes."""
-        local = list(tensors)
+        self, tensors: list[torch.Tensor], slots: list[int], *, collective: bool = True
+    ) -> tuple[list[torch.Tensor], list[int], list[Slot], list[Slot]]:
+        """What this rank scans of each tensor (a DTensor's local shard) and
+        at which Slot rows, the sharded slots, and those of them whose shard
+        another rank contributes. collective=False leaves out a Partial
+        DTensor (reducing it is a collective) instead of reducing it."""
+        local: list[torch.Tensor] = []
+        kept: list[int] = []
         sharded: list[Slot] = []
         uncounted: list[Slot] = []
-        for k, (t, row) in enumerate(zip(tensors, slots)):
+        for t, row in zip(tensors, slots):
             if is_dtensor(t):
-                slot = Slot.at_row(row)
+                if not collective and any(p.is_partial() for p in t.placements):
+                    continue
                 part = zdist.local_part(t)
-                local[k] = part.tensor
+                t = part.tensor
                 if part.mode == zdist.MODE_SHARDED:
-                    sharded.append(slot)
+                    sharded.append(Slot.at_row(row))
                     if not part.counted:
-                        uncounted.append(slot)
-        return local, sharded, uncounted
+                        uncounted.append(Slot.at_row(row))
+            local.append(t)
+            kept.append(row)
+        return local, kept, sharded, uncounted
 
-    def start(
-        self,
-        step: int,
-        groups: list[tuple[list[int], torch.Tensor]],
-        sharded: list[Slot],
-        uncounted: list[Slot],
-        cleared: list[int],
-    ) -> zdist.PendingMerge[zdist.GatheredRows]:
-        """Packs this step's rows into one int64 [2P + 1, 16] buffer (a row per
-        slot, and a header row: step, P, a checksum of the names) and starts
-        the step's one all_gather of it. A slot in several groups takes the
-        last group's row; the gradients of `cleared` (parameters) are absent."""
-        device = zdist.comm_device(self.group, groups[0][1].device if groups else torch.device("cpu"))
-        absent = [Slot.grad(i) for i in cleared]
+    def start(self, record: StepRecord) -> torch.Tensor:
+        """Packs the rows of a step that just ended and merges them across the
+        group: the summary, not read."""
+        if self.group is None:
+            raise RuntimeError("zeroscan.Monitor: a simulated exchange has no process group to merge over")
+        return allreduce.start(self.pack(record), self.group, rtol=self._rtol)
+
+    def pack(self, record: StepRecord) -> allreduce.Local:
+        """This rank's input to the merge of `record`'s rows: a row per slot (a
+        slot in several scan groups takes the last group's row; the gradients
+        cleared before the step are absent), on the device the group's
+        backend uses."""
+        groups, sharded, uncounted = record.groups, record.sharded, record.uncounted
+        device = groups[0][1].device if groups else torch.device("cpu")
+        if self.group is not None:
+            device = zdist.comm_device(self.group, device)
+        if not self._checked and self.group is not None:
+            self._check_params(device)
+        absent = [Slot.grad(i) for i in record.cleared]
         key = (device, tuple(tuple(s) for s, _ in groups), tuple(sharded), tuple(uncounted), tuple(absent))
         layout = self._layouts.get(key)
         if layout is None:
             if len(self._layouts) >= 8:
                 self._layouts.clear()
             layout = self._layouts[key] = self._layout(device, groups, sharded, uncounted, absent)
-        template, copies = layout
+        template, present, counted, is_sharded, header, copies = layout
         packed = template.clone()
         for (dest, src), (_, buffer) in zip(copies, groups):
             rows = buffer.to(device)
             packed.index_copy_(0, dest, rows if src is None else rows.index_select(0, src))
-        packed[:, SHARDED_COL:].copy_(template[:, SHARDED_COL:])  # the marks the copies overwrote
-        packed[slot_rows(len(self._params)), 0] = step
-        return zdist.gather_rows(packed, self.group, async_op=True)  # type: ignore[return-value]
+        step = torch.full((1,), record.step, dtype=torch.int64, device=device)  # a fill: nothing copied from the host
+        head = torch.cat([step, header[1:]])
+        rank = torch.full((1,), self._rank, dtype=torch.int64, device=device)
+        return allreduce.Local(packed, present, counted, is_sharded, rank, head)
 
     def _layout(
         self,
@@ -121,132 +175,128 @@ class RankExchange:
         sharded: list[Slot],
         uncounted: list[Slot],
         absent: list[Slot],
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]:
-        """The packed buffer of a step before its rows are copied in (empty rows,
-        the presence and sharded marks, the header) and, per device group, where
-        its rows go. Built once per layout, so a step copies nothing from the host."""
+    ) -> Layout:
+        """A step's packing before its rows are copied in: empty rows, which
+        slots this rank holds, counts (sharded slots: unless another rank
+        contributes the shard; replicated ones: on group rank 0 only) and
+        calls sharded, the header (step, P, a checksum of the names) and,
+        per device group, where its rows go. Built once per layout, so a
+        step copies nothing from the host."""
         n = slot_rows(len(self._params))
-        template = empty_rows(n + 1)
         gone = {s.row for s in absent}
-        present = [row for slots, _ in groups for row in slots if row not in gone]
-        template[present, PRESENT_COL] = 1
-        template[[s.row for s in sharded], SHARDED_COL] = 1
-        template[n, 1] = len(self._params)
-        template[n, 2] = self._names_crc
-        skip = {s.row for s in uncounted} | gone  # a replica of a shard that another rank contributes
+        present = torch.zeros(n, dtype=torch.bool)
+        present[[row for slots, _ in groups for row in slots if row not in gone]] = True
+        is_sharded = torch.zeros(n, dtype=torch.bool)
+        is_sharded[[s.row for s in sharded]] = True
+        counted = is_sharded.clone() if self._rank != 0 else torch.ones(n, dtype=torch.bool)
+        counted[[s.row for s in uncounted]] = False
+        header = torch.tensor([0, len(self._params), self._names_crc, _layout_crc(sharded)], dtype=torch.int64)
         copies = []
         for slots, _ in groups:
-            keep = [k for k, row in enumerate(slots) if row not in skip]
+            keep = [k for k, row in enumerate(slots) if row not in gone]  # a gradient cleared before the step
             dest = torch.tensor([slots[k] for k in keep], dtype=torch.int64, device=device)
             src = None if len(keep) == len(slots) else torch.tensor(keep, dtype=torch.int64, device=device)
             copies.append((dest, src))
-        return template.to(device), copies
+        return (empty_rows(n, device), present.to(device), counted.to(device), is_sharded.to(device),
+                header.to(device), copies)
 
     def decode(self, records: list[StepRecord]) -> None:
-        """Waits for the gathers of the records not decoded yet and gives them
-        global rows (see the module doc); activations stay this rank's own."""
+        """Reads back the summaries of the records not decoded yet and gives
+        them global rows (see the module doc); activations stay this rank's own."""
         todo = [r for r in records if r.rows is None]
         if not todo:
             return
-        n = slot_rows(len(self._params))
-        gathered = []
         for r in todo:
-            if r.gather is None:
-                raise RuntimeError(f"zeroscan.Monitor.report: monitored step {r.step} has no gather to read")
-            gathered.append(r.gather.wait())
-        hosts = _to_host([_summarize(g.rows, n, self._rtol) for g in gathered])
-        results = [self._global_rows(r, g, host) for r, g, host in zip(todo, gathered, hosts)]
+            if r.exchange is None:
+                raise RuntimeError(f"zeroscan.Monitor.report: monitored step {r.step} has no merge to read")
+        hosts = _to_host([r.exchange for r in todo])  # type: ignore[misc]
+        results = [self._global_rows(r, host.numpy()) for r, host in zip(todo, hosts)]
         decode_records(todo, own_rows=False)  # this rank's activations
         for r, (rows, rank_findings, shard_ranks) in zip(todo, results):
             r.rows = rows
             r.rank_findings = rank_findings
             r.shard_ranks = shard_ranks
-            r.gather = None  # the global rows are all that later reports need
+            r.exchange = None  # the global rows are all that later reports need
 
     def _global_rows(
-        self, rec: StepRecord, gathered: zdist.GatheredRows, host: torch.Tensor
-    ) -> tuple[RowTable, dict[Slot, Finding], dict[Slot, tuple[int, ...]]]:
-        """The global rows of one step from its host summary (see _summarize),
-        the findings about ranks that disagree, and the ranks whose shards hold
+        self, rec: StepRecord, host: np.ndarray
+    ) -> tuple[RowTable, dict[Slot, Finding], dict[Slot, RankSet]]:
+        """The global rows of one step from its summary (allreduce.Col), the
+        findings about ranks that disagree, and the ranks whose shards hold
         non-finite values."""
         n = slot_rows(len(self._params))
-        ranks = gathered.ranks
-        glob = host[: NUM_FIELDS * n].view(n, NUM_FIELDS)
-        flags = host[NUM_FIELDS * n : (NUM_FIELDS + NUM_FLAGS) * n].view(n, NUM_FLAGS).tolist()
-        header = host[(NUM_FIELDS + NUM_FLAGS) * n :].view(len(ranks), 3).tolist()
-        want = [rec.step, len(self._params), self._names_crc]
-        for rank, head in zip(ranks, header):
-            if head != want:
-                raise RuntimeError(
-                    f"zeroscan.Monitor.report: rank {rank} recorded monitored step {head[0]} over {head[1]} "
-                    f"parameters where this rank recorded step {rec.step} over {len(self._params)}"
-                    f"{' with other parameter names' if head[:2] == want[:2] else ''}: every rank of the "
-                    "process group must monitor the same model with the same `every` and step it as often"
-                )
-        if not all(f[SAME_KIND] for f in flags):
-            bad = [self._slot_name(Slot.at_row(c)) for c, f in enumerate(flags) if not f[SAME_KIND]]
+        world = self._world
+        body = host[: n * allreduce.SUMMARY_WIDTH].reshape(n, allreduce.SUMMARY_WIDTH)
+        head = host[n * allreduce.SUMMARY_WIDTH :].tolist()
+        low, high = head[: allreduce.NUM_HEADER], [~w for w in head[allreduce.NUM_HEADER :]]
+        want = [rec.step, len(self._params), self._names_crc, _layout_crc(rec.sharded)]
+        if low[:3] != want[:3] or high[:3] != want[:3]:
+            steps = f"step {low[0]}" if low[0] == high[0] else f"steps {low[0]} to {high[0]}"
             raise RuntimeError(
-                f"zeroscan.Monitor.report: {', '.join(bad[:4])} is a sharded DTensor on some ranks and a "
-                "plain tensor on others; every rank must wrap the model the same way"
+                f"zeroscan.Monitor.report: the ranks recorded monitored {steps} where this rank recorded step "
+                f"{rec.step}: every rank of the process group must monitor the same model with the same "
+                "`every` and step it as often"
             )
-        words = glob.numpy()
-        present = np.array([
-            bool(f[ANY_PRESENT] if f[IS_SHARDED] else words[c, PRESENT_COL]) for c, f in enumerate(flags)
-        ], dtype=bool)
-        differ = [c for c, f in enumerate(flags) if not f[IS_SHARDED] and not f[AGREE]]
-        missing = [c for c, f in enumerate(flags) if f[IS_SHARDED] and f[ALL_PRESENT] != f[ANY_PRESENT]]
-        poisoned = [c for c, f in enumerate(flags) if f[IS_SHARDED] and f[NONFINITE_FLAG]]
+        if low[3] != want[3] or high[3] != want[3]:
+            here = [self._slot_name(s) for s in rec.sharded[:3]] or ["none"]
+            raise RuntimeError(
+                "zeroscan.Monitor.report: the ranks disagree on which tensors are sharded DTensors (here: "
+                f"{', '.join(here)}{', ...' if len(rec.sharded) > 3 else ''}); every rank must wrap the model "
+                "the same way"
+            )
+        is_sharded = np.zeros(n, dtype=bool)
+        is_sharded[[s.row for s in rec.sharded if 0 <= s.row < n]] = True
+        words = np.zeros((n, NUM_FIELDS), dtype=np.int64)
+        words[:, : Column.M2 + 1] = body[:, : Column.M2 + 1]
+        held = body[:, Col.PRESENT]
+        # A replica's row is group rank 0's (rank 0 holds it unless it is the first absent).
+        present = np.where(is_sharded, held > 0, body[:, Col.FIRST_ABSENT] != 0)
         rank_findings: dict[Slot, Finding] = {}
-        shard_ranks: dict[Slot, tuple[int, ...]] = {}
-        picked = sorted(set(differ + missing + poisoned))
-        if not picked:
-            return RowTable.dense(words, present), rank_findings, shard_ranks
-        per_rank = gathered.rows[:, picked].cpu()  # [W, k, 16]: only the tensors in question
-        column = {c: k for k, c in enumerate(picked)}
-        if differ:
-            replicas = gathered.replica_report(rtol=self._rtol, indices=differ)
-            for m in replicas.mismatches:
-                block = per_rank[:, column[m.index]]
-                reference = block[ranks.index(m.reference_ranks[0])]
-                slot = Slot.at_row(m.index)
-                words[m.index] = reference.numpy()  # a row of the host copy: written in place
-                present[m.index] = bool(int(reference[PRESENT_COL]))
-                rank_findings[slot] = self._mismatch_finding(m, block, ranks)
-        for c in missing:
-            lacking = tuple(r for k, r in enumerate(ranks) if not int(per_rank[k, column[c], PRESENT_COL]))
+        shard_ranks: dict[Slot, RankSet] = {}
+        for c in np.flatnonzero(~is_sharded & (body[:, Col.REFERENCE] != world)).tolist():
+            rank_findings[Slot.at_row(c)] = self._mismatch_finding(Slot.at_row(c), body[c])
+        for c in np.flatnonzero(is_sharded & (held > 0) & (held < world)).tolist():
             slot = Slot.at_row(c)
             p = self._params[slot.param]
+            lacking = self._set(world - int(held[c]), body[c, Col.FIRST_ABSENT], body[c, Col.LAST_ABSENT])
             what = "a gradient" if slot.kind == "grad" else "a scan of its shard"
             rank_findings[slot] = Finding(p.name, slot.kind, Severity.ERROR, Cause.MISSING_ON_RANKS, (
-                f"{p.name} is sharded across the process group, but rank(s) {list(lacking)} hold no {what} "
+                f"{p.name} is sharded across the process group, but {lacking.words()} hold no {what} "
                 "(None there, or not scannable): its statistics merge the other ranks' shards only"
-            ), lacking)
-        for c in poisoned:
-            block = decode(per_rank[:, column[c]])
-            shard_ranks[Slot.at_row(c)] = tuple(r for r, f in zip(ranks, block) if f["nan"] + f["posinf"] + f["neginf"])
+            ), lacking.named)
+        for c in np.flatnonzero(is_sharded & (body[:, Col.NONFINITE_RANKS] > 0)).tolist():
+            shard_ranks[Slot.at_row(c)] = self._set(
+                body[c, Col.NONFINITE_RANKS], body[c, Col.FIRST_NONFINITE], body[c, Col.LAST_NONFINITE]
+            )
         return RowTable.dense(words, present), rank_findings, shard_ranks
 
-    def _mismatch_finding(self, m: zdist.ReplicaMismatch, block: torch.Tensor, ranks: tuple[int, ...]) -> Finding:
-        """A "replica_mismatch" finding; block: int64 [W, 16], every rank's row."""
-        slot = Slot.at_row(m.index)
+    def _set(self, count: Any, first: Any, last: Any) -> RankSet:
+        """A RankSet of group ranks, named by their global ranks."""
+        count, first, last = int(count), int(first), int(last)
+        if count <= 0:
+            return RankSet(0, -1, -1)
+        return RankSet(count, self._ranks[first], self._ranks[last])
+
+    def _mismatch_finding(self, slot: Slot, row: np.ndarray) -> Finding:
+        """A "replica_mismatch" finding from a slot's summary row (allreduce.Col)."""
         p = self._params[slot.param]
         grad = slot.kind == "grad"
-        per_rank = decode(block)
+        world = self._world
+        reference = abs(int(row[Col.REFERENCE]))
+        others = self._set(world - reference, row[Col.FIRST_OTHER], row[Col.LAST_OTHER])
+        absent = self._set(world - int(row[Col.PRESENT]), row[Col.FIRST_ABSENT], row[Col.LAST_ABSENT])
+        nonfinite = self._set(row[Col.NONFINITE_RANKS], row[Col.FIRST_NONFINITE], row[Col.LAST_NONFINITE])
         details = []
-        for k, rank in enumerate(ranks):
-            if rank not in m.ranks:
-                continue
-            if not int(block[k, PRESENT_COL]):
-                details.append(f"rank {rank} has no {'gradient' if grad else 'scan of it'}")
-            elif per_rank[k]["nan"] + per_rank[k]["posinf"] + per_rank[k]["neginf"]:
-                details.append(f"rank {rank} holds {nonfinite_words(per_rank[k])}")
-        absent = any(not int(block[k, PRESENT_COL]) for k, rank in enumerate(ranks) if rank in m.ranks)
-        shown = [] if absent else [(f, m.fields[f]) for f in SHOWN_FIELDS if f in m.fields][:3]
-        details.append("; ".join(
-            f"{field} " + ", ".join(f"{short(v)} on rank {r}" for r, v in zip(ranks, values))
-            for field, values in shown
-        ))
-        tie = " (no majority: as many ranks on each side, so either side may be the wrong one)" if m.ambiguous else ""
+        if absent.count:
+            has = "has" if absent.count == 1 else "have"
+            details.append(f"{absent.words()} {has} no {'gradient' if grad else 'scan of it'}")
+        if nonfinite.count:
+            details.append(f"{nonfinite.words()} hold{'s' if nonfinite.count == 1 else ''} NaN or infinite values")
+        low, high = row[[Col.MEAN_LO, Col.MEAN_HI]].view(np.float64).tolist()
+        if low != high and np.isfinite([low, high]).all():
+            details.append(f"the mean is {short(low)} on some ranks and {short(high)} on others")
+        tie = (" (no majority: no value is held by more than half of the ranks for certain, so either side may "
+               "be the wrong one)") if row[Col.REFERENCE] < 0 else ""
         if grad:
             what = f"the gradient of {p.name}"
             hint = (
@@ -261,11 +311,14 @@ class RankExchange:
                 "updates (optimizer state, learning rate or a step skipped on some ranks) or a write to the "
                 "weights outside the optimizer"
             )
+        who = others.words() if others.count else "some ranks"
+        verb = "disagrees" if others.count == 1 else "disagree"
         return Finding(p.name, "grad" if grad else "weight", Severity.ERROR, Cause.REPLICA_MISMATCH, (
-            f"{what} differs across data-parallel ranks: rank(s) {list(m.ranks)} disagree with rank(s) "
-            f"{list(m.reference_ranks)}{tie}: {'; '.join(d for d in details if d)}; {hint}. "
-            f"Its statistics in this report are those of rank(s) {list(m.reference_ranks)}"
-        ), tuple(m.ranks))
+            f"{what} differs across data-parallel ranks: {who} {verb} with the other "
+            f"{count_noun(reference, 'rank')}{tie}"
+            f"{': ' + '; '.join(details) if details else ''}; {hint}. Its statistics in this report are those of "
+            f"rank {self._ranks[0]}"
+        ), others.named)
 
     def _slot_name(self, slot: Slot) -> str:
         return f"{self._params[slot.param].name}:{slot.kind}"
@@ -292,40 +345,30 @@ def check_group(op: str, group: Any, params: list[Param]) -> dist.ProcessGroup |
     if dist.get_rank(group) < 0:
         raise ValueError(f"{op}: this rank (global rank {dist.get_rank()}) is not a member of process_group")
     ranks = sorted(dist.get_process_group_ranks(group))
+    meshes: dict[tuple[int, ...], str] = {}  # a mesh's ranks -> its first parameter
     for p in params:
         if is_dtensor(p.tensor):
-            mesh_ranks = sorted(p.tensor.device_mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
-            if mesh_ranks != ranks:
-                raise ValueError(
-                    f"{op}: parameter {p.name} is a DTensor on a device mesh of ranks {mesh_ranks}, but "
-                    f"process_group holds ranks {ranks}; pass a group over exactly the mesh's ranks"
-                )
+            mesh_ranks = tuple(sorted(p.tensor.device_mesh.mesh.flatten().tolist()))  # type: ignore[attr-defined]
+            meshes.setdefault(mesh_ranks, p.name)
+    if len(meshes) > 1:
+        where = "; ".join(f"{name} on {span(mesh)}" for mesh, name in list(meshes.items())[:3])
+        raise ValueError(
+            f"{op}: the DTensor parameters live on {len(meshes)} device meshes ({where}); a Monitor merges "
+            "over one group: monitor each mesh's parameters with a Monitor of their own, "
+            "Monitor(submodule, process_group=<that mesh's group>), or pass process_group=None"
+        )
+    for mesh_ranks, name in meshes.items():
+        if list(mesh_ranks) != ranks:
+            raise ValueError(
+                f"{op}: parameter {name} is a DTensor on a device mesh of {span(mesh_ranks)}, but "
+                f"process_group holds {span(ranks)}; pass a group over exactly the mesh's ranks"
+            )
     return group
 
 
-def _summarize(gathered: torch.Tensor, n: int, rtol: float) -> torch.Tensor:
-    """What the host needs of one step's gathered rows int64 [W, n + 1, 16],
-    computed where they are, as one int64 vector: the global rows [n, 16]
-    (sharded slots merged, the others rank 0's), the per-slot flags [n, 6]
-    (indexed by IS_SHARDED ...) and every rank's header [W, 3]."""
-    body = gathered[:, :n]
-    kinds = body[..., SHARDED_COL]
-    sharded = kinds[0] == 1
-    present = body[..., PRESENT_COL] > 0
-    merged = zdist.combine_rows(body) if n else body[0]
-    rows = torch.where(sharded.unsqueeze(1), merged, body[0])
-    flags = torch.stack(
-        [
-            sharded,
-            present.all(0),
-            present.any(0),
-            zdist.rows_agree(body, body[:1], rtol).all(0),
-            (body[..., NONFINITE].sum(-1) > 0).any(0),
-            (kinds == kinds[:1]).all(0),
-        ],
-        dim=1,
-    ).to(torch.int64)
-    return torch.cat([rows.reshape(-1), flags.reshape(-1), gathered[:, n, :3].reshape(-1)])
+def _layout_crc(sharded: list[Slot]) -> int:
+    """A checksum of which slots a step scanned through a shard: the ranks must agree."""
+    return zlib.crc32(",".join(str(s.row) for s in sorted(set(sharded))).encode())
 
 
 def _to_host(vectors: list[torch.Tensor]) -> list[torch.Tensor]:

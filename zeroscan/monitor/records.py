@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from zeroscan import distributed as zdist
 from zeroscan.monitor.table import FieldBlock, RowTable
 from zeroscan.ops import scannable_form
 from zeroscan.record import NUM_FIELDS, Row, decode
+from zeroscan.words import RankSet
 
 SlotKind = Literal["grad", "weight"]
 
@@ -123,7 +123,7 @@ class StepRecord:
 
     __slots__ = (
         "step", "stepped", "groups", "fields", "requires_grad", "none_causes", "activations", "notes", "unscanned",
-        "rows", "acts", "gather", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared",
+        "rows", "acts", "exchange", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared",
         "zero_causes", "lrs",
     )
 
@@ -153,12 +153,12 @@ class StepRecord:
         # replaced (or that zero_grad() cleared before the step) is its row `before`.
         self.rows: RowTable | None = None
         self.acts: list[Activation] | None = None
-        # Across ranks: the pending all_gather of this step's packed rows (dropped once
-        # decoded), findings about ranks that disagree, and for slots whose merged
-        # shards hold non-finite values the ranks whose shards hold them.
-        self.gather: zdist.PendingMerge[zdist.GatheredRows] | None = None
+        # Across ranks: the merged summary of this step's rows (zeroscan.allreduce, on the
+        # device; dropped once decoded), findings about ranks that disagree, and for slots
+        # whose merged shards hold non-finite values the ranks whose shards hold them.
+        self.exchange: torch.Tensor | None = None
         self.rank_findings: dict[Slot, Any] = {}
-        self.shard_ranks: dict[Slot, tuple[int, ...]] = {}
+        self.shard_ranks: dict[Slot, RankSet] = {}
         self.sharded: list[Slot] = []  # across ranks: slots scanned through a local shard
         self.uncounted: list[Slot] = []  # ... whose shard another rank contributes
         # Parameters whose gradient existed when backward ended but was gone at the

@@ -23,7 +23,7 @@ from zeroscan.monitor.steps import judged_records, nothing_ran, step_findings
 from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
 from zeroscan.record import Column, Row
 from zeroscan.verdicts import Cause, Severity
-from zeroscan.words import count_noun, is_are, listed
+from zeroscan.words import RankSet, count_noun, is_are, listed
 
 WEIGHT_RMS_FLOOR = 1e-2  # see Thresholds.exploding
 
@@ -492,9 +492,9 @@ def _drifts(series: list[float], factor: float) -> bool:
     return falls >= 0.9 * (len(series) - 1) and series[0] / series[-1] >= factor
 
 
-def in_shards(finding: Finding, ranks: tuple[int, ...] | None) -> Finding:
+def in_shards(finding: Finding, ranks: RankSet | None) -> Finding:
     """A non-finite finding of a sharded tensor, with the ranks whose shards hold the values."""
-    if ranks is None:
+    if ranks is None or not ranks.count:
         return finding
-    where = f"rank {ranks[0]}'s shard" if len(ranks) == 1 else f"the shards of ranks {list(ranks)}"
-    return dataclasses.replace(finding, ranks=ranks, message=f"{finding.message}; the values are in {where}")
+    where = f"rank {ranks.first}'s shard" if ranks.count == 1 else f"the shards of {ranks.words()}"
+    return dataclasses.replace(finding, ranks=ranks.named, message=f"{finding.message}; the values are in {where}")
