@@ -448,6 +448,39 @@ def test_blocks_of_identical_ranks_simulate_as_every_rank(world: int) -> None:
     )
 
 
+@pytest.mark.parametrize("by", ("mean", "fingerprint"))
+def test_three_values_with_two_equal_largest_classes_are_no_sure_majority(by: str) -> None:
+    """W = 8: ranks 1-3 hold one value, ranks 4-6 another, ranks 0 and 7 a
+    third; no value is held by a majority, whichever of them the candidate
+    classes find, so the summary claims none (REFERENCE < 0)."""
+    seed, g = seeded()
+    x, row = _replica(g)
+    world = 8
+    rows = row.expand(world, -1).clone()
+    if by == "mean":  # the same exact words: the classes go by mean
+        rows[1:4] = scaled(row, Column.MEAN, 1 - 1e-6)
+        rows[4:7] = scaled(row, Column.MEAN, 1 + 1e-6)
+    else:
+        rows[1:4] = _dissenting_row("max_abs", x, g)
+        rows[4:7] = _dissenting_row("nan", x, g)
+    got = _replica_summary(rows)
+    assert int(got[Col.REFERENCE]) < 0, f"seed {seed}: {got.tolist()}"
+
+
+def test_replicas_near_the_top_of_float64_compare_their_means() -> None:
+    """float64 replicas around 1e160 with a spread of 1e150 (their mean
+    squared overflows, their m2 does not): a mean that differs by 1e-6
+    relative on one rank is still a mismatch."""
+    seed, g = seeded()
+    x = 1e160 * (1.0 + 1e-10 * torch.rand(1000, generator=g, dtype=torch.float64))
+    row = zeroscan.stats(x).buffer
+    world = 4
+    rows = row.expand(world, -1).clone()
+    rows[2] = scaled(row, Column.MEAN, 1 + 1e-6)
+    got = _replica_summary(rows)
+    assert _named(got, Col.REFERENCE, Col.FIRST_OTHER, Col.LAST_OTHER) == (world - 1, 2, 2), f"seed {seed}"
+
+
 # ------------------------------------------------------------ per-rank words
 
 
@@ -546,6 +579,7 @@ class _Traffic:
     def __init__(self, world: int) -> None:
         self.world = world
         self.sent = 0
+        self.calls = 0
 
     def get_world_size(self, group: object = None) -> int:
         return self.world
@@ -554,12 +588,14 @@ class _Traffic:
         self, tensor: torch.Tensor, op: object = None, group: object = None, async_op: bool = False
     ) -> _Done | None:
         self.sent += tensor.numel() * tensor.element_size()
+        self.calls += 1
         return _Done() if async_op else None
 
 
 @pytest.mark.parametrize("n", (1, 7, 100))
 def test_bytes_do_not_grow_with_the_world(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """start() sends payload_bytes(n) <= 320 n + 64 per rank at any W; the summary is summary_bytes(n) <= 200 n + 64."""
+    """start() sends payload_bytes(n) <= 320 n + 64 per rank, in five all_reduces, at any W; the summary
+    is summary_bytes(n) <= 200 n + 64."""
     for world in (1, 3, 16, 4096):
         traffic = _Traffic(world)
         monkeypatch.setattr(allreduce.dist, "get_world_size", traffic.get_world_size)
@@ -572,6 +608,7 @@ def test_bytes_do_not_grow_with_the_world(n: int, monkeypatch: pytest.MonkeyPatc
         )
         summary = allreduce.start(local, None)  # type: ignore[arg-type]
         assert traffic.sent == allreduce.payload_bytes(n), f"{n} rows, rank {rank} of {world}"
+        assert traffic.calls == 5, f"{traffic.calls} all_reduces for {n} rows, rank {rank} of {world}"
         assert summary.numel() * summary.element_size() == allreduce.summary_bytes(n), f"{n} rows of {world} ranks"
     assert allreduce.payload_bytes(n) <= 320 * n + 64
     assert allreduce.summary_bytes(n) <= 200 * n + 64

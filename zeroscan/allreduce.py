@@ -54,11 +54,11 @@ lowest and highest rank outside each. The largest class is the reference
 outside it are named: exactly when they are one or two, else by their
 number and their lowest and highest rank. A majority that holds none of the
 candidate values (ranks on both sides of it that differ from each other,
-and the counted copy among them) goes unseen: so when the reference holds
-at most half of the ranks while some rank is in no class, or two different
-classes tie, the summary marks that no majority is sure. The fingerprint is
-a 64-bit hash: two different rows pass for equal with a probability near
-2^-64.
+and the counted copy among them) goes unseen: so when two different classes
+tie, or the reference holds at most half of the ranks while the ranks hold
+more than two values (some rank in no class, or three classes), the summary
+marks that no majority is sure. The fingerprint is a 64-bit hash: two
+different rows pass for equal with a probability near 2^-64.
 
 `start` runs the rounds over a process group; `simulate` runs the same code
 over the stacked inputs of W ranks (or of blocks of identical ranks) in one
@@ -74,7 +74,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroscan.record import FLOATS, NONFINITE, NUM_COUNTS, NUM_FIELDS, Column, empty_rows
+from zeroscan.record import NONFINITE, NUM_COUNTS, NUM_FIELDS, Column, empty_rows, finite_count, moments
 
 INT64_MAX = (1 << 63) - 1
 _SIGN_FREE = INT64_MAX  # the bits a negative float64's ordered key flips
@@ -135,15 +135,6 @@ def _fingerprint(words: torch.Tensor) -> torch.Tensor:
     return h ^ (h << 17)
 
 
-def _finite_count(rows: torch.Tensor) -> torch.Tensor:
-    return (rows[..., Column.NUMEL] - rows[..., NONFINITE].sum(-1)).to(torch.float64)
-
-
-def _moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    floats = as_floats(rows[..., FLOATS])
-    return floats[..., Column.MEAN - Column.MIN_ABS], floats[..., Column.M2 - Column.MIN_ABS]
-
-
 def _neither(condition: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """value where condition holds, else the identity of MIN."""
     return torch.where(condition, value, torch.full_like(value, INT64_MAX))
@@ -168,7 +159,9 @@ class Local(NamedTuple):
     present: bool [..., N] this rank holds the tensor.
     counted: bool [..., N] its row enters the merge.
     sharded: bool [..., N] the ranks' rows are pieces of one tensor (merged);
-        False: replicas (compared), of which one copy is counted (group rank 0's).
+        False: replicas (compared), of which one copy is counted: group rank
+        0's, which the comparison takes as that of the counted copy. The same
+        on every rank.
     rank: int64 [..., 1] this rank's group rank.
     header: int64 [..., NUM_HEADER].
     """
@@ -198,12 +191,12 @@ class Prepared(NamedTuple):
 def prepare(local: Local) -> Prepared:
     empty = empty_rows(1, local.rows.device)[0]
     mine = torch.where((local.present & local.counted).unsqueeze(-1), local.rows, empty)
-    mean, m2 = _moments(mine)
-    own_mean, own_m2 = _moments(local.rows)
+    mean, m2 = moments(mine)
+    own_mean, own_m2 = moments(local.rows)
     held = local.present.unsqueeze(-1)
     exact = torch.cat([local.rows[..., : Column.MAX_ABS + 1], held.to(torch.int64)], -1)
     return Prepared(
-        mine, _finite_count(mine), mean, m2, own_mean, own_m2, _finite_count(local.rows),
+        mine, finite_count(mine), mean, m2, own_mean, own_m2, finite_count(local.rows),
         local.present & (local.rows[..., NONFINITE].sum(-1) > 0),
         _fingerprint(torch.where(held, exact, torch.zeros_like(exact))),
     )
@@ -261,26 +254,78 @@ def _one_mins(one_mins: torch.Tensor, rows: int) -> torch.Tensor:
     return one_mins[..., : rows * ONE_MINS].unflatten(-1, (rows, ONE_MINS))
 
 
-def _finite_total(sums: torch.Tensor) -> torch.Tensor:
-    return (sums[..., Column.NUMEL] - sums[..., NONFINITE].sum(-1)).to(torch.float64)
-
-
 def _shift(sums: torch.Tensor, fsums: torch.Tensor, mins: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
     """float64 [N]: the shift c of round two, the same on every rank: for
     replicas the mean of the counted copy (the least, were there several), so
     that its moments come back exactly; for shards the mean, or where n_i
     mean_i overflowed the least mean of a rank."""
-    total = _finite_total(sums)
+    total = finite_count(sums)
     mean = fsums[..., 0] / total.clamp_min(1.0)
     merged = torch.where(mean.isfinite(), mean, _key_value(mins[..., M_MEAN_LO]))
     c = torch.where(sharded, merged, _key_value(mins[..., M_MEAN_COPY]))
     return torch.where((total > 0) & c.isfinite(), c, 0.0)
 
 
+class Candidates(NamedTuple):
+    """The three candidate values a replica comparison counts the ranks
+    against, per row, the same on every rank: the least, the greatest and
+    the counted copy's fingerprint (`by_print`: where the ranks' differ), or
+    else their mean (`by_mean`: where the means differ beyond rtol), or else
+    the least and greatest m2 (the counted copy has no class then)."""
+
+    by_print: torch.Tensor  # bool [..., N]
+    by_mean: torch.Tensor  # bool [..., N]
+    prints: torch.Tensor  # int64 [..., N, 3]: least, greatest, counted copy's
+    means: torch.Tensor  # float64 [..., N, 3]
+    m2s: torch.Tensor  # float64 [..., N, 2]: least, greatest
+    mean_scale: torch.Tensor  # float64 [..., N]: what rtol is relative to
+    m2_scale: torch.Tensor
+
+    def keys(self, rtol: float) -> torch.Tensor:
+        """int64 [..., N, 3]: equal where two candidates count the same class."""
+        mean_keys = ordered(as_words(self.means))
+        lo, hi, copy = self.means.unbind(-1)
+        copy_key = torch.where(
+            _close(copy, lo, self.mean_scale, rtol), mean_keys[..., 0],
+            torch.where(_close(copy, hi, self.mean_scale, rtol), mean_keys[..., 1], mean_keys[..., 2]),
+        )
+        by_mean = torch.stack([mean_keys[..., 0], mean_keys[..., 1], copy_key], -1)
+        m2_keys = ordered(as_words(self.m2s))
+        same_m2 = _close(self.m2s[..., 1], self.m2s[..., 0], self.m2_scale, rtol)
+        high_key = torch.where(same_m2, m2_keys[..., 0], m2_keys[..., 1])
+        no_class = torch.full_like(high_key, -INT64_MAX - 1)  # C has no class when only m2 tells
+        by_m2 = torch.stack([m2_keys[..., 0], high_key, no_class], -1)
+        return torch.where(
+            self.by_print.unsqueeze(-1), self.prints, torch.where(self.by_mean.unsqueeze(-1), by_mean, by_m2)
+        )
+
+
+def _candidates(mins: torch.Tensor, n: torch.Tensor, rtol: float) -> Candidates:
+    """The candidates from round one's MIN words; n: float64 [..., N], the
+    finite values of a replica (the ranks whose fingerprints agree hold as
+    many)."""
+    prints = torch.stack([mins[..., M_PRINT_LO], ~mins[..., M_PRINT_HI], mins[..., M_PRINT_COPY]], -1)
+    means = torch.stack([
+        _key_value(mins[..., M_MEAN_LO]), _key_value(~mins[..., M_MEAN_HI]), _key_value(mins[..., M_MEAN_COPY]),
+    ], -1)
+    m2s = torch.stack([_key_value(mins[..., M_M2_LO]), _key_value(~mins[..., M_M2_HI])], -1)
+    n = n.clamp_min(1.0)
+    top = torch.maximum(means[..., 0].abs(), means[..., 1].abs())
+    m2_top = torch.maximum(m2s[..., 0].abs(), m2s[..., 1].abs())
+    # The root mean square and the sum of squares, held within range: |mean|
+    # past 1e154 would make n mean^2 infinite, and every difference "close".
+    mean_scale = torch.hypot(torch.sqrt(m2_top / n), top)
+    m2_scale = m2_top + n * top * top
+    m2_scale = torch.where(m2_scale.isfinite(), m2_scale, m2_top)
+    by_print = prints[..., 0] != prints[..., 1]
+    by_mean = ~by_print & ~_close(means[..., 0], means[..., 1], mean_scale, rtol)
+    return Candidates(by_print, by_mean, prints, means, m2s, mean_scale, m2_scale)
+
+
 class Classes(NamedTuple):
-    """Which replica class each rank is in (bool [..., N] each): equal to the
-    least value (L), to the greatest (H), to the counted copy's (C: rank
-    0's in the Monitor)."""
+    """Which replica class each rank is in (bool [..., N] each): that of the
+    least candidate value (L), the greatest (H), the counted copy's (C:
+    rank 0's in the Monitor)."""
 
     low: torch.Tensor
     high: torch.Tensor
@@ -288,32 +333,19 @@ class Classes(NamedTuple):
 
 
 def _classes(local: Local, prep: Prepared, mins: torch.Tensor, rtol: float) -> Classes:
-    """By fingerprint (the exact words) where the ranks' differ; where they
-    all agree, by mean within rtol, and where the means agree too, by m2."""
-    fp = prep.fingerprint
-    fp_lo, fp_hi, fp_copy = mins[..., M_PRINT_LO], ~mins[..., M_PRINT_HI], mins[..., M_PRINT_COPY]
-    mean_lo, mean_hi = _key_value(mins[..., M_MEAN_LO]), _key_value(~mins[..., M_MEAN_HI])
-    mean_copy = _key_value(mins[..., M_MEAN_COPY])
-    m2_lo, m2_hi = _key_value(mins[..., M_M2_LO]), _key_value(~mins[..., M_M2_HI])
-    n = prep.own_n.clamp_min(1.0)
-    mean, m2 = prep.own_mean, prep.own_m2
-    mean_sq = torch.maximum(mean_lo * mean_lo, mean_hi * mean_hi)
-    m2_top = torch.maximum(m2_lo.abs(), m2_hi.abs())
-    mean_scale = torch.sqrt(m2_top / n + mean_sq)
-    m2_scale = m2_top + n * mean_sq
-    same_print = fp_lo == fp_hi
-    means_agree = _close(mean_lo, mean_hi, mean_scale, rtol)
+    c = _candidates(mins, prep.own_n, rtol)
     held = local.present
 
-    def near_mean(ref: torch.Tensor) -> torch.Tensor:
-        return ~held | _close(mean, ref, mean_scale, rtol)
+    def near_mean(k: int) -> torch.Tensor:
+        return ~held | _close(prep.own_mean, c.means[..., k], c.mean_scale, rtol)
 
-    def near_m2(ref: torch.Tensor) -> torch.Tensor:
-        return ~held | _close(m2, ref, m2_scale, rtol)
+    def near_m2(k: int) -> torch.Tensor:
+        return ~held | _close(prep.own_m2, c.m2s[..., k], c.m2_scale, rtol)
 
-    low = torch.where(same_print, torch.where(means_agree, near_m2(m2_lo), near_mean(mean_lo)), fp == fp_lo)
-    high = torch.where(same_print, torch.where(means_agree, near_m2(m2_hi), near_mean(mean_hi)), fp == fp_hi)
-    copy = torch.where(same_print, torch.where(means_agree, low & high, near_mean(mean_copy)), fp == fp_copy)
+    fp = prep.fingerprint
+    low = torch.where(c.by_print, fp == c.prints[..., 0], torch.where(c.by_mean, near_mean(0), near_m2(0)))
+    high = torch.where(c.by_print, fp == c.prints[..., 1], torch.where(c.by_mean, near_mean(1), near_m2(1)))
+    copy = torch.where(c.by_print, fp == c.prints[..., 2], c.by_mean & near_mean(2))
     return Classes(low, high, copy)
 
 
@@ -322,7 +354,7 @@ def round_two(local: Local, prep: Prepared, one: RoundOne, rtol: float, world: i
     rows = local.rows.shape[-2]
     mins = _one_mins(one.mins, rows)
     c = _shift(one.sums, one.fsums, mins, local.sharded)
-    total = _finite_total(one.sums)
+    total = finite_count(one.sums)
     n, mean, m2 = prep.n, prep.mean, prep.m2
     d = mean - c
     weight = n / total.clamp_min(1.0)
@@ -342,14 +374,14 @@ def round_two(local: Local, prep: Prepared, one: RoundOne, rtol: float, world: i
     return RoundTwo(fsums, torch.stack(outside, -1))
 
 
-def summarize(one: RoundOne, two: RoundTwo, world: int, sharded: torch.Tensor) -> torch.Tensor:
+def summarize(one: RoundOne, two: RoundTwo, world: int, sharded: torch.Tensor, rtol: float) -> torch.Tensor:
     """int64 [N * SUMMARY_WIDTH + 2 * NUM_HEADER]: the summary rows (see Col)
     then the header's least and (as ~) greatest words, from both rounds'
     reduced results."""
     rows = one.sums.shape[-2]
     mins = _one_mins(one.mins, rows)
     c = _shift(one.sums, one.fsums, mins, sharded)
-    total = _finite_total(one.sums)
+    total = finite_count(one.sums)
     shift = 2.0 * two.fsums[..., 0]
     spread = two.fsums[..., 1]
     largest = torch.finfo(torch.float64).max  # rounding may carry a mean near it past it
@@ -357,7 +389,8 @@ def summarize(one: RoundOne, two: RoundTwo, world: int, sharded: torch.Tensor) -
     # An m2 past the float64 range stays +inf (its correction may overflow too: inf - inf).
     m2 = torch.where(spread.isinf(), spread, (spread - total * shift * shift).clamp_min(0.0))
     m2 = torch.where(total > 0, m2, 0.0)
-    reference, first_other, last_other = _reference(mins, two, world)
+    keys = _candidates(mins, total, rtol).keys(rtol)
+    reference, first_other, last_other = _reference(mins, keys, two, world)
     columns = [
         ordered(mins[..., M_MIN_ABS]),
         ordered(mins[..., M_MIN_NONZERO]),
@@ -380,14 +413,19 @@ def summarize(one: RoundOne, two: RoundTwo, world: int, sharded: torch.Tensor) -
     return torch.cat([out.flatten(), one.mins[..., rows * ONE_MINS :]])
 
 
-def _reference(mins: torch.Tensor, two: RoundTwo, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _reference(
+    mins: torch.Tensor, keys: torch.Tensor, two: RoundTwo, world: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: the reference class's size (negative when no majority is
     sure), and the first and last rank outside it. The candidates are the
     classes of the least value, the greatest and the counted copy's; the
     largest wins, then the one holding fewer non-finite values, then the
-    counted copy's, the least's, the greatest's. No majority is sure on a tie between classes that differ,
-    or when the winner holds at most half of the ranks and some rank is in
-    no candidate class (its value, between the extremes, may be held by more)."""
+    counted copy's, the least's, the greatest's. No majority is sure on a
+    tie between different classes (`keys`: Candidates.keys), or when the
+    winner holds at most half of the ranks while the ranks hold more than
+    two values (some rank in no candidate class, whose value may be held by
+    more; or three classes). Two halves are told apart by their non-finite
+    values alone."""
     counts = two.fsums[..., 2:5].round().long()  # [N, 3]: L, H, C
     none = two.fsums[..., 5].round().long()
     # C's members hold what the counted copy holds: rank 0's, where the replicas are compared.
@@ -403,10 +441,15 @@ def _reference(mins: torch.Tensor, two: RoundTwo, world: int) -> tuple[torch.Ten
     best = score.argmax(-1, keepdim=True)
     count, worse = counts.gather(-1, best), bad.gather(-1, best)
     first, last = firsts.gather(-1, best), lasts.gather(-1, best)
-    differs = (firsts != first) | (lasts != last)
+    differs = keys != keys.gather(-1, best)
     tie = ((counts == count) & (bad == worse) & differs).any(-1)
     count, first, last = count[..., 0], first[..., 0], last[..., 0]
-    unsure = tie | ((2 * count <= world) & (none > 0))
+    held = counts > 0  # how many different classes the candidates found
+    distinct = held[..., 0].long() + (held[..., 1] & (keys[..., 1] != keys[..., 0])).long() + (
+        held[..., 2] & (keys[..., 2] != keys[..., 0]) & (keys[..., 2] != keys[..., 1])
+    ).long()
+    minority = (2 * count <= world) & ((none > 0) | (distinct > 2))
+    unsure = (count < world) & (tie | minority)
     return torch.where(unsure, -count, count), first, last
 
 
@@ -453,43 +496,7 @@ def start(local: Local, group: dist.ProcessGroup, *, rtol: float = 1e-9) -> torc
     one = RoundOne(sums, fsums, mins)
     two = round_two(local, prep, one, rtol, world)
     two_fsums, two_mins = reduce([(two.fsums, dist.ReduceOp.SUM), (two.mins, dist.ReduceOp.MIN)])
-    return summarize(one, RoundTwo(two_fsums, two_mins), world, local.sharded)
-
-
-class Disagreement(NamedTuple):
-    """A value the ranks hold differently: its least and greatest, each with
-    the lowest (global) rank that holds it."""
-
-    index: int
-    low: int
-    low_rank: int
-    high: int
-    high_rank: int
-
-
-def disagreements(values: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[Disagreement]:
-    """Which of `values` (host ints) differ across the ranks of `group`: one
-    all_reduce of 2 words per value, read back (a host wait, for setup
-    checks), and a second when some differ, to name ranks."""
-    k = len(values)
-    words = torch.tensor([*values, *(~v for v in values)], dtype=torch.int64, device=device)
-    dist.all_reduce(words, op=dist.ReduceOp.MIN, group=group)
-    host = words.tolist()
-    low, high = host[:k], [~w for w in host[k:]]
-    if low == high:
-        return []
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    mine = [rank if v == lo else world for v, lo in zip(values, low)]
-    mine += [rank if v == hi else world for v, hi in zip(values, high)]
-    who = torch.tensor(mine, dtype=torch.int64, device=device)
-    dist.all_reduce(who, op=dist.ReduceOp.MIN, group=group)
-    ranks = dist.get_process_group_ranks(group)
-    at = who.tolist()
-    return [
-        Disagreement(i, low[i], ranks[at[i]], high[i], ranks[at[k + i]])
-        for i in range(k)
-        if low[i] != high[i]
-    ]
+    return summarize(one, RoundTwo(two_fsums, two_mins), world, local.sharded, rtol)
 
 
 def simulate(
@@ -504,9 +511,13 @@ def simulate(
     the rank, so an end rank holds the block's least). `chunk` inputs at a
     time bound the memory."""
     blocks = local.rows.shape[0]
-    sizes = torch.ones(blocks, dtype=torch.int64) if copies is None else torch.tensor(list(copies), dtype=torch.int64)
-    if sizes.shape != (blocks,) or bool((sizes < 1).any()):
-        raise ValueError(f"simulate: copies must hold {blocks} ints >= 1, got {copies!r}")
+    if copies is not None and (
+        len(copies) != blocks or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in copies)
+    ):
+        raise ValueError(f"simulate: copies must hold {blocks} ints >= 1 (one per input), got {copies!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"simulate: chunk must be an int >= 1 or None, got {chunk!r}")
+    sizes = torch.tensor([1] * blocks if copies is None else list(copies), dtype=torch.int64)
     world = int(sizes.sum())
     step = chunk or blocks
 
@@ -534,7 +545,7 @@ def simulate(
 
     one = RoundOne(*reduced(lambda p, prep: tuple(round_one(p, prep, world)), ("sum", "sum", "min")))
     two = RoundTwo(*reduced(lambda p, prep: tuple(round_two(p, prep, one, rtol, world)), ("sum", "min")))
-    return summarize(one, two, world, local.sharded[0])
+    return summarize(one, two, world, local.sharded[0], rtol)
 
 
 def summary_rows(summary: torch.Tensor, rows: int) -> torch.Tensor:
@@ -546,6 +557,7 @@ def summary_rows(summary: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def header_range(summary: torch.Tensor) -> tuple[list[int], list[int]]:
-    """The header words' least and greatest values over the ranks (host ints)."""
+    """The header words' least and greatest values over the ranks (host ints;
+    a read back when the summary is on a device)."""
     words = summary[-2 * NUM_HEADER :].tolist()
     return words[:NUM_HEADER], [~w for w in words[NUM_HEADER:]]
