@@ -12,7 +12,7 @@ parameter list, and times, per training step:
                   Monitor's and zeroscan.distributed's merge; its size does not grow with W)
   merge_stats     StatsBatch -> rows -> the all-reduce merge, end to end
   DTensor stats   zeroscan.distributed.stats_many over Shard(0) DTensors
-  scan + async    shard scan with the previous step's merge in flight
+  scan + async    shard scan with the previous step's gather_rows in flight (the old design)
 
 Each row is the median (and min) over --steps steps; ratios divide medians by
 "scan shard" and "scan full" measured in the same run.

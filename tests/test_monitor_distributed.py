@@ -315,9 +315,11 @@ def check_fsdp2_lifetime(rank: int, seed: int) -> Report:
 
 def check_report_mid_step_alone(rank: int, seed: int) -> Report:
     """DDP; rank 0 alone calls report() between backward and optimizer.step()
-    at every step (a logger on rank 0): the report makes no collective, so
-    training goes on (a collective there would pair with DDP's and hang until
-    the group's timeout), and the final reports agree on every rank."""
+    at every step (a logger on rank 0), rank 1 at step 2 only: the report
+    makes no collective, so training goes on (a collective there would pair
+    with DDP's and hang until the group's timeout); every step's merge is
+    read later all the same (the first one too, which a report read while
+    it was open), and the final reports agree on every rank."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -328,7 +330,7 @@ def check_report_mid_step_alone(rank: int, seed: int) -> Report:
     for step in range(steps):
         opt.zero_grad()
         ddp(torch.randn(5, 6, generator=g)).square().mean().backward()
-        if rank == 0:
+        if rank == 0 or step == 2:
             with collectives_counted() as calls:
                 mid = monitor.report()
             assert calls == [], f"report() between backward and step made collectives {calls}"
@@ -338,6 +340,32 @@ def check_report_mid_step_alone(rank: int, seed: int) -> Report:
     report = monitor.report()
     monitor.close()
     assert report.step == steps - 1 and serious(report) == [], str(report)
+    assert all(r.exchange is None for r in monitor._records), "a step's merge was never read"
+    first = monitor._records[0]
+    assert first.step == 0 and all(first.row(Slot.weight(i)) is not None for i in range(4)), "step 0 lost its weights"
+    return report
+
+
+def check_model_grows_on_every_rank(rank: int, seed: int) -> Report:
+    """A parameter added to the model on every rank between two steps: the
+    next step checks the ranks again, merges the new parameter with the
+    rest, and the report shows it."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    g = torch.Generator().manual_seed(seed + 9)  # the same batches everywhere: replicas agree
+    with Monitor(model, auto=False, process_group=dist.group.WORLD) as monitor:
+        for step in range(3):
+            if step == 2:
+                model.scale = nn.Parameter(torch.ones(2))
+            model.zero_grad()
+            out = model(torch.randn(5, 4, generator=g))
+            (out * getattr(model, "scale", 1.0)).square().mean().backward()
+            monitor.step()
+    report = monitor.report()
+    assert report.step == 2 and [f for f in report.findings if f.ranks is not None] == [], str(report)
+    grad = next(t for t in report.tensors if (t["name"], t["kind"]) == ("scale", "grad"))
+    want = zeroscan.stats(model.scale.grad)
+    assert (grad["numel"], grad["norm"], grad["max_abs"]) == (want.numel, want.norm, want.max_abs), grad
     return report
 
 
@@ -349,12 +377,14 @@ def check_ranks_monitor_different_models(rank: int, seed: int) -> Report:
     stage = [dist.new_group([0]), dist.new_group([1])]  # every rank makes every group, in order
     two = nn.Linear(3, 2)  # 2 parameters
     four = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))  # 4 parameters
-    with pytest.raises(ValueError, match=r"^zeroscan.Monitor: rank 0 monitors 2 parameters and rank 1 4: "):
+    with pytest.raises(ValueError, match=r"^zeroscan.Monitor: rank 0 monitors 2 parameters and rank 1 4: ") as info:
         Monitor(two if rank == 0 else four, process_group=dist.group.WORLD)
+    assert "\n" not in str(info.value)
     renamed = nn.Module()
     renamed.a = nn.Linear(3, 2) if rank == 0 else nn.Linear(2, 3)
-    with pytest.raises(ValueError, match=r"monitor 2 parameters under different names"):
+    with pytest.raises(ValueError, match=r"monitor 2 parameters under different names") as info:
         Monitor(two if rank == 0 else renamed, process_group=dist.group.WORLD)
+    assert "\n" not in str(info.value)
     model = two if rank == 0 else four
     with Monitor(model, process_group=stage[rank]) as monitor:
         model.zero_grad()
@@ -377,7 +407,7 @@ def check_dtensors_on_two_meshes(rank: int, seed: int) -> Report:
     model.expert = nn.Parameter(DTensor.from_local(torch.ones(2, 3), alone, [Shard(0)], run_check=False))
     with pytest.raises(ValueError, match=(
         r"^zeroscan.Monitor: the DTensor parameters live on 2 device meshes \(dense on ranks \[0, 1\]; expert on "
-        r"ranks \[\d\]\); a Monitor merges over one group: .*Monitor\(submodule, process_group="
+        r"rank \d\); a Monitor merges over one group: .*Monitor\(submodule, process_group="
     )):
         Monitor(model, process_group=dist.group.WORLD)
     return Report(-1, [], [], EMPTY_HISTORY)
@@ -392,6 +422,7 @@ CHECKS: dict[str, Callable[[int, int], Report]] = {
     "fsdp2": check_fsdp2,
     "misuse": check_misuse,
     "report_mid_step_alone": check_report_mid_step_alone,
+    "model_grows_on_every_rank": check_model_grows_on_every_rank,
     "ranks_monitor_different_models": check_ranks_monitor_different_models,
     "dtensors_on_two_meshes": check_dtensors_on_two_meshes,
 }

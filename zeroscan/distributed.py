@@ -1,4 +1,4 @@
-"""zeroscan.distributed: exact statistics across ranks with torch.distributed.
+"""zeroscan.distributed: statistics across ranks with torch.distributed.
 
 Every call here that takes a process group (or a DTensor, whose mesh is
 one) is a COLLECTIVE: every rank of the group must make it, in the same
@@ -19,8 +19,9 @@ all-reduces whose size does not depend on the world size W
 Every rank gets the same bits (the all-reduce gives every rank the same
 sums, and the rest is computed from them alike). Each rank sends and
 receives a few hundred bytes per tensor, on the device the group's backend
-uses (NCCL: CUDA, gloo: CPU); with NCCL nothing waits on the host, with
-gloo each all-reduce is waited for before the call returns.
+uses (NCCL: CUDA, gloo: CPU); with NCCL the all-reduces do not wait on
+the host (the per-tensor flags are copied to the device once per call),
+with gloo each is waited for before the call returns.
 
 What a rank's tensor means decides how its row is used (each result says so
 in its `mode`):
@@ -318,8 +319,8 @@ class LocalPart:
     tensor: the local data (a DTensor's local shard, or the tensor itself).
     mode: see the module doc.
     counted: False for a rank whose data another rank already contributes
-    (a replica along a Replicate mesh dim); its row is replaced by the
-    empty row before the gather, so nothing is counted twice.
+    (a replica along a Replicate mesh dim); its row stays out of the merge
+    (the empty row, in a gather), so nothing is counted twice.
     mesh: the DTensor's device mesh, or None.
     """
 
@@ -464,8 +465,10 @@ def stats(
     async_op: bool = False,
 ) -> GlobalStats | PendingMerge[GlobalStats]:
     """zeroscan.stats for a tensor spread over ranks. For a DTensor the result
-    equals zeroscan.stats(x.full_tensor()) without gathering the tensor; its
-    `mode` says how it was merged (see the module doc)."""
+    is zeroscan.stats(x.full_tensor()) without gathering the tensor (counts
+    and min/max exactly, the moments within the bound of
+    zeroscan/allreduce.py); its `mode` says how it was merged (see the module
+    doc)."""
     op = "zeroscan.distributed.stats"
     result = _stats_many(op, [check_tensor(op, "x", x, collective=True)], lambda i: "x", tol=tol, group=group,
                          async_op=async_op)

@@ -59,6 +59,8 @@ class RankSet(NamedTuple):
 
 def span(ranks: Sequence[int]) -> str:
     """A short phrase for a list of ranks: every rank up to four, else their number and range."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
     if len(ranks) <= 4:
         return f"ranks {list(ranks)}"
     return f"{len(ranks)} ranks from {min(ranks)} to {max(ranks)}"

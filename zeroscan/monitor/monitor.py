@@ -7,6 +7,7 @@ rules.py, and the exchange across ranks is ranks.py.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections import deque
@@ -395,7 +396,10 @@ class Monitor:
             return self._report()
 
     def _report(self) -> Report:
-        self._refresh_structure(check=True)
+        # Across ranks only the step path, which every rank runs, takes in a change of the
+        # model (its next merge then checks the ranks agree): one rank taking it in alone
+        # would pack other rows than the others at the next step.
+        self._refresh_structure(check=self._ranks is None)
         open_step = self._open
         on_training_thread = self._training_thread in (None, threading.get_ident())
         if open_step is not None and on_training_thread and self._ranks is None:
@@ -410,7 +414,9 @@ class Monitor:
         self._decode(recorded)
         if not recorded:  # this rank's own scan: no merge was started for it
             now = self._open.record if self._open is not None and self._open.record is not None else None
-            if now is None:
+            if now is not None:  # read a copy: the open step goes on, and its merge is read later
+                now = copy.copy(now)
+            else:
                 now = StepRecord(-1)
                 now.stepped = None
                 self._scan(now, None, None, collective=False)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -91,8 +91,8 @@ class RankExchange:
         """Every rank monitors as many tensors under the same names: checked
         before any merge, whose all-reduces would otherwise pair buffers of
         different sizes (an error, or a hang) or mix up tensors."""
-        found = allreduce.disagreements([len(self._params), self._names_crc], self.group, device)
-        self._checked = True
+        found = disagreements([len(self._params), self._names_crc], self.group, device)  # type: ignore[arg-type]
+        self._checked = not found  # a caller that catches the error meets it again at the next step
         for d in found:
             if d.index == 0:
                 raise ValueError(
@@ -227,8 +227,7 @@ class RankExchange:
         n = slot_rows(len(self._params))
         world = self._world
         body = host[: n * allreduce.SUMMARY_WIDTH].reshape(n, allreduce.SUMMARY_WIDTH)
-        head = host[n * allreduce.SUMMARY_WIDTH :].tolist()
-        low, high = head[: allreduce.NUM_HEADER], [~w for w in head[allreduce.NUM_HEADER :]]
+        low, high = allreduce.header_range(torch.from_numpy(host))
         want = [rec.step, len(self._params), self._names_crc, _layout_crc(rec.sharded)]
         if low[:3] != want[:3] or high[:3] != want[:3]:
             steps = f"step {low[0]}" if low[0] == high[0] else f"steps {low[0]} to {high[0]}"
@@ -364,6 +363,42 @@ def check_group(op: str, group: Any, params: list[Param]) -> dist.ProcessGroup |
                 f"process_group holds {span(ranks)}; pass a group over exactly the mesh's ranks"
             )
     return group
+
+
+class Disagreement(NamedTuple):
+    """A value the ranks hold differently: its least and greatest, each with
+    the lowest (global) rank that holds it."""
+
+    index: int
+    low: int
+    low_rank: int
+    high: int
+    high_rank: int
+
+
+def disagreements(values: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[Disagreement]:
+    """Which of `values` (host ints) differ across the ranks of `group`: one
+    all_reduce of 2 words per value, read back (a host wait, for setup
+    checks), and a second when some differ, to name ranks."""
+    k = len(values)
+    words = torch.tensor([*values, *(~v for v in values)], dtype=torch.int64, device=device)
+    dist.all_reduce(words, op=dist.ReduceOp.MIN, group=group)
+    host = words.tolist()
+    low, high = host[:k], [~w for w in host[k:]]
+    if low == high:
+        return []
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = [rank if v == lo else world for v, lo in zip(values, low)]
+    mine += [rank if v == hi else world for v, hi in zip(values, high)]
+    who = torch.tensor(mine, dtype=torch.int64, device=device)
+    dist.all_reduce(who, op=dist.ReduceOp.MIN, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    at = who.tolist()
+    return [
+        Disagreement(i, low[i], ranks[at[i]], high[i], ranks[at[k + i]])
+        for i in range(k)
+        if low[i] != high[i]
+    ]
 
 
 def _layout_crc(sharded: list[Slot]) -> int:
