@@ -406,14 +406,6 @@ def test_argument_errors(kwargs: dict[str, Any], error: type[Exception], message
     assert message in text and "ZeroscanCallback" in text and "\n" not in text
 
 
-def test_loggers_lightning_callback_is_the_callback() -> None:
-    callback = loggers.lightning_callback(log_every=2, every=3, history=8)
-    assert isinstance(callback, ZeroscanCallback)
-    assert (callback.report_every, callback.every, callback.options) == (2, 3, {"history": 8})
-    assert callback.per_tensor  # the per-tensor scalars it logged before it became this class
-    assert not loggers.lightning_callback(per_tensor=False).per_tensor
-
-
 def test_missing_lightning_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):
         monkeypatch.setitem(sys.modules, name, None)

@@ -7,7 +7,6 @@ import csv
 import json
 import logging
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -249,24 +248,6 @@ def test_history_names_underflow_as_the_rows_do(tmp_path: Path) -> None:
     last = dict(zip(history["names"], history["subnormal_fraction"][-1]))
     assert last and last == {name: rows[name]["subnormal_fraction"] for name in last}
     assert len(history["subnormal_fraction"]) == len(history["steps"]) == 3
-
-
-# --- Lightning ---------------------------------------------------------------------------
-# lightning_callback() returns zeroscan.integrations.lightning.ZeroscanCallback, tested in a
-# real Trainer by test_integration_lightning.py; here, what needs no Lightning.
-
-
-def test_lightning_callback_checks_log_every_first() -> None:
-    with pytest.raises(ValueError, match=r"lightning_callback: log_every must be an int >= 1, got 0$"):
-        loggers.lightning_callback(log_every=0)
-
-
-def test_lightning_callback_needs_lightning(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):
-        monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delitem(sys.modules, "zeroscan.integrations.lightning", raising=False)
-    with pytest.raises(ImportError, match=r"pip install 'zeroscan\[lightning\]'"):
-        loggers.lightning_callback()
 
 
 # --- TensorBoard histograms (Monitor(histogram=True)) -----------------------------------

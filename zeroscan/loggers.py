@@ -22,9 +22,8 @@ and a Lightning module can hand them to whatever logger the Trainer has:
 
     self.log_dict(zeroscan.loggers.scalars(report))
 
-or use zeroscan.integrations.lightning.ZeroscanCallback (``lightning_callback()``
-here is kept for existing code and returns one). tensorboard and lightning
-are optional; this module imports neither.
+or use zeroscan.integrations.lightning.ZeroscanCallback. tensorboard and
+lightning are optional; this module imports neither.
 """
 
 from __future__ import annotations
@@ -421,25 +420,3 @@ def log_summary(logger: logging.Logger, report: Mapping[str, Any], step: object,
         "zeroscan step %s: %s scanned, %d findings",
         step, scanned_words(report.get("tensors", [])), len(report.get("findings", [])),
     )
-
-
-# --- Lightning ------------------------------------------------------------------------------
-
-
-def lightning_callback(
-    *, log_every: int = 50, logger: logging.Logger | None = None, prefix: str = "zeroscan", **monitor_kwargs: Any
-) -> Any:
-    """zeroscan.integrations.lightning.ZeroscanCallback(report_every=log_every,
-    logger=logger, prefix=prefix, per_tensor=True, **monitor_kwargs); kept
-    for existing code, so it still logs the per-tensor scalars(report) as it
-    did. Prefer that class (its docstring says what it scans, logs and when).
-
-        trainer = lightning.Trainer(callbacks=[zeroscan.loggers.lightning_callback()])
-    """
-    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
-        raise ValueError(f"lightning_callback: log_every must be an int >= 1, got {log_every!r}")
-    # Imported here: this module never imports Lightning by itself.
-    from zeroscan.integrations.lightning import ZeroscanCallback
-
-    options = {"per_tensor": True, **monitor_kwargs}
-    return ZeroscanCallback(report_every=log_every, logger=logger, prefix=prefix, **options)
