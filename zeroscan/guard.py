@@ -162,8 +162,8 @@ class StepGuard:
         self._not_scanned: dict[str, str] = {}  # GuardReport.not_scanned
         self._open: _OpenStep | None = None
         self._handles = [
-            optimizer.register_step_pre_hook(self._before_step),
-            optimizer.register_step_post_hook(self._after_step),
+            optimizer.register_step_pre_hook(torch.compiler.disable(self._before_step)),
+            optimizer.register_step_post_hook(torch.compiler.disable(self._after_step)),
         ]
         _GUARDS[optimizer] = id(self)
 
@@ -213,9 +213,10 @@ class StepGuard:
     # ---- the step path: no host reads from here on ------------------------
     # The hooks run eagerly even inside a compiled optimizer.step(): traced by
     # dynamo (torch 2.13), the found_inf that the pre-hook sets on the
-    # optimizer never reaches the fused kernel, so the step would not be skipped.
+    # optimizer never reaches the fused kernel, so the step would not be
+    # skipped. torch.compiler.disable is applied where they are registered:
+    # it imports torch._dynamo, about a second that `import zeroscan` must not cost.
 
-    @torch.compiler.disable
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._open is not None:  # the last step raised before its post hooks ran
             self._restore_found_inf(self._open.found_inf)
@@ -235,7 +236,6 @@ class StepGuard:
             found_inf = self._set_found_inf(bad) if fused else UNTOUCHED
         self._open = _OpenStep(flags, bad, params, copies, state, found_inf)
 
-    @torch.compiler.disable
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         step, self._open = self._open, None
         if step is None:  # installed during this step

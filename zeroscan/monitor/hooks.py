@@ -4,7 +4,7 @@ they never outlive the Monitor nor travel with the model.
 Two things follow from a hook living in the model's own hook dicts:
 
 - The model keeps whatever the hook refers to alive. So every hook calls
-  its Monitor through a weak reference (`WeakHook`): dropping the last
+  its Monitor through a weak reference (`weak_hook`): dropping the last
   reference to a Monitor frees it, with its records and the optimizer
   state it could see, and a finalizer then removes its hooks (`Hooks`).
 - `torch.save(model)` pickles the hook dicts, and `copy.deepcopy(model)`
@@ -51,14 +51,20 @@ class WeakHook:
         self._method = method
         self._bound = bound
 
-    # Host-side bookkeeping, run as it is: torch.compile would otherwise compile
-    # this one frame for every signature of hook it serves, up to its recompile limit.
-    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self._owner()
         if owner is None:
             return None
         return getattr(owner, self._method)(*self._bound, *args, **kwargs)
+
+
+def weak_hook(owner: object, method: str, *bound: object) -> Callable[..., Any]:
+    """A WeakHook that torch.compile runs as it is: host-side bookkeeping,
+    which dynamo would otherwise compile once for every signature of hook it
+    serves, up to its recompile limit. Disabled where a hook is made, not on
+    the class: torch.compiler.disable imports torch._dynamo, about a second
+    that `import zeroscan` must not cost."""
+    return torch.compiler.disable(WeakHook(owner, method, *bound))
 
 
 class StateWithoutHooks:

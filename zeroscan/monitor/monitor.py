@@ -23,7 +23,7 @@ from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grad
 from zeroscan.monitor.causes import CauseFinder, cleared_cause
 from zeroscan.monitor.graph import Root, output_roots
 from zeroscan.monitor.histograms import check_histogram, free_earlier_fields, latest_histograms
-from zeroscan.monitor.hooks import Hooks, WeakHook
+from zeroscan.monitor.hooks import Hooks, weak_hook
 from zeroscan.monitor.ranks import RankExchange, check_group
 from zeroscan.monitor.records import (
     Scan, StepRecord, decode_records, grad_row, renumber, softmax_gap, unit_peak, weight_row,
@@ -126,18 +126,18 @@ class Monitor:
         self._auto = bool(auto and optimizer is not None)
         self._open: OpenStep | None = None
         self._open_touched = False
-        self._watch = BackwardWatch(WeakHook(self, "_backward_started"), WeakHook(self, "_backward_finished"))
+        self._watch = BackwardWatch(weak_hook(self, "_backward_started"), weak_hook(self, "_backward_finished"))
         self._structure = StructureWatch(model)
-        self._hooks.forward_pre(model, WeakHook(self, "_root_pre"))
-        self._hooks.forward(model, WeakHook(self, "_root_post"), always_call=True)
+        self._hooks.forward_pre(model, weak_hook(self, "_root_pre"))
+        self._hooks.forward(model, weak_hook(self, "_root_post"), always_call=True)
         if activations:
             for name, module in model.named_modules():
                 tag = "softmax" if isinstance(module, nn.Softmax) else "relu" if isinstance(module, RELU_FAMILY) else None
                 if tag is not None:
-                    self._hooks.forward(module, WeakHook(self, "_on_activation", name or "(model)", tag))
+                    self._hooks.forward(module, weak_hook(self, "_on_activation", name or "(model)", tag))
         if self._auto:
             assert optimizer is not None
-            self._hooks.keep(optimizer.register_step_pre_hook(WeakHook(self, "_on_optimizer_step")))
+            self._hooks.keep(optimizer.register_step_pre_hook(weak_hook(self, "_on_optimizer_step")))
         self._causes.arm()  # the first monitored forward pass is probed
 
     # ---- lifecycle -------------------------------------------------------

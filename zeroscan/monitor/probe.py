@@ -82,11 +82,16 @@ class Probe(TorchFunctionMode):
         self.handles: list[Any] = []
         self.active = False
         self.done = False
+        # Run as it is when torch.compile traces the forward this probe watches
+        # (the Monitor on a compiled model's _orig_mod): the ops it observes stay
+        # its own. Disabled here, not on the class: torch.compiler.disable imports
+        # torch._dynamo, about a second that `import zeroscan` must not cost.
+        self._observe_eagerly = torch.compiler.disable(self._observe)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         try:
-            made_by = self._observe(func, args, kwargs)
+            made_by = self._observe_eagerly(func, args, kwargs)
         except Exception:  # observing must never break the forward pass
             made_by = None
         out = func(*args, **kwargs)
@@ -97,9 +102,6 @@ class Probe(TorchFunctionMode):
                 pass
         return out
 
-    # Run as it is when torch.compile traces the forward this probe watches
-    # (the Monitor on a compiled model's _orig_mod): the ops it observes stay its own.
-    @torch.compiler.disable
     def _observe(self, func: Any, args: tuple, kwargs: dict) -> Cut | None:
         """Records what the op shows; returns the cut that made its result
         (a new one, or one an input carries under no_grad), to follow."""
