@@ -20,7 +20,7 @@ import torch
 import zeroscan
 from zeroscan.monitor import Finding, Monitor, Report, Thresholds
 from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
-from zeroscan.safetensors_io import SAFETENSORS_DTYPES
+from zeroscan.checkpoint.safetensors_file import SAFETENSORS_DTYPES
 from zeroscan.stats import Readout, meta_of
 from zeroscan.verdicts import Severity
 

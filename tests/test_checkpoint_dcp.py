@@ -28,8 +28,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 import zeroscan
 from zeroscan.checkpoint import CheckpointError, TensorEntry, dtype_name, scan_checkpoint
-from zeroscan.checkpoint_dcp import Box, MetadataReader, first_overlap, looks_like_dcp, open_dcp, read_metadata
-from zeroscan.checkpoint_reads import TensorPiece
+from zeroscan.checkpoint.dcp import MetadataReader, looks_like_dcp, open_dcp
+from zeroscan.checkpoint.dcp_metadata import Box, first_overlap, read_metadata
+from zeroscan.checkpoint.files import TensorPiece
 from zeroscan.cli import main
 
 

@@ -32,7 +32,7 @@ from zeroscan.checkpoint import (
     open_checkpoint,
     scan_checkpoint,
 )
-from zeroscan.checkpoint_reads import FileChangedError
+from zeroscan.checkpoint.files import FileChangedError
 from zeroscan.ops import MAX_DIMS, scannable_form
 
 FORMATS = ["safetensors", "torch"]
@@ -68,7 +68,7 @@ def run_python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
 TRUNCATE_DURING = """
     import os, sys
     from zeroscan.checkpoint import CheckpointError, scan_checkpoint
-    from zeroscan.checkpoint_diff import diff_checkpoints
+    from zeroscan.checkpoint.diff import diff_checkpoints
 
     paths = sys.argv[1:]  # one file: scanned; two: diffed, and the second is truncated
     calls = []
@@ -124,6 +124,8 @@ def test_a_file_truncated_during_a_diff_is_an_error_not_a_crash(tmp_path: Path, 
 TRUNCATE_IN_CLI = """
     import os, sys
     import zeroscan.checkpoint as checkpoint
+    import zeroscan.checkpoint.scan as scanning
+    import zeroscan.checkpoint.single as single
     from zeroscan.cli import main
 
     path, when, *victims = sys.argv[1:]
@@ -153,8 +155,8 @@ TRUNCATE_IN_CLI = """
         return scan(p, **{**kwargs, "progress": progress, "batch_bytes": 64 << 10})
 
     if when == "unlocated":
-        checkpoint.locate_in_zip = lambda file, tensors: {}
-    checkpoint.open_checkpoint = open_then_truncate
+        single.locate_in_zip = lambda file, tensors: {}
+    scanning.open_checkpoint = open_then_truncate
     checkpoint.scan_checkpoint = scan_in_small_batches
     sys.exit(main(["scan", path]))
 """

@@ -1,4 +1,4 @@
-"""Checkpoint verdicts in each tensor's role (zeroscan.roles): a freshly
+"""Checkpoint verdicts in each tensor's role (zeroscan.checkpoint.roles): a freshly
 initialised ResNet-18 or transformer layer scans without findings, one
 all-zero kernel among its zero biases and running means is the one warning,
 a NaN is an error in any role, and --diff says "unchanged" unless the
@@ -18,7 +18,7 @@ from models import resnet18
 from torch import nn
 
 from zeroscan.cli import main
-from zeroscan.roles import Role, judge_in_role, tensor_role
+from zeroscan.checkpoint.roles import Role, judge_in_role, tensor_role
 from zeroscan.verdicts import Cause, Severity
 
 FORMATS = ["pt", "safetensors"]

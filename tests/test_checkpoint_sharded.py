@@ -21,8 +21,8 @@ from helpers import assert_matches_reference, fresh_generator, make_values
 from safetensors.torch import save_file
 
 from zeroscan.checkpoint import CheckpointError, open_checkpoint, scan_checkpoint
-from zeroscan.checkpoint_diff import diff_checkpoints
-from zeroscan.checkpoint_paths import expand_paths
+from zeroscan.checkpoint.diff import diff_checkpoints
+from zeroscan.checkpoint.paths import expand_paths
 from zeroscan.cli import main
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

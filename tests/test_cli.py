@@ -381,7 +381,7 @@ def test_torch_checkpoints_are_loaded_memory_mapped_and_weights_only(
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint.torch, "load", spy)
+    monkeypatch.setattr(torch, "load", spy)
     with open_checkpoint(ckpt) as c:
         assert len(c) == 6
     assert calls == [{"map_location": "cpu", "weights_only": True, "mmap": True}]

@@ -1,5 +1,5 @@
 """Reading a checkpoint of thousands of tensors: the worst-first order, --limit,
---group-by layer/module/shard (zeroscan.scan_groups), folders and globs as
+--group-by layer/module/shard (zeroscan.checkpoint.groups), folders and globs as
 PATHs, progress over a whole checkpoint, and --diff saying which tensors
 became NaN/Inf or all zero, counted exactly."""
 
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from zeroscan import checkpoint
 from zeroscan.cli import main
 from zeroscan.cli_format import LARGE_LOG_BYTES, Progress
-from zeroscan.scan_groups import diff_groups, group_of, layer_of, module_of, scan_groups, worst_first
+from zeroscan.checkpoint.groups import diff_groups, group_of, layer_of, module_of, scan_groups, worst_first
 
 GROUP_KEYS = {"group", "tensors", "elements", "zeros", "zero_fraction", "subnormal", "near_zero", "nan", "inf",
               "skipped", "findings", "severity", "worst_tensor"}

@@ -210,7 +210,7 @@ def test_quantized_checkpoints_load_weights_only(tmp_path: Path) -> None:
 
 
 def test_blocks_never_materialise_an_expanded_view() -> None:
-    from zeroscan.checkpoint_diff import block_pairs
+    from zeroscan.checkpoint.diff import block_pairs
 
     x = torch.tensor([[1.0, 2.0]]).expand(2**27, 2)  # 1 GiB if materialised
     y = torch.tensor([[5.0], [6.0]]).expand(2, 2**27).t()  # the same shape, repeated the same way

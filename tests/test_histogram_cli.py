@@ -20,7 +20,7 @@ from helpers import fresh_generator, make_values, save_file_in_order
 
 import zeroscan
 from zeroscan import checkpoint
-from zeroscan.checkpoint_reads import BatchScanner
+from zeroscan.checkpoint.batches import BatchScanner
 from zeroscan.cli import main
 from zeroscan.cli_format import fmt_binades
 from zeroscan.histogram import reference_histogram

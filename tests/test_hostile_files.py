@@ -24,10 +24,10 @@ import torch
 
 from safetensors import SafetensorError, safe_open
 
-from zeroscan import safetensors_io, torch_io
+from zeroscan.checkpoint import safetensors_file as safetensors_io, torch_file as torch_io
 from zeroscan.checkpoint import CheckpointError, open_checkpoint, scan_checkpoint
 from zeroscan.cli import main
-from zeroscan.safetensors_io import package_reason
+from zeroscan.checkpoint.safetensors_file import package_reason
 
 
 def assert_refused(capsys: pytest.CaptureFixture[str], path: Path, *words: str) -> str:

@@ -8,13 +8,13 @@
 A PATH is a checkpoint file (torch.save, .safetensors), a checkpoint folder
 (a sharded model with or without its index file, a torch.distributed.checkpoint
 folder), a shard index file, a plain folder of checkpoints or a glob
-(zeroscan.checkpoint_paths.expand_paths); each checkpoint it names is scanned
+(zeroscan.checkpoint.paths.expand_paths); each checkpoint it names is scanned
 on its own, with one progress bar over all its files.
 
 Tables list the worst tensors first (--sort worst: severity, then NaN/Inf
 count, then zero fraction) and show at most --limit rows (50; 0 for all), so
 a model of thousands of tensors opens on what matters; --group-by layer,
-module or shard sums them up per group (zeroscan.scan_groups).
+module or shard sums them up per group (zeroscan.checkpoint.groups).
 
 Exit status: 0 when all went well; 1 when a finding at or above `--fail-on`
 exists (default error, so a NaN fails a CI step as a linter's error does;
@@ -22,7 +22,7 @@ exists (default error, so a NaN fails a CI step as a linter's error does;
 severity; 2 for a usage error or a file that cannot be read (one line on
 stderr, never a traceback); 130 when interrupted.
 
-Each tensor is judged in its role (zeroscan.roles): a zero bias, a
+Each tensor is judged in its role (zeroscan.checkpoint.roles): a zero bias, a
 normalisation layer's ones, BatchNorm's running statistics are OK; an
 all-zero weight matrix or kernel is a warning; NaN/Inf an error in any role.
 
@@ -106,7 +106,7 @@ from zeroscan.cli_format import (
     render_table,
 )
 from zeroscan.report_data import json_safe
-from zeroscan.scan_groups import (
+from zeroscan.checkpoint.groups import (
     DIFF_STATUSES,
     GROUP_KEYS,
     RANK,
@@ -308,7 +308,7 @@ def file_groups(f: Any, by: str, only_findings: bool) -> list[dict[str, Any]]:
 
 def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
     from zeroscan.checkpoint import scan_checkpoint
-    from zeroscan.checkpoint_paths import expand_paths
+    from zeroscan.checkpoint.paths import expand_paths
 
     check_limit(args.limit)
     if args.diff:
@@ -454,7 +454,7 @@ def exit_status(worst: str, fail_on: str) -> int:
 
 def two_checkpoints(paths: Sequence[str]) -> tuple[str, str]:
     """The two checkpoints --diff compares, from PATHs that may be folders or globs."""
-    from zeroscan.checkpoint_paths import expand_paths
+    from zeroscan.checkpoint.paths import expand_paths
 
     found = expand_paths(paths)
     if len(found) != 2:
@@ -493,7 +493,7 @@ def diff_group_table(groups: Sequence[dict[str, Any]], style: Style) -> list[str
 
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
-    from zeroscan.checkpoint_diff import diff_checkpoints
+    from zeroscan.checkpoint.diff import diff_checkpoints
 
     if args.plot:
         raise UsageError("--plot draws a scan; leave out --diff to plot a checkpoint")

@@ -7,6 +7,7 @@ messages that name ranks ("rank 3", "ranks 3 and 9", "5 ranks from 3 to 40").
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -64,3 +65,10 @@ def span(ranks: Sequence[int]) -> str:
     if len(ranks) <= 4:
         return f"ranks {list(ranks)}"
     return f"{len(ranks)} ranks from {min(ranks)} to {max(ranks)}"
+
+
+def brief(value: object) -> str:
+    """repr() cut short: a hostile file can hold a 100 MB name or a million-long shape."""
+    short = reprlib.Repr()
+    short.maxstring, short.maxlist, short.maxlong, short.maxother = 120, 8, 40, 120
+    return short.repr(value)

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroscan.checkpoint import ProgressFn, open_checkpoint
+from zeroscan.checkpoint.opening import open_checkpoint
+from zeroscan.checkpoint.table import ProgressFn
 from zeroscan.words import count_noun
 
 # Integer views of each element width, so bits are compared, not values (NaN == NaN,

@@ -16,7 +16,7 @@ A tensor's group (group_of), from its dotted name or its row:
   checkpoint's rows have none, and the caller names that file.
 
 Everything here is a pure function of scan rows (zeroscan.checkpoint.scan_row)
-or diff rows (zeroscan.checkpoint_diff.diff_checkpoints): dicts in, dicts out.
+or diff rows (zeroscan.checkpoint.diff.diff_checkpoints): dicts in, dicts out.
 """
 
 from __future__ import annotations

@@ -76,9 +76,9 @@ def tensor_role(name: str, shape: Sequence[int]) -> Role:
     """The role of the tensor `name` (a dotted state_dict name such as
     "layer1.0.bn2.weight") of shape `shape`."""
     if not isinstance(name, str):
-        raise TypeError(f"zeroscan.roles.tensor_role: name must be a str, got {type(name).__name__}")
+        raise TypeError(f"zeroscan.checkpoint.roles.tensor_role: name must be a str, got {type(name).__name__}")
     if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
-        raise TypeError(f"zeroscan.roles.tensor_role: shape must be a sequence of ints, got {type(shape).__name__}")
+        raise TypeError(f"zeroscan.checkpoint.roles.tensor_role: shape must be a sequence of ints, got {type(shape).__name__}")
     # The last dotted part, less the "#2" that zeroscan.checkpoint appends to a repeated name.
     last = re.sub(r"#\d+$", "", name).rsplit(".", 1)[-1].lower()
     if last in _BUFFERS:
