@@ -19,6 +19,8 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from zeroscan.words import short_count
+
 LARGE_TTY_BYTES = 64 << 20  # a progress bar on a terminal from this size
 LARGE_LOG_BYTES = 1 << 30  # progress lines in a log (stderr not a terminal) from this size
 
@@ -112,20 +114,24 @@ def fit_to_console(stream: TextIO | None) -> None:
 
 
 def fmt_count(n: int) -> str:
-    """A count in a few characters: 12345 -> "12.3K" (exact below 10K)."""
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= 10 * scale:
-            return f"{n / scale:.1f}{unit}"
-    return str(n)
+    """A count in a few characters: 12345 -> "12.3K", 10**6 -> "1.0M" (exact below 10K)."""
+    return short_count(n)
+
+
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")  # a size past the last stays in it
 
 
 def fmt_bytes(n: float) -> str:
-    """A byte size in binary units: 1536 -> "1.5 KiB"."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    """A byte size in binary units: 1536 -> "1.5 KiB". The unit is the
+    smallest whose rounded value stays below 1024, so 1023.96 KiB reads
+    "1.0 MiB", not "1024.0 KiB"."""
+    for power, unit in enumerate(BYTE_UNITS):
+        value = n / 1024**power
+        text = f"{value:.0f}" if unit == "B" else f"{value:.1f}"  # whole bytes, tenths of the rest
+        # Compare the rounded text, not value: 1023.96 is below 1024 but prints as "1024.0".
+        if float(text) < 1024:
+            break
+    return f"{text} {unit}"
 
 
 def fmt_num(v: object) -> str:

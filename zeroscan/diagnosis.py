@@ -61,6 +61,17 @@ class Verdict(enum.Enum):
     def cause(self) -> Cause:
         return self.value
 
+    # The value is a Cause, whose own repr would nest inside this one
+    # ("<Verdict.HEALTHY: <Cause.HEALTHY: 'healthy'>>"): show its code instead.
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}.{self.name}: {self.value.value!r}>"
+
+    def __str__(self) -> str:
+        return self.value.value  # the cause code, as str(Cause) and to_dict() give it
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
 
 _SEVERITY = {
     Verdict.EMPTY: Severity.INFO,

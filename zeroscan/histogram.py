@@ -154,6 +154,17 @@ class Histogram:
             dtype, low, counts, int(doc["zeros"]), int(doc["subnormal"]), int(doc["posinf"]), int(doc["neginf"]), int(doc["nan"])
         )
 
+    def __repr__(self) -> str:
+        # The dataclass repr printed every bin of `counts` as a numpy array
+        # (254 for float32, mostly zeros); like to_dict, show the occupied
+        # binades only, by exponent.
+        occupied = numpy.nonzero(self.counts)[0]
+        binades = ", ".join(f"{int(self.min_exponent + i)}: {int(self.counts[i])}" for i in occupied)
+        return (
+            f"Histogram(dtype={str(self.dtype).removeprefix('torch.')}, numel={self.numel}, binades={{{binades}}}, "
+            f"zeros={self.zeros}, subnormal={self.subnormal}, posinf={self.posinf}, neginf={self.neginf}, nan={self.nan})"
+        )
+
     def __add__(self, other: Histogram) -> Histogram:
         if other.dtype != self.dtype:
             raise TypeError(f"Histogram: cannot add a {other.dtype} histogram to a {self.dtype} one")

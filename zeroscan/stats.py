@@ -40,6 +40,7 @@ import torch
 from zeroscan.histogram import Histogram
 from zeroscan.ops import check_tensor, check_tol, refused, require_readable
 from zeroscan.record import COUNT_FIELDS, Column, Row, host_array, row_from_words
+from zeroscan.words import short_count
 
 class Readout:
     """One native call's result buffer and its host copy, made on first read.
@@ -193,27 +194,22 @@ class Stats:
         dtype = str(self.dtype).removeprefix("torch.")
         shape = ",".join(str(s) for s in self.shape)
         n = r["numel"]
-        parts = [f"{dtype}[{shape}] n={_count(n)}"]
+        parts = [f"{dtype}[{shape}] n={short_count(n)}"]
         if n == 0:
             return f"Stats({parts[0]} empty)"
-        parts.append(f"zeros={_count(r['zeros'])} ({_percent(r['zeros'], n)})")
+        parts.append(f"zeros={short_count(r['zeros'])} ({_percent(r['zeros'], n)})")
         if r["subnormal"]:
-            parts.append(f"subnormal={_count(r['subnormal'])}")
+            parts.append(f"subnormal={short_count(r['subnormal'])}")
         if r["near_zero"]:
-            parts.append(f"near0={_count(r['near_zero'])}")
-        nonfinite = r["nan"] + r["posinf"] + r["neginf"]
-        if nonfinite:
-            parts.append(f"NaN={_count(r['nan'])} +inf={_count(r['posinf'])} -inf={_count(r['neginf'])}!")
+            parts.append(f"near0={short_count(r['near_zero'])}")
+        # Like subnormal and near0, a kind of non-finite value shows only when
+        # present, and each one present is flagged: a "!" after a zero count
+        # would alarm about nothing.
+        nonfinite = (("NaN", r["nan"]), ("+inf", r["posinf"]), ("-inf", r["neginf"]))
+        parts += [f"{kind}={short_count(count)}!" for kind, count in nonfinite if count]
         parts.append(f"|x|∈[{_num(r['min_abs'])}, {_num(r['max_abs'])}]")
         parts.append(f"μ={_num(r['mean'])} σ={_num(r['std'])} ‖x‖={_num(r['norm'])}")
         return "Stats(" + " ".join(parts) + ")"
-
-
-def _count(n: int) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= 10 * scale:
-            return f"{n / scale:.1f}{unit}"
-    return str(n)
 
 
 def _percent(part: int, whole: int) -> str:
@@ -225,7 +221,9 @@ def _percent(part: int, whole: int) -> str:
 
 
 def _num(v: float) -> str:
-    if v == 0 or math.isnan(v) or math.isinf(v):
+    if v == 0:
+        return "0"  # not "0.0" (an integer tensor's |x| read "[0.0, 4]"), as the CLI's fmt_num writes it
+    if math.isnan(v) or math.isinf(v):
         return str(v).replace("inf", "∞")
     return f"{v:.3g}" if 1e-3 <= abs(v) < 1e4 else f"{v:.2e}"
 

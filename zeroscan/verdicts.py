@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import enum
 
+# format() types that only numbers take (str accepts only "s" or none).
+NUMERIC_PRESENTATION_TYPES = frozenset("bcdeEfFgGnoxX%")
+
 
 class Severity(enum.IntEnum):
     """How much a finding matters; ordered, so findings sort by it."""
@@ -17,6 +20,18 @@ class Severity(enum.IntEnum):
     INFO = 1
     WARNING = 2
     ERROR = 3
+
+    # Text shows the lower-case name, as to_dict(), the CLI and the loggers
+    # write it ("warning"), not the number IntEnum prints; the value stays an
+    # int for ordering, int() and JSON.
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    def __format__(self, spec: str) -> str:
+        # A numeric presentation type ("d", "x", ".1f") still asks for the number.
+        if spec and spec[-1] in NUMERIC_PRESENTATION_TYPES:
+            return format(int(self), spec)
+        return format(str(self), spec)
 
 
 class Cause(str, enum.Enum):

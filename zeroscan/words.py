@@ -3,6 +3,8 @@
 Every message that puts a count before a noun or a verb builds it here, so
 that a tensor of one value never reads "1 values are"; and so do the
 messages that name ranks ("rank 3", "ranks 3 and 9", "5 ranks from 3 to 40").
+Counts too large to write out shrink here too ("12.3K", "1.0M"), alike in
+the Stats line and the CLI's tables.
 """
 
 from __future__ import annotations
@@ -19,6 +21,26 @@ def count_noun(n: int, singular: str, plural: str | None = None) -> str:
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"zeroscan.words.count_noun: n must be an int, got {type(n).__name__}")
     return f"{n} {singular if n == 1 else (plural if plural is not None else singular + 's')}"
+
+
+# Decimal units for counts, smallest first; a count past the last stays in it.
+COUNT_UNITS: tuple[tuple[str, float], ...] = (("K", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12))
+EXACT_COUNT_BELOW = 10_000  # shorter than "10.0K": counts below this are written out
+
+
+def short_count(n: int) -> str:
+    """A count in a few characters: 9999 -> "9999", 12345 -> "12.3K",
+    10**6 -> "1.0M". The unit is the smallest whose one-decimal value stays
+    below 1000 after rounding, so 999_950 reads "1.0M", not "1000.0K"."""
+    if n < EXACT_COUNT_BELOW:
+        return str(n)
+    *smaller, (largest, largest_scale) = COUNT_UNITS
+    for unit, scale in smaller:
+        text = f"{n / scale:.1f}"
+        # Compare the rounded text, not n / scale: 999.95 is below 1000 but prints as "1000.0".
+        if float(text) < 1000:
+            return text + unit
+    return f"{n / largest_scale:.1f}{largest}"
 
 
 def listed(names: list[str], shown: int) -> str:

@@ -60,6 +60,10 @@ class Finding:
     def __post_init__(self) -> None:
         object.__setattr__(self, "cause", Cause(self.cause))  # a code given as a str becomes its Cause
 
+    def __str__(self) -> str:
+        # One line, in the Report table's order, instead of the dataclass's field dump.
+        return f"{self.severity} {self.name} ({self.kind}, {self.cause}): {self.message}"
+
     def to_dict(self) -> dict[str, Any]:
         """name, kind, severity, cause, message; plus "ranks" (a list) only
         when the finding names ranks, and "names" and "members" (each
@@ -283,7 +287,7 @@ class Report:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"Report(step={self.step}, findings={len(self.findings)}, worst={self.worst.name})"
+        return f"Report(step={self.step}, findings={len(self.findings)}, worst={self.worst})"
 
 
 NAME_COLUMN = 36  # longer names wrap within their column
