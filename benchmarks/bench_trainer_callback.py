@@ -3,8 +3,8 @@
 A GPT-2 built from a config (no download) trains the same steps on the same
 data twice per round, without and with ZeroscanCallback (reports at every
 `--logging-steps` rows), alternating which goes first; the table gives the
-median time per optimizer step of each and their ratio. Needs
-zeroscan[transformers].
+median time per optimizer step of each and their ratio. Needs the
+transformers extra (pip install --no-build-isolation -e ".[transformers]").
 
     python benchmarks/bench_trainer_callback.py            # 4 layers x 256 wide, 60 steps, 3 rounds
     python benchmarks/bench_trainer_callback.py --quick

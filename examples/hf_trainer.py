@@ -2,7 +2,7 @@
 a config, no download) trained on CPU with a custom optimizer that was built
 before the last block's MLP was unfrozen, so it never updates that MLP.
 
-    pip install "zeroscan[transformers]"
+    pip install --no-build-isolation -e ".[transformers]"     # in the zeroscan checkout
     python examples/hf_trainer.py
 
 The Trainer prints its own log rows; each row carries zeroscan's summary

@@ -410,5 +410,5 @@ def test_missing_lightning_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(sys.modules, "zeroscan.integrations.lightning", raising=False)
-    with pytest.raises(ImportError, match=r"pip install 'zeroscan\[lightning\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'torch-zeroscan\[lightning\]'"):
         importlib.import_module("zeroscan.integrations.lightning")

@@ -314,7 +314,7 @@ def test_bad_arguments_are_named(kwargs: dict, message: str) -> None:
 def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.delitem(sys.modules, "zeroscan.integrations.transformers", raising=False)
-    with pytest.raises(ImportError, match=r"pip install 'zeroscan\[transformers\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'torch-zeroscan\[transformers\]'"):
         importlib.import_module("zeroscan.integrations.transformers")
 
 

@@ -8,8 +8,9 @@ Each integration is its own module, imported only when first used, so
     zeroscan.integrations.lightning      ZeroscanCallback for lightning.Trainer
     zeroscan.integrations.accelerate     monitor() and log() for Accelerate loops
 
-Each needs its framework, installed with zeroscan's extra of the same name
-(pip install "zeroscan[transformers]"); without it, importing the module
+Each needs its framework, installed with the extra of the same name of
+zeroscan's distribution, torch-zeroscan (pip install "torch-zeroscan[transformers]",
+or pip install --no-build-isolation -e ".[transformers]" in a checkout); without it, importing the module
 raises an ImportError that names the extra. common.py holds what they share.
 """
 

@@ -34,12 +34,13 @@ from zeroscan.words import listed
 
 def require(module: str, extra: str, user: str) -> ModuleType:
     """Imports `module` for the integration `user`, or raises an ImportError
-    that says which zeroscan extra installs it."""
+    that says which extra of zeroscan's distribution (torch-zeroscan) installs it."""
     try:
         return importlib.import_module(module)
     except ImportError as err:
         raise ImportError(
-            f"{user} needs the {module} package ({err}); install it with: pip install 'zeroscan[{extra}]'"
+            f"{user} needs the {module} package ({err}); install it with: pip install 'torch-zeroscan[{extra}]' "
+            f"(from a zeroscan checkout: pip install --no-build-isolation -e '.[{extra}]')"
         ) from err
 
 
