@@ -8,10 +8,21 @@ they are read; optionally, in the same pass, a log2-magnitude histogram
 cast would flush or saturate. `guard(optimizer)` skips, on the device, a step
 whose gradients hold NaN/Inf. `zeroscan.integrations` runs the Monitor inside
 transformers' Trainer, Lightning and Accelerate (each imported only when used).
+
+`import zeroscan` loads what a training loop calls (stats, diagnose,
+Monitor, guard) and nothing more: the checkpoint reader, the loggers, the
+plots, the distributed merge and the CLI are submodules loaded on first use
+(`zeroscan.loggers.log_tensorboard(...)` works after a bare `import
+zeroscan`), and no torch._dynamo, matplotlib or framework is imported until
+something needs it.
 """
 
-from zeroscan.checkpoint import CheckpointError, open_checkpoint, scan_checkpoint
-from zeroscan import integrations
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
 from zeroscan.guard import GuardReport, SkippedStep, StepGuard, guard
 from zeroscan.headroom import Bound, Headroom, headroom, headroom_of, mx_headroom
 from zeroscan.histogram import Histogram, reference_histogram
@@ -59,3 +70,39 @@ __all__ = [
     "stats_many",
 ]
 __version__ = "0.1.0"
+
+# Submodules loaded on first attribute access (PEP 562): each costs start-up
+# time that a training loop calling stats() or Monitor should not pay.
+_LAZY_SUBMODULES = frozenset({
+    "allreduce",
+    "checkpoint",
+    "cli",
+    "demo",
+    "distributed",
+    "integrations",
+    "loggers",
+    "plot",
+    "plot_histograms",
+    "replicas",
+    "report_data",
+    "testing",
+})
+# Names of the public API that live in a lazily loaded submodule.
+_LAZY_NAMES = {
+    "CheckpointError": "checkpoint",
+    "open_checkpoint": "checkpoint",
+    "scan_checkpoint": "checkpoint",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_NAMES:
+        module: ModuleType = importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY_SUBMODULES | set(_LAZY_NAMES))

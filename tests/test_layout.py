@@ -1,0 +1,158 @@
+"""The package's shape: what `import zeroscan` loads, which names are reachable
+from it, no import cycles or overlong modules (import_graph.py), and install
+hints that name this project's distribution."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from import_graph import cycles, graph, long_modules
+
+ROOT = Path(__file__).resolve().parent.parent
+DISTRIBUTION = "torch-zeroscan"
+
+# What a bare `import zeroscan` must not load: each costs start-up time (torch._dynamo
+# about a second) or is an optional dependency.
+NOT_AT_IMPORT = (
+    "torch._dynamo",
+    "matplotlib",
+    "transformers",
+    "lightning",
+    "pytorch_lightning",
+    "accelerate",
+    "tensorboard",
+    "tqdm",  # torch may load it itself: only what zeroscan adds counts
+    "zeroscan.checkpoint",
+    "zeroscan.cli",
+    "zeroscan.plot",
+    "zeroscan.loggers",
+    "zeroscan.integrations.transformers",
+)
+
+
+def run_python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def readme_names() -> list[str]:
+    """Every `zeroscan.NAME` that README.md and examples/ use as an attribute
+    (not a logged tag such as `zeroscan.grad/zero_pct`, nor csrc/zeroscan.cpp)."""
+    texts = [(ROOT / "README.md").read_text()] + [p.read_text() for p in sorted((ROOT / "examples").glob("*"))
+                                                 if p.suffix in (".py", ".md")]
+    return sorted({m for text in texts for m in re.findall(r"(?<![\w/])zeroscan\.([A-Za-z_]\w*)(?![\w/])", text)})
+
+
+@pytest.fixture(scope="module")
+def bare_import() -> dict[str, object]:
+    """In a fresh process, after `import torch; import zeroscan` alone: the
+    modules loaded, then each README name's lookup in turn."""
+    code = f"""
+import json, sys
+import torch
+before = set(sys.modules)
+import zeroscan
+loaded = sorted(m for m in {list(NOT_AT_IMPORT)!r} if m in sys.modules and m not in before)
+found = {{}}
+for name in {readme_names()!r}:
+    try:
+        getattr(zeroscan, name)
+        found[name] = "ok"
+    except AttributeError as e:
+        found[name] = str(e)
+print(json.dumps({{"loaded": loaded, "found": found}}))
+"""
+    return json.loads(run_python(code).strip().splitlines()[-1])
+
+
+def test_import_loads_no_dynamo_framework_or_lazy_submodule(bare_import: dict[str, object]) -> None:
+    assert bare_import["loaded"] == []
+
+
+@pytest.mark.parametrize("name", readme_names())
+def test_each_name_the_readme_uses_is_reachable_after_a_bare_import(bare_import: dict[str, object], name: str) -> None:
+    found = bare_import["found"]
+    assert isinstance(found, dict) and found[name] == "ok"
+
+
+def test_readme_names_include_the_submodules() -> None:
+    # The parametrization above is only as good as this list.
+    assert {"loggers", "distributed", "integrations", "guard", "stats"} <= set(readme_names())
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "cli", "distributed", "integrations", "loggers", "plot", "testing"])
+def test_submodule_is_an_attribute_after_a_bare_import(name: str) -> None:
+    out = run_python(f"import zeroscan, types; print(isinstance(zeroscan.{name}, types.ModuleType))")
+    assert out.strip() == "True"
+
+
+def test_unknown_attribute_is_an_attribute_error() -> None:
+    import zeroscan
+
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
+        zeroscan.no_such_thing  # noqa: B018
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(graph(ROOT)) == []
+
+
+def test_no_module_over_500_lines() -> None:
+    assert long_modules(ROOT) == []
+
+
+def test_import_graph_sees_function_level_imports(tmp_path: Path) -> None:
+    # A cycle made only by an import inside a function is still found.
+    package = tmp_path / "zeroscan"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from zeroscan.b import g\n")
+    (package / "b.py").write_text("def g():\n    from zeroscan import a\n    return a\n")
+    assert cycles(graph(tmp_path)) == [["zeroscan.a", "zeroscan.b"]]
+
+
+# `pip install zeroscan` (with or without extras) installs PyPI's unrelated project of that name.
+BARE_NAME_HINT = re.compile(r"""pip3? install\b[^\n;&|#]*?(?<![\w./-])["']?zeroscan(\[[^\]]*\])?["']?(?=[\s`)]|$)""")
+
+
+def test_install_hints_never_name_the_bare_distribution() -> None:
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
+    bad = []
+    for rel in tracked:
+        path = ROOT / rel
+        if rel == "tests/test_layout.py":  # this file's examples of what the pattern catches
+            continue
+        if path.suffix not in (".py", ".md", ".toml", ".txt", ".sh", ".cfg", "") or not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        bad += [f"{rel}: {m.group(0)}" for m in BARE_NAME_HINT.finditer(text)]
+    assert bad == []
+
+
+@pytest.mark.parametrize(
+    "line, names_bare",
+    [
+        ('pip install "zeroscan[transformers]"', True),
+        ("pip install zeroscan", True),
+        ("pip install 'zeroscan[plot,progress]' numpy", True),
+        ('pip install "torch-zeroscan[transformers]"', False),
+        ('pip install --no-build-isolation -e ".[transformers]"', False),
+        ("pip install zeroscan-tools", False),
+        ("pip install -e . && zeroscan demo", False),
+    ],
+)
+def test_the_hint_pattern(line: str, names_bare: bool) -> None:
+    assert bool(BARE_NAME_HINT.search(line)) == names_bare
+
+
+def test_the_distribution_is_named_in_pyproject() -> None:
+    assert re.search(rf'^name = "{DISTRIBUTION}"$', (ROOT / "pyproject.toml").read_text(), re.M)
