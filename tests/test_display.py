@@ -17,7 +17,7 @@ from zeroscan.diagnosis import Verdict
 from zeroscan.histogram import Histogram
 from zeroscan.loggers import SEVERITY_RANK
 from zeroscan.monitor.report import Finding, Report
-from zeroscan.scan_groups import RANK
+from zeroscan.checkpoint.groups import RANK
 from zeroscan.verdicts import Cause, Severity
 
 NAN, INF = math.nan, math.inf

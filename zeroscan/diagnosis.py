@@ -22,7 +22,6 @@ torch.finfo(dtype).eps; integer tensors have no subnormal or near-zero values.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,59 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from zeroscan.stats import Stats, scan_many, scan_one
-from zeroscan.verdicts import MOSTLY_ZERO, PARTIAL_UNDERFLOW, Cause, Severity, check_fraction
+from zeroscan.verdicts import MOSTLY_ZERO, PARTIAL_UNDERFLOW, Severity, Verdict, check_fraction
 from zeroscan.words import count_noun, is_are
 
 __all__ = [
     "MOSTLY_ZERO", "PARTIAL_UNDERFLOW", "Diagnosis", "Severity", "Verdict",
     "check_fraction", "diagnose", "diagnose_many", "diagnose_stats",
 ]
-
-
-class Verdict(enum.Enum):
-    """What one scanned tensor is; `verdict.severity` is fixed per verdict,
-    and `verdict.cause` is the same code in the Monitor's findings."""
-
-    # Each verdict's value is its Cause, the code the Monitor's findings use too.
-    EMPTY = Cause.EMPTY
-    NONFINITE = Cause.NONFINITE
-    EXACT_ZERO = Cause.EXACT_ZERO
-    UNDERFLOW = Cause.UNDERFLOW
-    MOSTLY_ZERO = Cause.MOSTLY_ZERO
-    PARTIAL_UNDERFLOW = Cause.PARTIAL_UNDERFLOW
-    CONSTANT = Cause.CONSTANT
-    HEALTHY = Cause.HEALTHY
-
-    @property
-    def severity(self) -> Severity:
-        return _SEVERITY[self]
-
-    @property
-    def cause(self) -> Cause:
-        return self.value
-
-    # The value is a Cause, whose own repr would nest inside this one
-    # ("<Verdict.HEALTHY: <Cause.HEALTHY: 'healthy'>>"): show its code instead.
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__}.{self.name}: {self.value.value!r}>"
-
-    def __str__(self) -> str:
-        return self.value.value  # the cause code, as str(Cause) and to_dict() give it
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
-
-
-_SEVERITY = {
-    Verdict.EMPTY: Severity.INFO,
-    Verdict.NONFINITE: Severity.ERROR,
-    Verdict.EXACT_ZERO: Severity.WARNING,
-    Verdict.UNDERFLOW: Severity.WARNING,
-    Verdict.MOSTLY_ZERO: Severity.WARNING,
-    Verdict.PARTIAL_UNDERFLOW: Severity.WARNING,
-    Verdict.CONSTANT: Severity.INFO,
-    Verdict.HEALTHY: Severity.OK,
-}
 
 
 @dataclass(frozen=True)

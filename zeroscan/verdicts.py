@@ -1,8 +1,10 @@
 """The words zeroscan judges in, shared by diagnose and the Monitor.
 
 `Severity` orders what is found; `Cause` names it (a machine-readable code,
-a str, so `finding.cause == "underflow"` holds); the thresholds that both
-diagnose and the Monitor use have one meaning and one default here.
+a str, so `finding.cause == "underflow"` holds); `Verdict` is what diagnose
+says of one tensor, each verdict a Cause with a fixed Severity; the
+thresholds that both diagnose and the Monitor use have one meaning and one
+default here.
 """
 
 from __future__ import annotations
@@ -76,6 +78,52 @@ class Cause(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class Verdict(enum.Enum):
+    """What one scanned tensor is; `verdict.severity` is fixed per verdict,
+    and `verdict.cause` is the same code in the Monitor's findings."""
+
+    # Each verdict's value is its Cause, the code the Monitor's findings use too.
+    EMPTY = Cause.EMPTY
+    NONFINITE = Cause.NONFINITE
+    EXACT_ZERO = Cause.EXACT_ZERO
+    UNDERFLOW = Cause.UNDERFLOW
+    MOSTLY_ZERO = Cause.MOSTLY_ZERO
+    PARTIAL_UNDERFLOW = Cause.PARTIAL_UNDERFLOW
+    CONSTANT = Cause.CONSTANT
+    HEALTHY = Cause.HEALTHY
+
+    @property
+    def severity(self) -> Severity:
+        return _SEVERITY[self]
+
+    @property
+    def cause(self) -> Cause:
+        return self.value
+
+    # The value is a Cause, whose own repr would nest inside this one
+    # ("<Verdict.HEALTHY: <Cause.HEALTHY: 'healthy'>>"): show its code instead.
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}.{self.name}: {self.value.value!r}>"
+
+    def __str__(self) -> str:
+        return self.value.value  # the cause code, as str(Cause) and to_dict() give it
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+_SEVERITY = {
+    Verdict.EMPTY: Severity.INFO,
+    Verdict.NONFINITE: Severity.ERROR,
+    Verdict.EXACT_ZERO: Severity.WARNING,
+    Verdict.UNDERFLOW: Severity.WARNING,
+    Verdict.MOSTLY_ZERO: Severity.WARNING,
+    Verdict.PARTIAL_UNDERFLOW: Severity.WARNING,
+    Verdict.CONSTANT: Severity.INFO,
+    Verdict.HEALTHY: Severity.OK,
+}
 
 
 # Exact zeros at least this fraction of the values: the tensor is mostly zero.
