@@ -240,7 +240,7 @@ def run_demo(out: TextIO | None = None, plot: str | None = None) -> int:
         headroom_case(tour, g)
     tour.say()
     tour.say("Next: `zeroscan scan model.pt` (add --json, --fail-on warning, --plot scan.png), "
-             "`zeroscan scan a.pt b.pt --diff`, and zeroscan.Monitor(model, optimizer) in your training loop.")
+             "`zeroscan diff a.pt b.pt`, and zeroscan.Monitor(model, optimizer) in your training loop.")
     if tour.unexpected:
         sys.stderr.write("zeroscan demo: unexpected results: " + "; ".join(tour.unexpected) + "\n")
         return 1
