@@ -181,10 +181,6 @@ class StepRecord:
         """The decoded fields of `slot` at this step, or None if not scanned."""
         return None if self.rows is None else self.rows.row(slot.row)
 
-    def before_step(self, slot: Slot) -> Row | None:
-        """The row of `slot` that the step's own scan replaced (or that was cleared), if any."""
-        return None if self.rows is None else self.rows.row(slot.row, before=True)
-
 
 def collect_params(model: nn.Module) -> list[Param]:
     """The model's parameters, tied ones once, with every other name they go by."""
