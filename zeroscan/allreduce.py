@@ -22,7 +22,7 @@ round one  SUM int64    the counts of the counted rows; how many ranks hold
 round two  SUM float64  the moments about a shift c known to every rank from
                         round one: sum of (n_i / n)(mean_i - c) and of
                         m2_i + n_i (mean_i - c)^2; the sizes of the replica
-                        classes (below)
+                        classes (zeroscan/allreduce_replicas.py)
            MIN int64    the lowest and highest rank outside each class
 
 That is 320 bytes per row plus 64 per merge in five all-reduces, and 192
@@ -44,21 +44,10 @@ in float64 data, makes c the least mean of a rank instead). For replicas c
 is the counted copy's mean, so its moments come back exactly.
 
 Replicas (data-parallel copies that should hold the same tensor) are
-compared without gathering them. Three candidate values: the least and the
-greatest fingerprint, and the counted copy's (where the fingerprints all
-agree, the least, greatest and counted copy's mean within the relative
-tolerance `rtol`, reduction order, then the least and greatest m2). Round
-two counts the ranks equal to each (classes L, H and C) and finds the
-lowest and highest rank outside each. The largest class is the reference
-(then the one holding fewer non-finite values, then C, L, H), and the ranks
-outside it are named: exactly when they are one or two, else by their
-number and their lowest and highest rank. A majority that holds none of the
-candidate values (ranks on both sides of it that differ from each other,
-and the counted copy among them) goes unseen: so when two different classes
-tie, or the reference holds at most half of the ranks while the ranks hold
-more than two values (some rank in no class, or three classes), the summary
-marks that no majority is sure. The fingerprint is a 64-bit hash: two
-different rows pass for equal with a probability near 2^-64.
+compared without gathering them, in the same two rounds: the ranks outside
+the largest class of equal copies are named, or the summary marks that no
+majority is sure (zeroscan/allreduce_replicas.py says how). Floats, maxima
+and ranks travel as int64 words (zeroscan/allreduce_words.py).
 
 `start` runs the rounds over a process group; `simulate` runs the same code
 over the stacked inputs of W ranks (or of blocks of identical ranks) in one
@@ -74,10 +63,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from zeroscan import allreduce_replicas
+from zeroscan.allreduce_words import as_words, fingerprint, key_value, last_rank, neither, ordered
 from zeroscan.record import NONFINITE, NUM_COUNTS, NUM_FIELDS, Column, empty_rows, finite_count, moments
 
-INT64_MAX = (1 << 63) - 1
-_SIGN_FREE = INT64_MAX  # the bits a negative float64's ordered key flips
 NUM_HEADER = 4  # header words each rank adds: any int64s every rank should agree on
 
 
@@ -101,52 +90,6 @@ class Col(enum.IntEnum):
 
 
 SUMMARY_WIDTH = len(Col) + Col.PRESENT
-
-
-# ---------------------------------------------------------------- words
-
-
-def ordered(bits: torch.Tensor) -> torch.Tensor:
-    """int64 keys of float64 bit patterns (non-NaN) that order as the floats
-    do; the map is its own inverse."""
-    return torch.where(bits < 0, bits ^ _SIGN_FREE, bits)
-
-
-def as_floats(words: torch.Tensor) -> torch.Tensor:
-    return words.contiguous().view(torch.float64)
-
-
-def as_words(values: torch.Tensor) -> torch.Tensor:
-    return values.contiguous().view(torch.int64)
-
-
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64: odd, its multiples spread over 64 bits
-
-
-def _fingerprint(words: torch.Tensor) -> torch.Tensor:
-    """int64 [...]: a 64-bit hash of int64 [..., K] words: their sum weighted
-    by odd constants, wrapping modulo 2^64, then mixed. Two rows that differ
-    in one word always differ here (an odd weight is invertible modulo 2^64).
-    The weights are made on the words' device: no copy from the host."""
-    k = torch.arange(1, words.shape[-1] + 1, dtype=torch.int64, device=words.device)
-    weights = (k * _GOLDEN) | 1
-    h = (words * weights).sum(-1)
-    h = h ^ ((h >> 31) & ((1 << 33) - 1))
-    return h ^ (h << 17)
-
-
-def _neither(condition: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """value where condition holds, else the identity of MIN."""
-    return torch.where(condition, value, torch.full_like(value, INT64_MAX))
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rtol: float) -> torch.Tensor:
-    return ((a - b).abs() <= rtol * scale) | (a == b)
-
-
-def _key_value(key: torch.Tensor) -> torch.Tensor:
-    """The float64 whose ordered key is `key`."""
-    return as_floats(ordered(key))
 
 
 # ---------------------------------------------------------------- the rounds
@@ -198,7 +141,7 @@ def prepare(local: Local) -> Prepared:
     return Prepared(
         mine, finite_count(mine), mean, m2, own_mean, own_m2, finite_count(local.rows),
         local.present & (local.rows[..., NONFINITE].sum(-1) > 0),
-        _fingerprint(torch.where(held, exact, torch.zeros_like(exact))),
+        fingerprint(torch.where(held, exact, torch.zeros_like(exact))),
     )
 
 
@@ -209,6 +152,7 @@ class RoundOne(NamedTuple):
 
 
 class RoundTwo(NamedTuple):
+    # The replica classes' words (allreduce_replicas.class_words): fsums from |L| on, and mins.
     fsums: torch.Tensor  # float64 [..., N, 8]: mean correction, m2, |L|, |H|, |C|, |none|, non-finite in L, in H
     mins: torch.Tensor  # int64 [..., N, 6]: first and ~last rank outside L, outside H, outside C
 
@@ -235,16 +179,16 @@ def round_one(local: Local, prep: Prepared, world: int) -> RoundOne:
         ~ordered(mine[..., Column.MAX_ABS]),
         fp,
         ~fp,
-        _neither(counted, fp),
-        _neither(held, mean_key),
-        _neither(held, ~mean_key),
-        _neither(counted & held, mean_key),
-        _neither(held, m2_key),
-        _neither(held, ~m2_key),
+        neither(counted, fp),
+        neither(held, mean_key),
+        neither(held, ~mean_key),
+        neither(counted & held, mean_key),
+        neither(held, m2_key),
+        neither(held, ~m2_key),
         torch.where(nonfinite, rank, world),
-        _neither(nonfinite, ~rank),
+        neither(nonfinite, ~rank),
         torch.where(held, world, rank),
-        _neither(~held, ~rank),
+        neither(~held, ~rank),
     ], -1)
     header = torch.cat([local.header, ~local.header], -1)
     return RoundOne(sums, fsums, torch.cat([mins.flatten(-2), header], -1))
@@ -261,92 +205,21 @@ def _shift(sums: torch.Tensor, fsums: torch.Tensor, mins: torch.Tensor, sharded:
     mean_i overflowed the least mean of a rank."""
     total = finite_count(sums)
     mean = fsums[..., 0] / total.clamp_min(1.0)
-    merged = torch.where(mean.isfinite(), mean, _key_value(mins[..., M_MEAN_LO]))
-    c = torch.where(sharded, merged, _key_value(mins[..., M_MEAN_COPY]))
+    merged = torch.where(mean.isfinite(), mean, key_value(mins[..., M_MEAN_LO]))
+    c = torch.where(sharded, merged, key_value(mins[..., M_MEAN_COPY]))
     return torch.where((total > 0) & c.isfinite(), c, 0.0)
 
 
-class Candidates(NamedTuple):
-    """The three candidate values a replica comparison counts the ranks
-    against, per row, the same on every rank: the least, the greatest and
-    the counted copy's fingerprint (`by_print`: where the ranks' differ), or
-    else their mean (`by_mean`: where the means differ beyond rtol), or else
-    the least and greatest m2 (the counted copy has no class then)."""
-
-    by_print: torch.Tensor  # bool [..., N]
-    by_mean: torch.Tensor  # bool [..., N]
-    prints: torch.Tensor  # int64 [..., N, 3]: least, greatest, counted copy's
-    means: torch.Tensor  # float64 [..., N, 3]
-    m2s: torch.Tensor  # float64 [..., N, 2]: least, greatest
-    mean_scale: torch.Tensor  # float64 [..., N]: what rtol is relative to
-    m2_scale: torch.Tensor
-
-    def keys(self, rtol: float) -> torch.Tensor:
-        """int64 [..., N, 3]: equal where two candidates count the same class."""
-        mean_keys = ordered(as_words(self.means))
-        lo, hi, copy = self.means.unbind(-1)
-        copy_key = torch.where(
-            _close(copy, lo, self.mean_scale, rtol), mean_keys[..., 0],
-            torch.where(_close(copy, hi, self.mean_scale, rtol), mean_keys[..., 1], mean_keys[..., 2]),
-        )
-        by_mean = torch.stack([mean_keys[..., 0], mean_keys[..., 1], copy_key], -1)
-        m2_keys = ordered(as_words(self.m2s))
-        same_m2 = _close(self.m2s[..., 1], self.m2s[..., 0], self.m2_scale, rtol)
-        high_key = torch.where(same_m2, m2_keys[..., 0], m2_keys[..., 1])
-        no_class = torch.full_like(high_key, -INT64_MAX - 1)  # C has no class when only m2 tells
-        by_m2 = torch.stack([m2_keys[..., 0], high_key, no_class], -1)
-        return torch.where(
-            self.by_print.unsqueeze(-1), self.prints, torch.where(self.by_mean.unsqueeze(-1), by_mean, by_m2)
-        )
-
-
-def _candidates(mins: torch.Tensor, n: torch.Tensor, rtol: float) -> Candidates:
-    """The candidates from round one's MIN words; n: float64 [..., N], the
-    finite values of a replica (the ranks whose fingerprints agree hold as
-    many)."""
+def _candidates(mins: torch.Tensor, n: torch.Tensor, rtol: float) -> allreduce_replicas.Candidates:
+    """The replica candidates from round one's MIN words; n: float64 [..., N],
+    the finite values of a replica (the ranks whose fingerprints agree hold
+    as many)."""
     prints = torch.stack([mins[..., M_PRINT_LO], ~mins[..., M_PRINT_HI], mins[..., M_PRINT_COPY]], -1)
     means = torch.stack([
-        _key_value(mins[..., M_MEAN_LO]), _key_value(~mins[..., M_MEAN_HI]), _key_value(mins[..., M_MEAN_COPY]),
+        key_value(mins[..., M_MEAN_LO]), key_value(~mins[..., M_MEAN_HI]), key_value(mins[..., M_MEAN_COPY]),
     ], -1)
-    m2s = torch.stack([_key_value(mins[..., M_M2_LO]), _key_value(~mins[..., M_M2_HI])], -1)
-    n = n.clamp_min(1.0)
-    top = torch.maximum(means[..., 0].abs(), means[..., 1].abs())
-    m2_top = torch.maximum(m2s[..., 0].abs(), m2s[..., 1].abs())
-    # The root mean square and the sum of squares, held within range: |mean|
-    # past 1e154 would make n mean^2 infinite, and every difference "close".
-    mean_scale = torch.hypot(torch.sqrt(m2_top / n), top)
-    m2_scale = m2_top + n * top * top
-    m2_scale = torch.where(m2_scale.isfinite(), m2_scale, m2_top)
-    by_print = prints[..., 0] != prints[..., 1]
-    by_mean = ~by_print & ~_close(means[..., 0], means[..., 1], mean_scale, rtol)
-    return Candidates(by_print, by_mean, prints, means, m2s, mean_scale, m2_scale)
-
-
-class Classes(NamedTuple):
-    """Which replica class each rank is in (bool [..., N] each): that of the
-    least candidate value (L), the greatest (H), the counted copy's (C:
-    rank 0's in the Monitor)."""
-
-    low: torch.Tensor
-    high: torch.Tensor
-    copy: torch.Tensor
-
-
-def _classes(local: Local, prep: Prepared, mins: torch.Tensor, rtol: float) -> Classes:
-    c = _candidates(mins, prep.own_n, rtol)
-    held = local.present
-
-    def near_mean(k: int) -> torch.Tensor:
-        return ~held | _close(prep.own_mean, c.means[..., k], c.mean_scale, rtol)
-
-    def near_m2(k: int) -> torch.Tensor:
-        return ~held | _close(prep.own_m2, c.m2s[..., k], c.m2_scale, rtol)
-
-    fp = prep.fingerprint
-    low = torch.where(c.by_print, fp == c.prints[..., 0], torch.where(c.by_mean, near_mean(0), near_m2(0)))
-    high = torch.where(c.by_print, fp == c.prints[..., 1], torch.where(c.by_mean, near_mean(1), near_m2(1)))
-    copy = torch.where(c.by_print, fp == c.prints[..., 2], c.by_mean & near_mean(2))
-    return Classes(low, high, copy)
+    m2s = torch.stack([key_value(mins[..., M_M2_LO]), key_value(~mins[..., M_M2_HI])], -1)
+    return allreduce_replicas.candidates(prints, means, m2s, n, rtol)
 
 
 def round_two(local: Local, prep: Prepared, one: RoundOne, rtol: float, world: int) -> RoundTwo:
@@ -360,18 +233,12 @@ def round_two(local: Local, prep: Prepared, one: RoundOne, rtol: float, world: i
     weight = n / total.clamp_min(1.0)
     correction = torch.where(n > 0, weight * (0.5 * mean - 0.5 * c), 0.0)
     spread = torch.where(n > 0, m2 + n * d * d, 0.0)
-    classes = _classes(local, prep, mins, rtol)
-    nonfinite = prep.nonfinite
-    none = ~(classes.low | classes.high | classes.copy)
-    fsums = torch.stack([
-        correction, spread, classes.low.double(), classes.high.double(), classes.copy.double(), none.double(),
-        (classes.low & nonfinite).double(), (classes.high & nonfinite).double(),
-    ], -1)
-    rank = local.rank.expand_as(classes.low)
-    outside = []
-    for member in classes:
-        outside += [torch.where(member, world, rank), _neither(~member, ~rank)]
-    return RoundTwo(fsums, torch.stack(outside, -1))
+    candidates = _candidates(mins, prep.own_n, rtol)
+    classes = allreduce_replicas.classes(
+        candidates, local.present, prep.fingerprint, prep.own_mean, prep.own_m2, rtol
+    )
+    sizes, outside = allreduce_replicas.class_words(classes, prep.nonfinite, local.rank, world)
+    return RoundTwo(torch.cat([torch.stack([correction, spread], -1), sizes], -1), outside)
 
 
 def summarize(one: RoundOne, two: RoundTwo, world: int, sharded: torch.Tensor, rtol: float) -> torch.Tensor:
@@ -390,7 +257,9 @@ def summarize(one: RoundOne, two: RoundTwo, world: int, sharded: torch.Tensor, r
     m2 = torch.where(spread.isinf(), spread, (spread - total * shift * shift).clamp_min(0.0))
     m2 = torch.where(total > 0, m2, 0.0)
     keys = _candidates(mins, total, rtol).keys(rtol)
-    reference, first_other, last_other = _reference(mins, keys, two, world)
+    reference, first_other, last_other = allreduce_replicas.reference(
+        two.fsums[..., 2:], two.mins, mins[..., M_FIRST_NONFINITE], keys, world
+    )
     columns = [
         ordered(mins[..., M_MIN_ABS]),
         ordered(mins[..., M_MIN_NONZERO]),
@@ -400,9 +269,9 @@ def summarize(one: RoundOne, two: RoundTwo, world: int, sharded: torch.Tensor, r
         one.sums[..., S_PRESENT],
         one.sums[..., S_NONFINITE],
         mins[..., M_FIRST_NONFINITE],
-        _last(mins[..., M_LAST_NONFINITE]),
+        last_rank(mins[..., M_LAST_NONFINITE]),
         mins[..., M_FIRST_ABSENT],
-        _last(mins[..., M_LAST_ABSENT]),
+        last_rank(mins[..., M_LAST_ABSENT]),
         reference,
         first_other,
         last_other,
@@ -411,51 +280,6 @@ def summarize(one: RoundOne, two: RoundTwo, world: int, sharded: torch.Tensor, r
     ]
     out = torch.cat([one.sums[..., :NUM_COUNTS], torch.stack(columns, -1)], -1)
     return torch.cat([out.flatten(), one.mins[..., rows * ONE_MINS :]])
-
-
-def _reference(
-    mins: torch.Tensor, keys: torch.Tensor, two: RoundTwo, world: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: the reference class's size (negative when no majority is
-    sure), and the first and last rank outside it. The candidates are the
-    classes of the least value, the greatest and the counted copy's; the
-    largest wins, then the one holding fewer non-finite values, then the
-    counted copy's, the least's, the greatest's. No majority is sure on a
-    tie between different classes (`keys`: Candidates.keys), or when the
-    winner holds at most half of the ranks while the ranks hold more than
-    two values (some rank in no candidate class, whose value may be held by
-    more; or three classes). Two halves are told apart by their non-finite
-    values alone."""
-    counts = two.fsums[..., 2:5].round().long()  # [N, 3]: L, H, C
-    none = two.fsums[..., 5].round().long()
-    # C's members hold what the counted copy holds: rank 0's, where the replicas are compared.
-    copy_nonfinite = mins[..., M_FIRST_NONFINITE] == 0
-    bad = torch.stack([
-        two.fsums[..., 6].round().long(), two.fsums[..., 7].round().long(),
-        torch.where(copy_nonfinite, counts[..., 2], 0),
-    ], -1)
-    firsts, lasts = two.mins[..., 0::2], _last(two.mins[..., 1::2])
-    score = (counts * (world + 1) + (world - bad)) * 3
-    score[..., 0] += 1  # on a full tie: C, then L, then H
-    score[..., 2] += 2
-    best = score.argmax(-1, keepdim=True)
-    count, worse = counts.gather(-1, best), bad.gather(-1, best)
-    first, last = firsts.gather(-1, best), lasts.gather(-1, best)
-    differs = keys != keys.gather(-1, best)
-    tie = ((counts == count) & (bad == worse) & differs).any(-1)
-    count, first, last = count[..., 0], first[..., 0], last[..., 0]
-    held = counts > 0  # how many different classes the candidates found
-    distinct = held[..., 0].long() + (held[..., 1] & (keys[..., 1] != keys[..., 0])).long() + (
-        held[..., 2] & (keys[..., 2] != keys[..., 0]) & (keys[..., 2] != keys[..., 1])
-    ).long()
-    minority = (2 * count <= world) & ((none > 0) | (distinct > 2))
-    unsure = (count < world) & (tie | minority)
-    return torch.where(unsure, -count, count), first, last
-
-
-def _last(min_of_not: torch.Tensor) -> torch.Tensor:
-    """The greatest rank from MIN(~rank), -1 where no rank took part."""
-    return torch.where(min_of_not == INT64_MAX, -1, ~min_of_not)
 
 
 # ---------------------------------------------------------------- running them
