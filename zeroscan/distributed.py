@@ -49,20 +49,26 @@ with `zeroscan.scan_buffers` (traceable, CUDA-graph safe) into rows [N, 16];
 then `gather_rows(drop_uncounted(rows, parts), group)` and
 `GatheredRows.merged()` (exact, the native combine; O(W N) memory) or
 `GatheredRows.replica_report(names)`.
+
+This module holds the all-reduce path; the gather-based calls
+(`gather_rows`, `combine_rows`, `compare_replicas`) live in
+zeroscan/gather.py and what every collective call shares (`comm_device`,
+`PendingMerge`) in zeroscan/collective.py; all are importable from here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from zeroscan import allreduce
-from zeroscan.ops import check_tensor, check_tol, is_dtensor, refused
-from zeroscan.record import NUM_FIELDS, empty_rows
+from zeroscan.collective import PendingMerge, comm_device, member_group, rows_of, scan_rows
+from zeroscan.gather import GatheredRows, combine_rows, compare_replicas, gather_rows
+from zeroscan.ops import check_tensor, check_tol, is_dtensor
+from zeroscan.record import empty_rows
 from zeroscan.replicas import ReplicaMismatch, ReplicaReport, replica_report, rows_agree
 
 __all__ = [
@@ -70,15 +76,12 @@ __all__ = [
     "combine_rows", "comm_device", "compare_replicas", "drop_uncounted", "empty_rows", "gather_rows",
     "local_part", "merge_stats", "replica_report", "rows_agree", "stats", "stats_many",
 ]
-from zeroscan.stats import Readout, Stats, StatsBatch, TensorMeta, buffers_of, device_groups
+from zeroscan.stats import Readout, Stats, StatsBatch, TensorMeta
 
 MODE_LOCAL = "local"
 MODE_CONCATENATED = "concatenated"
 MODE_SHARDED = "sharded"
 MODE_REPLICATED = "replicated"
-
-T = TypeVar("T")
-U = TypeVar("U")
 
 
 class GlobalStats(Stats):
@@ -105,162 +108,7 @@ class GlobalStats(Stats):
         return f"GlobalStats({inner} mode={self.mode} ranks={self.ranks})"
 
 
-class PendingMerge(Generic[T]):
-    """A collective in flight. `wait()` waits for it, finishes the merge and
-    returns the result (the same object on every later call)."""
-
-    def __init__(self, work: dist.Work | None, finish: Callable[[], T]) -> None:
-        self._work = work
-        self._finish: Callable[[], T] | None = finish
-        self._result: T | None = None
-
-    def is_completed(self) -> bool:
-        """True once the collective has finished (wait() then does not block on it)."""
-        return self._work is None or self._work.is_completed()
-
-    def wait(self) -> T:
-        if self._finish is not None:
-            if self._work is not None:
-                self._work.wait()
-            self._result = self._finish()
-            self._finish = None
-        return self._result  # type: ignore[return-value]
-
-    def then(self, fn: Callable[[T], U]) -> PendingMerge[U]:
-        """A PendingMerge for fn(this result), waiting on the same collective."""
-        return PendingMerge(self._work, lambda: fn(self.wait()))
-
-
-# ---------------------------------------------------------------- the merge
-
-
-def combine_rows(gathered: torch.Tensor) -> torch.Tensor:
-    """Merges int64 [W, N, 16] rows (W ranks' results for the same N tensors)
-    into int64 [N, 16]: the statistics of each tensor over all W parts.
-
-    The native combine of csrc/stats_record.h in a fixed pairwise tree over
-    the rank index, hence identical bits on every rank; it runs where the rows
-    are, reads nothing back to the host and traces under torch.compile.
-    """
-    if gathered.dtype != torch.int64 or gathered.dim() != 3 or gathered.shape[-1] != NUM_FIELDS:
-        raise ValueError(
-            f"combine_rows: gathered must be an int64 [W, N, {NUM_FIELDS}] tensor, "
-            f"got {gathered.dtype} of shape {list(gathered.shape)}"
-        )
-    if gathered.shape[0] == 0:
-        raise ValueError("combine_rows: gathered holds no rank (W == 0)")
-    try:
-        return torch.ops.zeroscan.combine_rows.default(gathered)
-    except RuntimeError as e:  # freed memory, say
-        refused("combine_rows", [("gathered", gathered)], e)
-
-
-# ------------------------------------------------------------ the collective
-
-
-def _member_group(op: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"{op}: torch.distributed is not initialized; call torch.distributed.init_process_group() "
-            "first, or leave group=None for single-process statistics"
-        )
-    pg = group if group is not None else dist.group.WORLD
-    if dist.get_rank(pg) < 0:
-        raise ValueError(f"{op}: this rank (global rank {dist.get_rank()}) is not a member of group")
-    return pg  # type: ignore[return-value]
-
-
-def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
-    """The device on which `group`'s backend exchanges tensors, preferring `device`
-    (gloo: CPU, NCCL: the current CUDA device)."""
-    try:
-        config = str(dist.get_backend_config(group))
-    except (AttributeError, RuntimeError, ValueError):
-        return device
-    backends = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
-    if not backends:
-        return device
-    if device.type == "cpu" and "cpu" in backends:
-        return device
-    if device.type != "cpu" and backends.get(device.type, "gloo") != "gloo":
-        return device
-    if "cpu" in backends:
-        return torch.device("cpu")
-    if "cuda" in backends and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-@dataclass(frozen=True)
-class GatheredRows:
-    """Every rank's result rows for the same N tensors, from one all_gather.
-
-    rows: int64 [W, N, 16], block r from the group's rank r.
-    ranks: the global rank of each block.
-    """
-
-    rows: torch.Tensor
-    ranks: tuple[int, ...]
-
-    def merged(self) -> torch.Tensor:
-        """int64 [N, 16]: each tensor's statistics over all ranks' parts."""
-        return combine_rows(self.rows)
-
-    def replica_report(
-        self, names: Sequence[str] | None = None, *, rtol: float = 1e-9, indices: Sequence[int] | None = None
-    ) -> ReplicaReport:
-        """Which ranks' rows differ, per tensor (see compare_replicas);
-        `indices` limits the comparison to those tensors (the replicated ones)."""
-        return replica_report(self.rows, self.ranks, names, rtol=rtol, indices=indices)
-
-
-def gather_rows(
-    rows: torch.Tensor, group: dist.ProcessGroup | None = None, *, async_op: bool = False
-) -> GatheredRows | PendingMerge[GatheredRows]:
-    """All-gathers this rank's int64 [N, 16] (or [16]) result rows in ONE
-    collective. Every rank must pass the same N, in the same tensor order.
-    With async_op=True it returns at once; `.wait()` gives the GatheredRows."""
-    op = "zeroscan.distributed.gather_rows"
-    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.shape[-1:] != (NUM_FIELDS,):
-        got = f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
-        raise ValueError(f"{op}: rows must be an int64 [N, {NUM_FIELDS}] tensor of result rows, got {got}")
-    pg = _member_group(op, group)
-    world = dist.get_world_size(pg)
-    ranks = tuple(dist.get_process_group_ranks(pg))
-    local = rows.reshape(-1, NUM_FIELDS).to(comm_device(group, rows.device)).contiguous()
-    out = local.new_empty((world * local.shape[0], NUM_FIELDS))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = gather(out, local, group=pg, async_op=async_op)
-
-    def finish() -> GatheredRows:
-        return GatheredRows(out.view(world, local.shape[0], NUM_FIELDS), ranks)
-
-    return PendingMerge(work, finish) if async_op else finish()
-
-
 # ------------------------------------------------ merging Stats across ranks
-
-
-def _rows_of(items: Sequence[Stats], device: torch.device) -> torch.Tensor:
-    if not items:
-        return torch.empty((0, NUM_FIELDS), dtype=torch.int64, device=device)
-    return torch.stack([s.buffer.to(device) for s in items])
-
-
-def _scan_rows(
-    op: str, tensors: list[torch.Tensor], tol: float | None, device: torch.device, names: Callable[[int], str]
-) -> torch.Tensor:
-    """int64 [N, 16] on `device`: one row per tensor, in order, from one native
-    call per device (no copy when all are on `device`); a refusal names
-    `op` and the tensor as names(i)."""
-    buffers = buffers_of(op, tensors, tol, names)
-    groups = device_groups(tensors)
-    if len(groups) == 1 and buffers[0].device == device:
-        return buffers[0]
-    rows = torch.empty((len(tensors), NUM_FIELDS), dtype=torch.int64, device=device)
-    for indices, buffer in zip(groups, buffers):
-        rows[indices] = buffer.to(device)
-    return rows
 
 
 def merge_stats(
@@ -277,9 +125,9 @@ def merge_stats(
     if not single and not isinstance(stats_or_batch, StatsBatch):
         raise TypeError(f"{op}: stats_or_batch must be a Stats or StatsBatch, got {type(stats_or_batch).__name__}")
     items: list[Stats] = [stats_or_batch] if single else list(stats_or_batch)  # type: ignore[list-item]
-    pg = _member_group(op, group)
+    pg = member_group(op, group)
     device = items[0].buffer.device if items else torch.device("cpu")
-    rows = _rows_of(items, comm_device(pg, device))
+    rows = rows_of(items, comm_device(pg, device))
     readout = Readout(_merge(rows, [True] * len(items), [True] * len(items), pg))
     world = dist.get_world_size(pg)
     out = [
@@ -423,11 +271,11 @@ def _stats_many(
     pg = _mesh_group(op, meshes[0], group) if meshes else group
     collective = bool(meshes) or group is not None
     if collective:
-        pg = _member_group(op, pg)
+        pg = member_group(op, pg)
 
     locals_ = [p.tensor for p in parts]
     device = comm_device(pg, locals_[0].device) if collective else locals_[0].device
-    rows = _scan_rows(op, locals_, tol, device, names)
+    rows = scan_rows(op, locals_, tol, device, names)
 
     def build(final: torch.Tensor, world: int) -> StatsBatch:
         readout = Readout(final)
@@ -475,39 +323,3 @@ def stats(
     if isinstance(result, PendingMerge):
         return result.then(lambda batch: batch[0])  # type: ignore[return-value]
     return result[0]  # type: ignore[return-value]
-
-
-def compare_replicas(
-    tensors_or_stats: Sequence[torch.Tensor] | StatsBatch | Stats,
-    group: dist.ProcessGroup | None = None,
-    *,
-    names: Sequence[str] | None = None,
-    tol: float | None = None,
-    rtol: float = 1e-9,
-    async_op: bool = False,
-) -> ReplicaReport | PendingMerge[ReplicaReport]:
-    """Checks that data-parallel replicas hold the same tensors (DDP gradients
-    after their all-reduce, replicated parameters): one all_gather of the
-    statistics rows, then a per-tensor comparison of every rank's row.
-
-    Counts and min/max |x| must be equal; mean and m2 may differ by `rtol`
-    relative to their scale (reduction order). A rank that disagrees, for
-    instance with a NaN only it has, is reported by its global rank.
-    `tensors_or_stats`: the tensors themselves (scanned here) or their Stats.
-    """
-    op = "zeroscan.distributed.compare_replicas"
-    pg = _member_group(op, group)
-    if isinstance(tensors_or_stats, (Stats, StatsBatch)):
-        items = [tensors_or_stats] if isinstance(tensors_or_stats, Stats) else list(tensors_or_stats)
-        device = items[0].buffer.device if items else torch.device("cpu")
-        rows = _rows_of(items, comm_device(pg, device))
-    elif isinstance(tensors_or_stats, torch.Tensor):
-        raise TypeError(f"{op}: pass a list of tensors (or their Stats), got a single tensor; wrap it in a list")
-    else:
-        tol = check_tol(op, tol)
-        xs = [check_tensor(op, "tensors_or_stats", t, i, collective=True) for i, t in enumerate(tensors_or_stats)]
-        device = comm_device(pg, xs[0].device if xs else torch.device("cpu"))
-        rows = _scan_rows(op, xs, tol, device, lambda i: f"tensors_or_stats[{i}]") if xs else torch.empty((0, NUM_FIELDS), dtype=torch.int64, device=device)
-    pending = gather_rows(rows, pg, async_op=True)
-    report = pending.then(lambda gathered: gathered.replica_report(names, rtol=rtol))  # type: ignore[union-attr]
-    return report if async_op else report.wait()

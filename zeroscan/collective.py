@@ -1,0 +1,105 @@
+"""What every collective call of zeroscan.distributed shares.
+
+The check that torch.distributed is up and this rank is in the group, the
+device on which a group's backend exchanges tensors (gloo: CPU, NCCL: the
+current CUDA device), this rank's result rows on that device (from its
+Stats, or scanned), and a collective in flight (PendingMerge).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from zeroscan.record import NUM_FIELDS
+from zeroscan.stats import Stats, buffers_of, device_groups
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class PendingMerge(Generic[T]):
+    """A collective in flight. `wait()` waits for it, finishes the merge and
+    returns the result (the same object on every later call)."""
+
+    def __init__(self, work: dist.Work | None, finish: Callable[[], T]) -> None:
+        self._work = work
+        self._finish: Callable[[], T] | None = finish
+        self._result: T | None = None
+
+    def is_completed(self) -> bool:
+        """True once the collective has finished (wait() then does not block on it)."""
+        return self._work is None or self._work.is_completed()
+
+    def wait(self) -> T:
+        if self._finish is not None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+            self._finish = None
+        return self._result  # type: ignore[return-value]
+
+    def then(self, fn: Callable[[T], U]) -> PendingMerge[U]:
+        """A PendingMerge for fn(this result), waiting on the same collective."""
+        return PendingMerge(self._work, lambda: fn(self.wait()))
+
+
+def member_group(op: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """`group` (None: the world), once torch.distributed is up and this rank
+    is a member; the errors name the public call `op`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{op}: torch.distributed is not initialized; call torch.distributed.init_process_group() "
+            "first, or leave group=None for single-process statistics"
+        )
+    pg = group if group is not None else dist.group.WORLD
+    if dist.get_rank(pg) < 0:
+        raise ValueError(f"{op}: this rank (global rank {dist.get_rank()}) is not a member of group")
+    return pg  # type: ignore[return-value]
+
+
+def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """The device on which `group`'s backend exchanges tensors, preferring `device`
+    (gloo: CPU, NCCL: the current CUDA device)."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (AttributeError, RuntimeError, ValueError):
+        return device
+    backends = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    if not backends:
+        return device
+    if device.type == "cpu" and "cpu" in backends:
+        return device
+    if device.type != "cpu" and backends.get(device.type, "gloo") != "gloo":
+        return device
+    if "cpu" in backends:
+        return torch.device("cpu")
+    if "cuda" in backends and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def rows_of(items: Sequence[Stats], device: torch.device) -> torch.Tensor:
+    """int64 [N, 16] on `device`: the result rows of `items`, in order."""
+    if not items:
+        return torch.empty((0, NUM_FIELDS), dtype=torch.int64, device=device)
+    return torch.stack([s.buffer.to(device) for s in items])
+
+
+def scan_rows(
+    op: str, tensors: list[torch.Tensor], tol: float | None, device: torch.device, names: Callable[[int], str]
+) -> torch.Tensor:
+    """int64 [N, 16] on `device`: one row per tensor, in order, from one native
+    call per device (no copy when all are on `device`); a refusal names
+    `op` and the tensor as names(i)."""
+    buffers = buffers_of(op, tensors, tol, names)
+    groups = device_groups(tensors)
+    if len(groups) == 1 and buffers[0].device == device:
+        return buffers[0]
+    rows = torch.empty((len(tensors), NUM_FIELDS), dtype=torch.int64, device=device)
+    for indices, buffer in zip(groups, buffers):
+        rows[indices] = buffer.to(device)
+    return rows

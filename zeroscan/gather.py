@@ -1,0 +1,128 @@
+"""Every rank's result rows, gathered: the exact merge and the replica comparison.
+
+The diagnostic path of zeroscan.distributed, beside its all-reduces (and
+importable from there): `gather_rows` all-gathers every rank's int64
+[N, 16] rows in one collective (W x N x 128 bytes); `GatheredRows.merged()`
+(`combine_rows`) merges them exactly with the native combine, in O(W N)
+memory; `compare_replicas` reports which rank's copy of a tensor differs,
+with every rank's values (zeroscan/replicas.py). Every call here that takes
+a group is a COLLECTIVE (see zeroscan.distributed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zeroscan.collective import PendingMerge, comm_device, member_group, rows_of, scan_rows
+from zeroscan.ops import check_tensor, check_tol, refused
+from zeroscan.record import NUM_FIELDS
+from zeroscan.replicas import ReplicaReport, replica_report
+from zeroscan.stats import Stats, StatsBatch
+
+
+def combine_rows(gathered: torch.Tensor) -> torch.Tensor:
+    """Merges int64 [W, N, 16] rows (W ranks' results for the same N tensors)
+    into int64 [N, 16]: the statistics of each tensor over all W parts.
+
+    The native combine of csrc/stats_record.h in a fixed pairwise tree over
+    the rank index, hence identical bits on every rank; it runs where the rows
+    are, reads nothing back to the host and traces under torch.compile.
+    """
+    if gathered.dtype != torch.int64 or gathered.dim() != 3 or gathered.shape[-1] != NUM_FIELDS:
+        raise ValueError(
+            f"combine_rows: gathered must be an int64 [W, N, {NUM_FIELDS}] tensor, "
+            f"got {gathered.dtype} of shape {list(gathered.shape)}"
+        )
+    if gathered.shape[0] == 0:
+        raise ValueError("combine_rows: gathered holds no rank (W == 0)")
+    try:
+        return torch.ops.zeroscan.combine_rows.default(gathered)
+    except RuntimeError as e:  # freed memory, say
+        refused("combine_rows", [("gathered", gathered)], e)
+
+
+@dataclass(frozen=True)
+class GatheredRows:
+    """Every rank's result rows for the same N tensors, from one all_gather.
+
+    rows: int64 [W, N, 16], block r from the group's rank r.
+    ranks: the global rank of each block.
+    """
+
+    rows: torch.Tensor
+    ranks: tuple[int, ...]
+
+    def merged(self) -> torch.Tensor:
+        """int64 [N, 16]: each tensor's statistics over all ranks' parts."""
+        return combine_rows(self.rows)
+
+    def replica_report(
+        self, names: Sequence[str] | None = None, *, rtol: float = 1e-9, indices: Sequence[int] | None = None
+    ) -> ReplicaReport:
+        """Which ranks' rows differ, per tensor (see compare_replicas);
+        `indices` limits the comparison to those tensors (the replicated ones)."""
+        return replica_report(self.rows, self.ranks, names, rtol=rtol, indices=indices)
+
+
+def gather_rows(
+    rows: torch.Tensor, group: dist.ProcessGroup | None = None, *, async_op: bool = False
+) -> GatheredRows | PendingMerge[GatheredRows]:
+    """All-gathers this rank's int64 [N, 16] (or [16]) result rows in ONE
+    collective. Every rank must pass the same N, in the same tensor order.
+    With async_op=True it returns at once; `.wait()` gives the GatheredRows."""
+    op = "zeroscan.distributed.gather_rows"
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.shape[-1:] != (NUM_FIELDS,):
+        got = f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(f"{op}: rows must be an int64 [N, {NUM_FIELDS}] tensor of result rows, got {got}")
+    pg = member_group(op, group)
+    world = dist.get_world_size(pg)
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    local = rows.reshape(-1, NUM_FIELDS).to(comm_device(group, rows.device)).contiguous()
+    out = local.new_empty((world * local.shape[0], NUM_FIELDS))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(out, local, group=pg, async_op=async_op)
+
+    def finish() -> GatheredRows:
+        return GatheredRows(out.view(world, local.shape[0], NUM_FIELDS), ranks)
+
+    return PendingMerge(work, finish) if async_op else finish()
+
+
+def compare_replicas(
+    tensors_or_stats: Sequence[torch.Tensor] | StatsBatch | Stats,
+    group: dist.ProcessGroup | None = None,
+    *,
+    names: Sequence[str] | None = None,
+    tol: float | None = None,
+    rtol: float = 1e-9,
+    async_op: bool = False,
+) -> ReplicaReport | PendingMerge[ReplicaReport]:
+    """Checks that data-parallel replicas hold the same tensors (DDP gradients
+    after their all-reduce, replicated parameters): one all_gather of the
+    statistics rows, then a per-tensor comparison of every rank's row.
+
+    Counts and min/max |x| must be equal; mean and m2 may differ by `rtol`
+    relative to their scale (reduction order). A rank that disagrees, for
+    instance with a NaN only it has, is reported by its global rank.
+    `tensors_or_stats`: the tensors themselves (scanned here) or their Stats.
+    """
+    op = "zeroscan.distributed.compare_replicas"
+    pg = member_group(op, group)
+    if isinstance(tensors_or_stats, (Stats, StatsBatch)):
+        items = [tensors_or_stats] if isinstance(tensors_or_stats, Stats) else list(tensors_or_stats)
+        device = items[0].buffer.device if items else torch.device("cpu")
+        rows = rows_of(items, comm_device(pg, device))
+    elif isinstance(tensors_or_stats, torch.Tensor):
+        raise TypeError(f"{op}: pass a list of tensors (or their Stats), got a single tensor; wrap it in a list")
+    else:
+        tol = check_tol(op, tol)
+        xs = [check_tensor(op, "tensors_or_stats", t, i, collective=True) for i, t in enumerate(tensors_or_stats)]
+        device = comm_device(pg, xs[0].device if xs else torch.device("cpu"))
+        rows = scan_rows(op, xs, tol, device, lambda i: f"tensors_or_stats[{i}]") if xs else torch.empty((0, NUM_FIELDS), dtype=torch.int64, device=device)
+    pending = gather_rows(rows, pg, async_op=True)
+    report = pending.then(lambda gathered: gathered.replica_report(names, rtol=rtol))  # type: ignore[union-attr]
+    return report if async_op else report.wait()
