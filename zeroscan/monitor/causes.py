@@ -25,10 +25,9 @@ so the probe sees each op, where a compiled graph's one backward node would
 stand for all of them.
 
 A gradient that is exactly zero everywhere is explained at report() time
-(`explain_zeros`): by a hook of the user's on the way (a tensor hook, a
-post-accumulate-grad hook, a module's backward hook), or by an output that
-enters the loss weighted by 0 (every parameter that reaches the loss only
-through that output has a zero gradient).
+(`explain_zeros`), from the graph of the latest monitored step kept here:
+by a hook of the user's on the way, or an output that enters the loss
+weighted by 0 (zero_causes.py).
 
 Each answer (records.Why) carries its root: the cause worded for every
 parameter it explains, so that one root cause is one finding.
@@ -41,9 +40,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroscan.monitor import graph
+from zeroscan.monitor import graph, zero_causes
 from zeroscan.monitor.graph import Root
 from zeroscan.monitor.hooks import Hooks
+from zeroscan.monitor.labels import module_label
 from zeroscan.monitor.probe import Probe
 from zeroscan.monitor.records import Param, Why
 from zeroscan.verdicts import Cause
@@ -420,123 +420,9 @@ class CauseFinder:
 
     def explain_zeros(self, zero: list[int]) -> dict[int, Why]:
         """Why the gradients of the parameters `zero` (indices) are exactly
-        zero everywhere, where a hook, the wiring of the loss, a custom
-        autograd.Function, or what an eager step saw before a compiled graph
-        hid it explains it; the others are left out. The rules keep such a
-        finding at INFO until it lasts (a design that starts at zero)."""
-        out: dict[int, Why] = {}
-        view = self._latest_view(set(zero))
-        roots = view.roots
-        for i in zero:
-            hooks = graph.tensor_hooks(self._params[i].tensor)
-            if hooks:
-                out[i] = _hook_why(self._params[i].name, hooks[0])
-            elif i in self._eager and self._eager[i].cause in (Cause.UNUSED, Cause.DETACHED) and roots and any(
-                c.compiled for c in view.crossings.get(i, [])
-            ):
-                # A compiled graph's backward gives zeros where eager autograd gives none.
-                eager = self._eager[i]
-                out[i] = Why(eager.cause, (
-                    f"every entry of the gradient of {self._params[i].name} is exactly zero, where an eager step "
-                    f"gave it none (a torch.compile graph gives zeros instead): {eager.message}"
-                ), None if eager.root is None else f"{eager.root} (a torch.compile graph gives them zeros)")
-        rest = [i for i in zero if i not in out]
-        if rest:
-            out.update(self._module_hook_whys(rest))
-        rest = [i for i in zero if i not in out]
-        if rest:
-            out.update(self._zero_weighted_outputs(view, zero, rest))
-        rest = [i for i in zero if i not in out]
-        if rest and roots:
-            out.update(self._functions_on_the_way(rest, view))
-        return out
-
-    def _functions_on_the_way(self, zero: list[int], view: graph.GraphView) -> dict[int, Why]:
-        """Zero gradients behind a custom autograd.Function on every way from
-        the outputs: its backward gives that input None (which FSDP's
-        gradient reduction or a compiled graph turns into zeros) or zeros."""
-        out: dict[int, Why] = {}
-        for i in zero:
-            user = [c for c in view.crossings.get(i, []) if not c.compiled]
-            if not user or i in view.free:
-                continue
-            named = listed(list(dict.fromkeys(f"{c.name} (input #{c.input})" for c in user)), 3)
-            said = (
-                f"every way from the outputs to it goes through the custom autograd.Function {named}, whose "
-                "backward most likely gives that input (0-based) None, which FSDP's gradient reduction or a "
-                "compiled graph turns into zeros, or zeros"
-            )
-            name = self._params[i].name
-            out[i] = Why(Cause.EXACT_ZERO, f"every entry of the gradient of {name} is exactly zero; {said}",
-                         f"every entry of these parameters' gradients is exactly zero; {said}")
-        return out
-
-    def _module_hook_whys(self, zero: list[int]) -> dict[int, Why]:
-        """Zero gradients behind a backward hook on a module: a full backward
-        hook changes the gradient of the module's inputs (so of what ran
-        before it), a backward pre-hook that of its output (so also of the
-        module's own parameters)."""
-        modules = list(self.model.named_modules())
-        hooked = [(k, name, hooks) for k, (name, m) in enumerate(modules) if (hooks := graph.module_backward_hooks(m))]
-        if not hooked:
-            return {}
-        order = {name: k for k, (name, _) in enumerate(modules)}
-        out: dict[int, Why] = {}
-        for i in zero:
-            owner = self._params[i].owner
-            at = order.get(owner, len(modules))
-            for k, name, hooks in hooked:
-                inside = name == "" or owner == name or owner.startswith(name + ".")
-                for how, hook in hooks:
-                    pre = how == "register_full_backward_pre_hook"
-                    if (pre and (inside or k > at)) or (not pre and not inside and k > at):
-                        out[i] = _hook_why(self._params[i].name, (how, hook), module_label(self.model, name))
-                        break
-                if i in out:
-                    break
-        return out
-
-    def _zero_weighted_outputs(self, view: graph.GraphView, zero: list[int], rest: list[int]) -> dict[int, Why]:
-        """Zero gradients of every parameter that reaches the loss only through
-        one output, while other outputs' parameters have nonzero ones: that
-        output enters the loss weighted by 0."""
-        roots = view.roots
-        if len(roots) < 2:
-            return {}
-        reach = view.root_reach
-        zero_set, todo = set(zero), set(rest)
-        out: dict[int, Why] = {}
-        for k, r in enumerate(roots):
-            others = set().union(*(reach[j] for j in range(len(roots)) if j != k))
-            only = {i for i in reach[k] - others if self._params[i].tensor.requires_grad}
-            if not only or not only <= zero_set or not (others - zero_set):
-                continue
-            root = (
-                f"every parameter that reaches the loss only through {r.label} has an exactly zero gradient, "
-                f"while the other outputs' do not: {r.label} enters the loss weighted by 0 (or the loss is "
-                "constant in it)"
-            )
-            for i in sorted(only & todo):
-                out[i] = Why(Cause.EXACT_ZERO, (
-                    f"every entry of the gradient of {self._params[i].name} is exactly zero; it reaches the loss "
-                    f"only through {r.label}, and every parameter that does so has a zero gradient while the "
-                    f"other outputs' do not: {r.label} enters the loss weighted by 0 (or the loss is constant in it)"
-                ), root)
-        return out
-
-
-def _hook_why(name: str, found: tuple[str, Any], module: str | None = None) -> Why:
-    """A zero gradient with a hook of the user's on its way: on the parameter
-    itself, or (`module`) a backward hook on a module."""
-    how, hook = found
-    label = graph.hook_label(hook)
-    on = f"on {module}" if module is not None else f"on {name}"
-    return Why(Cause.EXACT_ZERO, (
-        f"every entry of the gradient of {name} is exactly zero, and a hook is on its way: "
-        f"{label}, registered with {how} {on}; a hook that returns zeros (or zeroes .grad) does this"
-    ), f"every entry of these parameters' gradients is exactly zero, and the hook {label} ({how}"
-        + (f" on {module}" if module is not None else "")
-        + ") is on their way: a hook that returns zeros (or zeroes .grad) does this")
+        zero everywhere, where the latest monitored step's graph tells
+        (zero_causes.py); the others are left out."""
+        return zero_causes.explain_zeros(self.model, self._params, self._latest_view(set(zero)), self._eager, zero)
 
 
 def cleared_cause(name: str) -> Why:
@@ -547,9 +433,3 @@ def cleared_cause(name: str) -> Why:
         "before the forward pass or after step()"
     ), "these parameters had a gradient when backward() finished, but none at the optimizer step: "
         "zero_grad() (or .grad = None) ran between backward() and step()")
-
-
-def module_label(model: nn.Module, name: str) -> str:
-    """A module of `model` as messages name it: its name and class."""
-    module = model.get_submodule(name) if name else model
-    return f"{name} ({type(module).__name__})" if name else f"the model ({type(module).__name__})"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroscan.monitor.causes import module_label
+from zeroscan.monitor.labels import module_label
 from zeroscan.monitor.report import Finding
 from zeroscan.verdicts import Cause, Severity
 from zeroscan.words import listed
