@@ -1,8 +1,10 @@
 """The Monitor itself: its hooks, its lifecycle, and when it scans.
 
 What is measured lives elsewhere: the scan is zeroscan's native stats_many
-(records.py), why a gradient is None is causes.py, what the records mean is
-rules.py, and the exchange across ranks is ranks.py.
+(records.py), run over a step's tensors by scanner.py, the activation scans
+are activations.py, what is read of the optimizer is optimizer.py, why a
+gradient is None is causes.py, what the records mean is rules.py, and the
+exchange across ranks is ranks.py.
 """
 
 from __future__ import annotations
@@ -19,25 +21,23 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroscan.monitor import records
+from zeroscan.monitor.activations import ActivationScans, activation_modules, scannable
 from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched
 from zeroscan.monitor.causes import CauseFinder, cleared_cause
 from zeroscan.monitor.graph import Root, output_roots
 from zeroscan.monitor.histograms import check_histogram, free_earlier_fields, latest_histograms
 from zeroscan.monitor.hooks import Hooks, weak_hook
+from zeroscan.monitor.optimizer import optimizer_view, step_lrs
 from zeroscan.monitor.ranks import RankExchange, check_group
-from zeroscan.monitor.records import (
-    Scan, StepRecord, decode_records, grad_row, renumber, softmax_gap, unit_peak, weight_row,
-)
+from zeroscan.monitor.records import StepRecord, decode_records, grad_row, renumber, weight_row
 from zeroscan.monitor.report import Report, Thresholds
-from zeroscan.monitor.rules import OptimizerView, judge
+from zeroscan.monitor.rules import judge
+from zeroscan.monitor.scanner import Scanner
 from zeroscan.monitor.series import COUNT_COLUMNS, history, tensor_rows
 from zeroscan.monitor.steps import history_records, judged_records
 from zeroscan.monitor.structure import StructureWatch
 from zeroscan.monitor.turns import Turns
 from zeroscan.monitor.unregistered import unregistered_state
-
-MAX_CALLS_PER_STEP = 8  # activation calls of one module scanned per step
-RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.GELU)
 
 
 class OpenStep(NamedTuple):
@@ -118,10 +118,8 @@ class Monitor:
         self._records: deque[StepRecord] = deque(maxlen=history)
         self._count = 0
         self._closed = False
-        self._fast = True  # one native call for the whole step, until that fails once
-        self._acts: list[tuple[str, str, torch.Tensor]] = []
-        self._act_calls: dict[str, int] = {}
-        self._act_notes: list[tuple[str, str]] = []
+        self._scanner = Scanner(self._ranks)
+        self._activations = ActivationScans()  # this step's; the next step gets a new one
         self._in_auto = False
         self._auto = bool(auto and optimizer is not None)
         self._open: OpenStep | None = None
@@ -131,10 +129,8 @@ class Monitor:
         self._hooks.forward_pre(model, weak_hook(self, "_root_pre"))
         self._hooks.forward(model, weak_hook(self, "_root_post"), always_call=True)
         if activations:
-            for name, module in model.named_modules():
-                tag = "softmax" if isinstance(module, nn.Softmax) else "relu" if isinstance(module, RELU_FAMILY) else None
-                if tag is not None:
-                    self._hooks.forward(module, weak_hook(self, "_on_activation", name or "(model)", tag))
+            for name, tag, module in activation_modules(model):
+                self._hooks.forward(module, weak_hook(self, "_on_activation", name, tag))
         if self._auto:
             assert optimizer is not None
             self._hooks.keep(optimizer.register_step_pre_hook(weak_hook(self, "_on_optimizer_step")))
@@ -159,7 +155,7 @@ class Monitor:
             self._causes.close()
             self._finalizer()  # removes the hooks, once: it will not run again when the Monitor is freed
             self._structure.remove()
-            self._acts = []
+            self._activations.scans = []
 
     @property
     def closed(self) -> bool:
@@ -199,26 +195,11 @@ class Monitor:
             self._causes.forward_finished(roots, self._monitored())
 
     def _on_activation(self, name: str, tag: str, module: nn.Module, args: Any, output: Any) -> None:
-        if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.layout != torch.strided:
+        if not scannable(output):
             return
         with self._turns.step:
-            if not self._monitored():
-                return
-            calls = self._act_calls.get(name, 0)
-            if calls >= MAX_CALLS_PER_STEP:
-                return
-            self._act_calls[name] = calls + 1
-            key = name if calls == 0 else f"{name}#{calls}"
-            try:
-                with torch.no_grad():
-                    if tag == "softmax":
-                        unit = softmax_gap(output, module)
-                    else:
-                        unit = unit_peak(output, nonneg=isinstance(module, (nn.ReLU, nn.ReLU6)))
-                    buffer = records.native_many([output, unit])
-                self._acts.append((key, tag, buffer))
-            except Exception as err:  # report, never break the forward pass
-                self._act_notes.append((key, f"not scanned: {err}"))
+            if self._monitored():
+                self._activations.scan(name, tag, module, output)
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         with self._turns.step:
@@ -264,7 +245,7 @@ class Monitor:
                     missing.append(p.index)
             if missing:
                 self._causes.backward_finished(missing)
-            self._scan_into(record, tensors, slots)
+            self._scanner.scan_into(record, tensors, slots, self._params, self.histogram)
             record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
         self._open = OpenStep(record, grad_state(self._params))
 
@@ -301,7 +282,7 @@ class Monitor:
             record = StepRecord(self._count)
             self._scan(record, loss, None)
         if record is not None and self.optimizer is not None:  # the rates this step runs with
-            record.lrs = tuple(step_lr(group.get("lr")) for group in self.optimizer.param_groups)
+            record.lrs = step_lrs(self.optimizer)
         self._end_step(record, stepped=True)
 
     def _end_step(self, record: StepRecord | None, stepped: bool) -> None:
@@ -317,9 +298,7 @@ class Monitor:
             self._records.append(record)
         self._count += 1
         self._causes.step_finished(monitored, self._watch.fired)
-        self._acts = []
-        self._act_calls = {}
-        self._act_notes = []
+        self._activations = ActivationScans()
 
     def _scan(
         self, record: StepRecord, loss: torch.Tensor | None, backward: GradState | None, *, collective: bool = True
@@ -344,37 +323,12 @@ class Monitor:
             tensors.append(p.tensor)
             slots.append(weight_row(p.index))
         record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
-        self._scan_into(record, tensors, slots, collective=collective)
-        record.activations = self._acts
-        record.notes.extend(self._act_notes)
+        self._scanner.scan_into(record, tensors, slots, self._params, self.histogram, collective=collective)
+        record.activations = self._activations.scans
+        record.notes.extend(self._activations.notes)
         if missing:
             seen = (backward is not None) if self._watch.active else None
             record.none_causes.update(self._causes.explain(missing, loss, seen, self._watch.fired))
-
-    def _scan_into(
-        self, record: StepRecord, tensors: list[torch.Tensor], slots: list[int], *, collective: bool = True
-    ) -> None:
-        """Scans `tensors` (at Slot rows `slots`) into `record`."""
-        with torch.no_grad():
-            if self._ranks is None:
-                record.add(self._run(tensors, slots, record))
-            else:
-                local, slots, sharded, uncounted = self._ranks.local_parts(tensors, slots, collective=collective)
-                record.add(self._run(local, slots, record))
-                record.sharded += sharded
-                record.uncounted += uncounted
-
-    def _run(self, tensors: list[torch.Tensor], slots: list[int], record: StepRecord) -> list[Scan]:
-        if not tensors:
-            return []
-        if self._fast:
-            try:
-                return [records.scan_one_device(tensors, slots, self.histogram)]
-            except (RuntimeError, ValueError, TypeError):
-                # Several devices, or a tensor that needs preparing or cannot be scanned
-                # (scan_by_device leaves that one out): from now on, one scan per device.
-                self._fast = False
-        return records.scan_by_device(tensors, slots, self._params, record, self.histogram)
 
     # ---- reporting -------------------------------------------------------
 
@@ -424,7 +378,8 @@ class Monitor:
             recorded = [now]
         latest = judged_records(self._params, recorded)[-1]
         self._explain_zeros(latest)
-        findings = judge(self._params, recorded, self.thresholds, self._optimizer_view(), unregistered_state(self.model))
+        optimizer = optimizer_view(self.optimizer, self._params)
+        findings = judge(self._params, recorded, self.thresholds, optimizer, unregistered_state(self.model))
         shown = history_records(self._params, recorded)
         return Report(
             latest.step, findings, tensor_rows(self._params, latest), history(self._params, shown),
@@ -485,23 +440,3 @@ class Monitor:
         self._causes.drop()
         self._causes = CauseFinder(self.model, params, self._hooks)
         self._causes.arm()
-
-    def _optimizer_view(self) -> OptimizerView:
-        """Each parameter's (index) optimizer param group (its number)."""
-        if self.optimizer is None:
-            return None
-        by_id = {id(p.tensor): p.index for p in self._params}
-        view: dict[int, int] = {}
-        for number, group in enumerate(self.optimizer.param_groups):
-            for t in group["params"]:
-                i = by_id.get(id(t))
-                if i is not None and i not in view:
-                    view[i] = number
-        return view
-
-
-def step_lr(lr: object) -> object:
-    """A param group's learning rate as this step runs with it: a tensor
-    (capturable optimizers, which schedulers update in place) is copied on
-    its device, not read."""
-    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
