@@ -38,7 +38,7 @@ from torch import nn
 import zeroscan
 from zeroscan import allreduce
 from zeroscan.monitor.ranks import RankExchange
-from zeroscan.monitor.records import Slot, slot_rows
+from zeroscan.monitor.step_record import Slot, slot_rows
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce_scatter")
 
@@ -142,7 +142,7 @@ def replica_blocks(local: allreduce.Local, world: int, odd: int, odd_slot: int) 
     Slot row `odd_slot`), the ranks after it."""
     others = local._replace(counted=local.sharded.clone())  # replicas count on rank 0 only
     odd_rows = local.rows.clone()
-    odd_rows[odd_slot, zeroscan.record.Column.NAN] += 1
+    odd_rows[odd_slot, zeroscan.result_row.Column.NAN] += 1
     blocks = [(local, 0, 1), (others, 1, odd - 1), (others._replace(rows=odd_rows), odd, 1),
               (others, odd + 1, world - odd - 1)]
     blocks = [(b, first, n) for b, first, n in blocks if n > 0]

@@ -22,7 +22,7 @@ import torch
 
 import zeroscan
 from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
-from zeroscan.record import Column
+from zeroscan.result_row import Column
 from zeroscan.testing import distributions_for, make_distribution
 
 COUNTS = ("numel", "zeros", "subnormal", "near_zero", "nan", "posinf", "neginf", "negative", "finite")

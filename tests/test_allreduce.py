@@ -24,7 +24,7 @@ from helpers import assert_matches_reference, close, fresh_seed, make_values, st
 from zeroscan import allreduce
 from zeroscan.allreduce import Col
 from zeroscan.distributed import combine_rows
-from zeroscan.record import Column, Row, decode, empty_rows
+from zeroscan.result_row import Column, Row, decode, empty_rows
 
 EXACT_WORDS = slice(0, Column.MAX_ABS + 1)  # counts and min/max |x|: bit for bit
 ROW_WORDS = slice(0, Column.M2 + 1)  # the 13 words of a result row

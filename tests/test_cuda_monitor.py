@@ -39,8 +39,8 @@ from steps import (
     make_model,
 )
 from zeroscan.guard import GuardReport, SkippedStep, guard
-from zeroscan.monitor import Cause, Monitor, Report, Severity, Slot, records
-from zeroscan.record import Column, decode
+from zeroscan.monitor import Cause, Monitor, Report, Severity, Slot, step_record
+from zeroscan.result_row import Column, decode
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -103,7 +103,7 @@ def swallowed(monitor: Monitor) -> list[tuple[int, list[tuple[str, str]]]]:
     """Errors the Monitor kept as notes instead of raising, per recorded step:
     a scan that raises (a sync refused by the sync debug mode, an op refused
     while capturing) falls back to one scan per device and then becomes a
-    "not scanned" note (monitor.py _run, records.scan_by_device), and so does
+    "not scanned" note (monitor.py _run, step_record.scan_by_device), and so does
     one raised in an activation hook (monitor.py _activation_hook)."""
     return [
         (r.step, [*r.notes, *((u.label, u.why) for u in r.unscanned)])
@@ -300,9 +300,9 @@ def test_the_checks_see_a_host_read_planted_in_the_monitor(plant: str, monkeypat
     """The detectors above are not vacuous: a host read (.item()) or a
     value-sized op (nonzero) put into the Monitor's scan is caught by each of
     them, inside backward's end-of-pass callback and the step's pre-hook."""
-    original = records.scan_one_device
+    original = step_record.scan_one_device
 
-    def planted(tensors: list[Tensor], slots: list[int], histogram: bool) -> records.Scan:
+    def planted(tensors: list[Tensor], slots: list[int], histogram: bool) -> step_record.Scan:
         scan = original(tensors, slots, histogram)
         if plant == "item":
             scan.rows[0, Column.NAN].item()
@@ -316,7 +316,7 @@ def test_the_checks_see_a_host_read_planted_in_the_monitor(plant: str, monkeypat
     data = batches(g, 3)
     with Monitor(model, opt):
         train_step(model, opt, data[0])
-        monkeypatch.setattr(records, "scan_one_device", planted)
+        monkeypatch.setattr(step_record, "scan_one_device", planted)
         with DeviceWaits() as waits:
             train_step(model, opt, data[1])
         op = "aten._local_scalar_dense.default" if plant == "item" else "aten.nonzero.default"

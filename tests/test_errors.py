@@ -19,7 +19,7 @@ import zeroscan
 import zeroscan.distributed
 from helpers import DEVICES, assert_matches_reference, fresh_generator, make_values
 from zeroscan import reference_stats
-from zeroscan.record import decode
+from zeroscan.result_row import decode
 
 
 def test_none_explains_missing_gradients() -> None:

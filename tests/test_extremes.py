@@ -24,7 +24,7 @@ import torch
 import zeroscan
 from helpers import DEVICES, assert_matches_reference, fresh_generator
 from zeroscan.distributed import combine_rows
-from zeroscan.record import row_from_words
+from zeroscan.result_row import row_from_words
 
 CHUNK = 1 << 16  # the CPU's chunk, whose first 64 values pick its shift
 N = 3 * CHUNK + 5  # several chunks and a ragged end
@@ -97,6 +97,7 @@ def test_shift_a_few_spreads_off(dtype: torch.dtype, near: float, device: str) -
     assert_matches_reference(zeroscan.stats(x), x)
 
 
+@pytest.mark.slow  # a fresh process per cap
 @pytest.mark.parametrize("cap", ["scalar", "avx512"])
 def test_planted_outliers_under_capability(cap: str) -> None:
     """The same on the CPU paths of lesser CPUs (the cap is read once per

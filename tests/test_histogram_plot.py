@@ -1,4 +1,4 @@
-"""zeroscan.plot_histograms.plot_histograms and `zeroscan scan --histogram --plot`: the
+"""zeroscan.histogram_plot.plot_histograms and `zeroscan scan --histogram --plot`: the
 picture is written as a valid PNG or SVG, shows the dtype's overflow region
 and the target format's limits only where asked, and a scan's JSON rows turn
 back into the histograms they came from."""
@@ -17,7 +17,7 @@ import torch
 from helpers import fresh_generator, make_values, save_file_in_order
 
 import zeroscan
-from zeroscan import plot_histograms as plot
+from zeroscan import histogram_plot as plot
 from zeroscan.cli import main
 from zeroscan.histogram import Histogram, reference_histogram
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import zeroscan
 import zeroscan.monitor as monitor_module
-import zeroscan.monitor.records as monitor_records
+import zeroscan.monitor.step_record as monitor_records
 from helpers import DEVICES, example, fresh_generator, serious, train_monitored
 from zeroscan import Finding, Monitor, Report, Severity, Thresholds, Verdict
 

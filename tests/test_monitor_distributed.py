@@ -28,7 +28,7 @@ from torch import nn
 
 import zeroscan
 import zeroscan.distributed as zdist
-import zeroscan.monitor.records as monitor_records
+import zeroscan.monitor.step_record as monitor_records
 from zeroscan.monitor import Slot
 from helpers import assert_same_stats, example, fresh_generator, serious
 from steps import DeviceWaits

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import zeroscan.monitor.records as monitor_records
+import zeroscan.monitor.step_record as monitor_records
 from helpers import fresh_generator
 from zeroscan import Monitor
 from zeroscan.histogram import Histogram, reference_histogram

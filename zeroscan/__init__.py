@@ -30,7 +30,7 @@ from zeroscan.diagnosis import Diagnosis, Severity, Verdict, diagnose, diagnose_
 from zeroscan.monitor import Finding, Monitor, Report, Thresholds
 from zeroscan.verdicts import Cause
 from zeroscan.reference import reference_stats
-from zeroscan.record import FIELDS, NUM_FIELDS
+from zeroscan.result_row import FIELDS, NUM_FIELDS
 from zeroscan.stats import Stats, StatsBatch, scan_buffers, stats, stats_many
 
 __all__ = [
@@ -82,7 +82,7 @@ _LAZY_SUBMODULES = frozenset({
     "integrations",
     "loggers",
     "plot",
-    "plot_histograms",
+    "histogram_plot",
     "replicas",
     "report_data",
     "testing",

@@ -1,6 +1,6 @@
 """Result rows merged across ranks by all-reduces whose size is independent of W.
 
-Every rank holds one int64 [N, 16] result row per tensor (zeroscan/record.py)
+Every rank holds one int64 [N, 16] result row per tensor (zeroscan/result_row.py)
 and says, per row, whether it holds the tensor at all (`present`), whether
 its row enters the merge (`counted`) and whether the ranks' rows are pieces
 of one tensor (`sharded`: shards, each counted on one rank) or copies of it
@@ -65,14 +65,14 @@ import torch.distributed as dist
 
 from zeroscan import allreduce_replicas
 from zeroscan.allreduce_words import as_words, fingerprint, key_value, last_rank, neither, ordered
-from zeroscan.record import NONFINITE, NUM_COUNTS, NUM_FIELDS, Column, empty_rows, finite_count, moments
+from zeroscan.result_row import NONFINITE, NUM_COUNTS, NUM_FIELDS, Column, empty_rows, finite_count, moments
 
 NUM_HEADER = 4  # header words each rank adds: any int64s every rank should agree on
 
 
 class Col(enum.IntEnum):
     """Columns of the summary: int64 [N, SUMMARY_WIDTH], the same on every rank.
-    Columns 0..12 are a result row (zeroscan.record.Column) of the merged
+    Columns 0..12 are a result row (zeroscan.result_row.Column) of the merged
     counted rows; ranks are group ranks (0..W-1); a "last" rank is -1 and a
     "first" rank is W when there is none."""
 

@@ -7,7 +7,7 @@ and zeroscan.stats_many never are: they refuse a DTensor and name the calls
 here.
 
 Every rank scans what it holds into result rows (int64 [N, 16], see
-zeroscan/record.py), and the ranks merge them with two rounds of
+zeroscan/result_row.py), and the ranks merge them with two rounds of
 all-reduces whose size does not depend on the world size W
 (zeroscan/allreduce.py says what travels, and bounds the moments' error):
 
@@ -52,8 +52,8 @@ then `gather_rows(drop_uncounted(rows, parts), group)` and
 
 This module holds the all-reduce path; the gather-based calls
 (`gather_rows`, `combine_rows`, `compare_replicas`) live in
-zeroscan/gather.py and what every collective call shares (`comm_device`,
-`PendingMerge`) in zeroscan/collective.py; all are importable from here.
+zeroscan/distributed_gather.py and what every collective call shares (`comm_device`,
+`PendingMerge`) in zeroscan/distributed_common.py; all are importable from here.
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ import torch
 import torch.distributed as dist
 
 from zeroscan import allreduce
-from zeroscan.collective import PendingMerge, comm_device, member_group, rows_of, scan_rows
-from zeroscan.gather import GatheredRows, combine_rows, compare_replicas, gather_rows
+from zeroscan.distributed_common import PendingMerge, comm_device, member_group, rows_of, scan_rows
+from zeroscan.distributed_gather import GatheredRows, combine_rows, compare_replicas, gather_rows
 from zeroscan.ops import check_tensor, check_tol, is_dtensor
-from zeroscan.record import empty_rows
+from zeroscan.result_row import empty_rows
 from zeroscan.replicas import ReplicaMismatch, ReplicaReport, replica_report, rows_agree
 
 __all__ = [

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroscan.ops import is_dtensor, unreadable  # importing zeroscan.ops registers the native ops
-from zeroscan.record import NONFINITE
+from zeroscan.result_row import NONFINITE
 from zeroscan.stats import device_groups
 
 OP = "zeroscan.guard"

@@ -25,7 +25,7 @@ from torch import nn
 
 import zeroscan._C  # noqa: F401  (loading the library registers the ops)
 from zeroscan.histogram import field_bins
-from zeroscan.record import NUM_FIELDS
+from zeroscan.result_row import NUM_FIELDS
 
 MAX_DIMS = 64  # kMaxDims of csrc/layout.h
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroscan.record import FIELDS, NONFINITE, Column, decode, finite_count, moments
+from zeroscan.result_row import FIELDS, NONFINITE, Column, decode, finite_count, moments
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import torch
 
 from zeroscan.histogram import Histogram
 from zeroscan.ops import check_tensor, check_tol, refused, require_readable
-from zeroscan.record import COUNT_FIELDS, Column, Row, host_array, row_from_words
+from zeroscan.result_row import COUNT_FIELDS, Column, Row, host_array, row_from_words
 from zeroscan.words import short_count
 
 class Readout:

@@ -57,7 +57,7 @@ complex tensor's counts its real and imaginary parts. In the tensor table,
 --histogram adds a "binades" column (zeroscan.cli_format.fmt_binades):
 "2^-24..2^3, 99% in 2^-8..2^1" says every nonzero finite |x| is in
 [2^-24, 2^3) and at least 99% of them in [2^-8, 2^1). --plot then draws the
-histograms (zeroscan.plot_histograms.plot_histograms) instead of the scan's bars, with
+histograms (zeroscan.histogram_plot.plot_histograms) instead of the scan's bars, with
 --target-format's range marked.
 
 "shard" is the file holding the tensor, relative to the checkpoint's folder

@@ -239,7 +239,7 @@ def plot_files(files: Sequence[Any], path: str, args: argparse.Namespace) -> str
     """Draws the scanned checkpoints to `path` (--plot): their histograms
     with --histogram, else the scan's bars; returns the file written."""
     from zeroscan.plot import plot_scan
-    from zeroscan.plot_histograms import histogram_of_row, plot_histograms
+    from zeroscan.histogram_plot import histogram_of_row, plot_histograms
 
     rows = [dict(r, name=f"{Path(f.path).name}:{r['name']}") if len(files) > 1 else r for f in files for r in f.rows]
     title = Path(files[0].path).name if len(files) == 1 else f"{len(files)} checkpoints"

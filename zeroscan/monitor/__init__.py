@@ -33,7 +33,7 @@ where it is) and judges it, column-wise with numpy (table.py, series.py):
 With `histogram=True` the same scans (stats_many_hist instead of
 stats_many: no other pass, call or sync) also count the exact
 log2-magnitude histogram of every gradient and weight; report() gives the
-latest step's as `Report.histograms` (histograms.py says what the ring keeps).
+latest step's as `Report.histograms` (grad_histograms.py says what the ring keeps).
 A tensor the native scan cannot read (a frozen parameter of dtype uint16,
 float8_e4m3fnuz or a quantized one, say: zeroscan.ops.scannable_form) is
 left out, with one INFO "not_scanned" finding naming it and its dtype; the
@@ -74,7 +74,7 @@ pipeline parallel) is in the README.
 """
 
 from zeroscan.monitor.monitor import Monitor
-from zeroscan.monitor.records import Slot
+from zeroscan.monitor.step_record import Slot
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Report, Thresholds
 from zeroscan.verdicts import Cause, Severity
 

@@ -1,8 +1,8 @@
 """The Monitor's activation scans (activations=True): dead units and saturated rows.
 
 Every nn.ReLU, nn.ReLU6 and nn.GELU module of the model (dead units: each
-unit's peak |output|, records.unit_peak) and every nn.Softmax module
-(saturated rows: 1 - each row's greatest probability, records.softmax_gap)
+unit's peak |output|, step_record.unit_peak) and every nn.Softmax module
+(saturated rows: 1 - each row's greatest probability, step_record.softmax_gap)
 gets a forward hook. On a monitored step the output of each of a module's
 first MAX_CALLS_PER_STEP calls is scanned together with that per-unit or
 per-row tensor, in one native call, and nothing is read back; a call that
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroscan.monitor import records
-from zeroscan.monitor.records import softmax_gap, unit_peak
+from zeroscan.monitor import step_record
+from zeroscan.monitor.step_record import softmax_gap, unit_peak
 
 MAX_CALLS_PER_STEP = 8  # activation calls of one module scanned per step
 RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.GELU)
@@ -62,7 +62,7 @@ class ActivationScans:
                     unit = softmax_gap(output, module)
                 else:
                     unit = unit_peak(output, nonneg=isinstance(module, (nn.ReLU, nn.ReLU6)))
-                buffer = records.native_many([output, unit])
+                buffer = step_record.native_many([output, unit])
             self.scans.append((key, tag, buffer))
         except Exception as err:  # report, never break the forward pass
             self.notes.append((key, f"not scanned: {err}"))

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from zeroscan.monitor.records import Param
+from zeroscan.monitor.step_record import Param
 
 _ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
 

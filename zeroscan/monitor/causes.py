@@ -29,7 +29,7 @@ A gradient that is exactly zero everywhere is explained at report() time
 by a hook of the user's on the way, or an output that enters the loss
 weighted by 0 (zero_causes.py).
 
-Each answer (records.Why) carries its root: the cause worded for every
+Each answer (step_record.Why) carries its root: the cause worded for every
 parameter it explains, so that one root cause is one finding.
 """
 
@@ -45,7 +45,7 @@ from zeroscan.monitor.graph import Root
 from zeroscan.monitor.hooks import Hooks
 from zeroscan.monitor.labels import module_label
 from zeroscan.monitor.probe import Probe
-from zeroscan.monitor.records import Param, Why
+from zeroscan.monitor.step_record import Param, Why
 from zeroscan.verdicts import Cause
 from zeroscan.words import is_are, listed
 

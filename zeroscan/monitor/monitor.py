@@ -1,7 +1,7 @@
 """The Monitor itself: its hooks, its lifecycle, and when it scans.
 
 What is measured lives elsewhere: the scan is zeroscan's native stats_many
-(records.py), run over a step's tensors by scanner.py, the activation scans
+(step_record.py), run over a step's tensors by scanner.py, the activation scans
 are activations.py, what is read of the optimizer is optimizer.py, why a
 gradient is None is causes.py, what the records mean is rules.py, and the
 exchange across ranks is ranks.py.
@@ -20,16 +20,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroscan.monitor import records
+from zeroscan.monitor import step_record
 from zeroscan.monitor.activations import ActivationScans, activation_modules, scannable
 from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched
 from zeroscan.monitor.causes import CauseFinder, cleared_cause
 from zeroscan.monitor.graph import Root, output_roots
-from zeroscan.monitor.histograms import check_histogram, free_earlier_fields, latest_histograms
+from zeroscan.monitor.grad_histograms import check_histogram, free_earlier_fields, latest_histograms
 from zeroscan.monitor.hooks import Hooks, weak_hook
 from zeroscan.monitor.optimizer import optimizer_view, step_lrs
 from zeroscan.monitor.ranks import RankExchange, check_group
-from zeroscan.monitor.records import StepRecord, decode_records, grad_row, renumber, weight_row
+from zeroscan.monitor.step_record import StepRecord, decode_records, grad_row, renumber, weight_row
 from zeroscan.monitor.report import Report, Thresholds
 from zeroscan.monitor.rules import judge
 from zeroscan.monitor.scanner import Scanner
@@ -70,7 +70,7 @@ class Monitor:
         so is each monitored step. None (the default): this rank alone.
     histogram: also count, in the same scans, the exact log2-magnitude
         histogram of every gradient and weight (Report.histograms; see
-        histograms.py for what it keeps). Not with a process_group yet.
+        grad_histograms.py for what it keeps). Not with a process_group yet.
     """
 
     def __init__(
@@ -101,7 +101,7 @@ class Monitor:
         self.optimizer = optimizer
         self.every = every
         self.thresholds = thresholds or Thresholds()
-        self._params = records.collect_params(model)
+        self._params = step_record.collect_params(model)
         group = check_group(op, process_group, self._params)
         self.histogram = check_histogram(op, histogram, group)
         self._ranks = None if group is None else RankExchange(group, self._params, self.thresholds.replica_rtol)
@@ -411,7 +411,7 @@ class Monitor:
         structure.py); `check` also compares the parameters themselves."""
         if not (self._structure.changed or check):
             return
-        params = records.collect_params(self.model)
+        params = step_record.collect_params(self.model)
         now = [(p.name, id(p.tensor)) for p in params]
         self._structure.rebuild()
         if now == [(p.name, id(p.tensor)) for p in self._params]:

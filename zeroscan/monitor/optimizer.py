@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroscan.monitor.records import Param
+from zeroscan.monitor.step_record import Param
 from zeroscan.monitor.rules import OptimizerView
 
 

@@ -34,11 +34,11 @@ import torch.distributed as dist
 from zeroscan import allreduce
 from zeroscan import distributed as zdist
 from zeroscan.allreduce import Col
-from zeroscan.monitor.records import Param, Slot, StepRecord, decode_records, slot_rows
+from zeroscan.monitor.step_record import Param, Slot, StepRecord, decode_records, slot_rows
 from zeroscan.monitor.report import Finding
 from zeroscan.monitor.table import RowTable
 from zeroscan.ops import is_dtensor
-from zeroscan.record import Column, NUM_FIELDS, empty_rows
+from zeroscan.result_row import Column, NUM_FIELDS, empty_rows
 from zeroscan.verdicts import Cause, Severity
 from zeroscan.words import RankSet, count_noun, span
 

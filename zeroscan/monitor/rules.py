@@ -14,14 +14,14 @@ import numpy as np
 import torch
 
 from zeroscan.monitor.grouping import group_findings
-from zeroscan.monitor.records import (
+from zeroscan.monitor.step_record import (
     Activation, Param, Slot, StepRecord, Unscanned, Why, dtype_name, nonfinite_words,
 )
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
 from zeroscan.monitor.series import COUNT_COLUMNS, Series
 from zeroscan.monitor.steps import judged_records, nothing_ran, step_findings
 from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
-from zeroscan.record import Column, Row
+from zeroscan.result_row import Column, Row
 from zeroscan.verdicts import Cause, Severity
 from zeroscan.words import RankSet, count_noun, is_are, listed
 

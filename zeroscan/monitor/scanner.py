@@ -1,8 +1,8 @@
 """How the Monitor scans a step's tensors into its StepRecord, reading nothing back.
 
-One native call for the whole step (records.scan_one_device) until that
+One native call for the whole step (step_record.scan_one_device) until that
 fails once (several devices, or a tensor that needs preparing or cannot be
-scanned), then one call per device (records.scan_by_device, which leaves
+scanned), then one call per device (step_record.scan_by_device, which leaves
 out a tensor it cannot scan, with a note). Across ranks each tensor is
 first cut to this rank's part (ranks.RankExchange.local_parts), and the
 record keeps which slots are sharded and which shards another rank counts.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from zeroscan.monitor import records
+from zeroscan.monitor import step_record
 from zeroscan.monitor.ranks import RankExchange
-from zeroscan.monitor.records import Param, Scan, StepRecord
+from zeroscan.monitor.step_record import Param, Scan, StepRecord
 
 
 class Scanner:
@@ -53,9 +53,9 @@ class Scanner:
             return []
         if self.fast:
             try:
-                return [records.scan_one_device(tensors, slots, histogram)]
+                return [step_record.scan_one_device(tensors, slots, histogram)]
             except (RuntimeError, ValueError, TypeError):
                 # Several devices, or a tensor that needs preparing or cannot be scanned
                 # (scan_by_device leaves that one out): from now on, one scan per device.
                 self.fast = False
-        return records.scan_by_device(tensors, slots, params, record, histogram)
+        return step_record.scan_by_device(tensors, slots, params, record, histogram)

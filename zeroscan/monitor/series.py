@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from zeroscan.monitor.records import Param, StepRecord, tensor_dict
+from zeroscan.monitor.step_record import Param, StepRecord, tensor_dict
 from zeroscan.monitor.table import RowTable, fields, fraction
-from zeroscan.record import Column
+from zeroscan.result_row import Column
 
 COUNT_COLUMNS = [Column.NUMEL, Column.ZEROS]
 
@@ -118,7 +118,7 @@ class Series:
 
 def tensor_rows(params: list[Param], rec: StepRecord) -> list[dict[str, Any]]:
     """Report.tensors: the latest scan of each gradient and weight (in
-    parameter order) and of each activation; see records.tensor_dict."""
+    parameter order) and of each activation; see step_record.tensor_dict."""
     table = _table(rec)
     rows = np.arange(2 * len(params))
     words, present = table.gather(rows)

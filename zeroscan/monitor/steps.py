@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zeroscan.monitor.records import Param, StepRecord, grad_row
+from zeroscan.monitor.step_record import Param, StepRecord, grad_row
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
 from zeroscan.verdicts import Cause, Severity
 from zeroscan.words import count_noun, listed

@@ -3,9 +3,9 @@
 report() reads every kept step of every parameter: a dict of fields per row
 cost 10k parameters x 64 steps some 20 s and 2 GB. A `RowTable` keeps the
 step's host rows as they came back (numpy views, no copy on the CPU) and,
-per Slot row (see records.Slot.row), where its latest row is: a dict of
+per Slot row (see step_record.Slot.row), where its latest row is: a dict of
 fields is made only for a row read alone, and whole columns are read with
-numpy (`gather`, `fields`), by the same formulas as zeroscan.record's
+numpy (`gather`, `fields`), by the same formulas as zeroscan.result_row's
 finish_row, so that every value is bit for bit the one a Row would hold.
 With Monitor(histogram=True) each group also has its histogram fields
 (`FieldBlock`), found by the same Slot row lookup as its rows, so that a
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from zeroscan.histogram import Histogram
-from zeroscan.record import COUNTS, FLOATS, NONFINITE, NUM_FIELDS, Column, Row, finish_row
+from zeroscan.result_row import COUNTS, FLOATS, NONFINITE, NUM_FIELDS, Column, Row, finish_row
 
 ScannedRow = tuple[Row, tuple[int, ...]]  # a decoded row and its raw int64 words
 ABSENT = -1
@@ -37,7 +37,7 @@ class FieldBlock(NamedTuple):
 
 
 def row_of_words(words: np.ndarray) -> Row:
-    """The Row (zeroscan.record's fields) of one int64 [16] row."""
+    """The Row (zeroscan.result_row's fields) of one int64 [16] row."""
     return finish_row(words[COUNTS].tolist(), words[FLOATS].view(np.float64).tolist())
 
 
@@ -108,7 +108,7 @@ class RowTable:
         self._blocks = [None] * len(self._words)
 
     def __getitem__(self, slot: tuple[int, str]) -> ScannedRow:
-        """(Row, raw words) of a records.Slot; KeyError if it was not scanned."""
+        """(Row, raw words) of a step_record.Slot; KeyError if it was not scanned."""
         words = self.words(2 * slot[0] + (slot[1] == "weight"))
         if words is None:
             raise KeyError(slot)
@@ -174,7 +174,7 @@ class RowTable:
 
 
 def fields(words: np.ndarray) -> dict[str, np.ndarray]:
-    """The fields of finish_row (zeroscan.record) for every row of int64
+    """The fields of finish_row (zeroscan.result_row) for every row of int64
     [K, 16] words at once, as numpy arrays: the same operations in the same
     order on float64, so every value equals the Row's bit for bit."""
     counts = {c.name.lower(): words[:, c] for c in Column if c < Column.MIN_ABS}

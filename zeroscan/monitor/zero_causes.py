@@ -19,7 +19,7 @@ from torch import nn
 
 from zeroscan.monitor import graph
 from zeroscan.monitor.labels import module_label
-from zeroscan.monitor.records import Param, Why
+from zeroscan.monitor.step_record import Param, Why
 from zeroscan.verdicts import Cause
 from zeroscan.words import listed
 

@@ -1,6 +1,6 @@
 """Monitor(histogram=True): each gradient's and weight's log2-magnitude histogram.
 
-The Monitor's scans (records.py) then call stats_many_hist instead of
+The Monitor's scans (step_record.py) then call stats_many_hist instead of
 stats_many: the same single native pass per device also counts, for every
 tensor it scans, the histogram fields of zeroscan.histogram (int64 [B] per
 tensor, B the largest field count among the call's dtypes: 256 for float32
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from torch import distributed as dist
 
 from zeroscan.histogram import Histogram
-from zeroscan.monitor.records import Param, Slot, StepRecord
+from zeroscan.monitor.step_record import Param, Slot, StepRecord
 from zeroscan.monitor.report import histogram_key
 
 

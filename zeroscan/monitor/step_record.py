@@ -20,7 +20,7 @@ from torch import nn
 
 from zeroscan.monitor.table import FieldBlock, RowTable
 from zeroscan.ops import scannable_form
-from zeroscan.record import NUM_FIELDS, Row, decode
+from zeroscan.result_row import NUM_FIELDS, Row, decode
 from zeroscan.words import RankSet
 
 SlotKind = Literal["grad", "weight"]

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zeroscan.collective import PendingMerge, comm_device, member_group, rows_of, scan_rows
+from zeroscan.distributed_common import PendingMerge, comm_device, member_group, rows_of, scan_rows
 from zeroscan.ops import check_tensor, check_tol, refused
-from zeroscan.record import NUM_FIELDS
+from zeroscan.result_row import NUM_FIELDS
 from zeroscan.replicas import ReplicaReport, replica_report
 from zeroscan.stats import Stats, StatsBatch
 

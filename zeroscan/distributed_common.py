@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from zeroscan.record import NUM_FIELDS
+from zeroscan.result_row import NUM_FIELDS
 from zeroscan.stats import Stats, buffers_of, device_groups
 
 T = TypeVar("T")
