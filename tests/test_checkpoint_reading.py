@@ -187,6 +187,7 @@ def save_layout(layout: str, folder: Path, tensors: dict[str, torch.Tensor]) -> 
     return folder, sorted(folder.glob("*.distcp"))
 
 
+@pytest.mark.slow  # a process per case, killed or not by SIGBUS
 @pytest.mark.parametrize(
     "layout, when",
     [(layout, "opened") for layout in ("torch", "safetensors", "sharded safetensors", "sharded torch", "dcp")]

@@ -22,6 +22,8 @@ from helpers import fresh_generator
 import zeroscan.checkpoint
 from zeroscan.cli import EXIT_FINDINGS, EXIT_INTERRUPTED, main
 
+pytestmark = pytest.mark.slow  # each case runs the command in its own process: left out of the quick subset (-m "not slow")
+
 # --- consoles that cannot encode every character -----------------------------------
 
 SEPARATOR = "=== zeroscan exited with"
@@ -141,6 +143,7 @@ sys.stderr = SlowConsole()
 atexit.register(stage, "exiting")
 sys.argv = ["zeroscan", "scan", sys.argv[1]]
 from zeroscan.__main__ import main
+
 raise SystemExit(main())
 """
 

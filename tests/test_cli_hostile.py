@@ -24,6 +24,8 @@ from helpers import fresh_generator, save_file_in_order
 from zeroscan import checkpoint
 from zeroscan.cli import main
 
+pytestmark = pytest.mark.slow  # each case runs the command in its own process: left out of the quick subset (-m "not slow")
+
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     capsys.readouterr()

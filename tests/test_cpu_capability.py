@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # reruns whole suites in fresh processes: left out of the quick subset (-m "not slow")
+
 TESTS = Path(__file__).resolve().parent
 CAPPED_CASES = "not cuda and not 200003"  # pytest -k: the CPU cases, less the largest size (module doc)
 

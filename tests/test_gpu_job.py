@@ -23,6 +23,8 @@ import torch
 import zeroscan
 from zeroscan.testing import DISTRIBUTIONS
 
+pytestmark = pytest.mark.slow  # runs the GPU job's scripts: left out of the quick subset (-m "not slow")
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 

@@ -142,6 +142,7 @@ def test_every_parameter_before_a_cut_is_detached_in_one_finding(how: str) -> No
     assert_one_detached_finding(train(Chain(how)), BEFORE_CUT, CUT_WORDS[how])
 
 
+@pytest.mark.slow  # 16 compilations
 @pytest.mark.parametrize("place", ["wrapper", "orig"])
 @pytest.mark.parametrize("how", ["detach", "no_grad", "function", "tolist"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

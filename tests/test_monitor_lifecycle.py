@@ -186,6 +186,7 @@ def read_reports_while_training(make: Callable[[nn.Module, torch.optim.Optimizer
     return errors
 
 
+@pytest.mark.slow  # trains while another thread reports, for seconds
 @pytest.mark.parametrize("options", [
     {"activations": True, "histogram": True}, {"activations": True}, {"histogram": True, "every": 3}, {},
 ], ids=str)
