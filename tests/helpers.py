@@ -222,3 +222,20 @@ def save_file_in_order(tensors: dict[str, torch.Tensor], path: Path, metadata: d
         header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
         offset += len(blob)
     path.write_bytes(safetensors_bytes(header, b"".join(blobs)))
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """`zeroscan ARGV` in this process: (exit status, stdout, stderr)."""
+    from zeroscan.cli import main
+
+    capsys.readouterr()  # drop what came before (the printed test seed)
+    rc = main(list(argv))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def run_cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
+    """`zeroscan ARGV --json` in this process: (exit status, the JSON), nothing on stderr."""
+    rc, out, err = run_cli(capsys, *argv, "--json")
+    assert err == "", err
+    return rc, json.loads(out)

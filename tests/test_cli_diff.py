@@ -4,31 +4,18 @@ not two checkpoints."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from helpers import fresh_generator
+from helpers import fresh_generator, run_cli, run_cli_json
 
-from zeroscan.cli import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK, main
+from zeroscan.cli import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK
 
 CHANGED, POISONED = "encoder.0.weight", "decoder.1.weight"
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()  # drop what came before (the printed test seed)
-    rc = main(list(argv))
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
-    rc, out, err = run(capsys, *argv, "--json")
-    assert err == "", err
-    return rc, json.loads(out)
 
 
 @pytest.fixture
@@ -56,17 +43,17 @@ def pair(tmp_path: Path) -> tuple[str, str]:
 def test_diff_writes_what_scan_diff_writes(capsys: pytest.CaptureFixture[str], pair: tuple[str, str],
                                            options: list[str]) -> None:
     a, b = pair
-    rc, doc = run_json(capsys, "diff", a, b, *options)
-    assert (rc, doc) == run_json(capsys, "scan", a, b, "--diff", *options)
+    rc, doc = run_cli_json(capsys, "diff", a, b, *options)
+    assert (rc, doc) == run_cli_json(capsys, "scan", a, b, "--diff", *options)
     assert doc["command"] == "diff" and (doc["a"], doc["b"]) == (a, b)
     assert ("groups" in doc) == ("--group-by" in options)
-    rc_text, text, _ = run(capsys, "diff", a, b, *options)
-    assert (rc_text, text) == run(capsys, "scan", a, b, "--diff", *options)[:2] and rc_text == rc
+    rc_text, text, _ = run_cli(capsys, "diff", a, b, *options)
+    assert (rc_text, text) == run_cli(capsys, "scan", a, b, "--diff", *options)[:2] and rc_text == rc
 
 
 def test_diff_names_the_changed_tensor_and_the_one_that_became_nan(capsys: pytest.CaptureFixture[str],
                                                                   pair: tuple[str, str]) -> None:
-    rc, doc = run_json(capsys, "diff", *pair)
+    rc, doc = run_cli_json(capsys, "diff", *pair)
     rows = {r["name"]: r for r in doc["tensors"]}
     assert rows[CHANGED]["status"] == "changed" and rows[CHANGED]["changed"] == 3
     assert rows[CHANGED]["became"] == "" and rows[CHANGED]["severity"] == "ok"
@@ -78,16 +65,16 @@ def test_diff_names_the_changed_tensor_and_the_one_that_became_nan(capsys: pytes
 
 
 def test_diff_exit_status_follows_fail_on(capsys: pytest.CaptureFixture[str], pair: tuple[str, str]) -> None:
-    assert run(capsys, "diff", *pair)[0] == EXIT_FINDINGS  # the default --fail-on error: NaN fails
-    assert run(capsys, "diff", *pair, "--fail-on", "none")[0] == EXIT_OK
-    assert run(capsys, "diff", pair[0], pair[0])[0] == EXIT_OK  # nothing changed, nothing flagged
+    assert run_cli(capsys, "diff", *pair)[0] == EXIT_FINDINGS  # the default --fail-on error: NaN fails
+    assert run_cli(capsys, "diff", *pair, "--fail-on", "none")[0] == EXIT_OK
+    assert run_cli(capsys, "diff", pair[0], pair[0])[0] == EXIT_OK  # nothing changed, nothing flagged
 
 
 @pytest.mark.parametrize("count", [0, 1, 3])
 def test_diff_refuses_other_than_two_paths_in_one_line(capsys: pytest.CaptureFixture[str], pair: tuple[str, str],
                                                       count: int) -> None:
     paths = [pair[0], pair[1], pair[0]][:count]
-    rc, out, err = run(capsys, "diff", *paths)
+    rc, out, err = run_cli(capsys, "diff", *paths)
     assert rc == EXIT_ERROR and out == "" and err.count("\n") == 1
     assert err.startswith("zeroscan: error: diff compares two checkpoints, A and B; got ")
     assert ("got no path" in err) if count == 0 else (f"got {count} path" in err and pair[0] in err)
@@ -96,16 +83,16 @@ def test_diff_refuses_other_than_two_paths_in_one_line(capsys: pytest.CaptureFix
 def test_diff_refuses_a_path_that_names_two_checkpoints(capsys: pytest.CaptureFixture[str],
                                                         pair: tuple[str, str]) -> None:
     folder = str(Path(pair[0]).parent)
-    rc, out, err = run(capsys, "diff", folder, pair[1])
+    rc, out, err = run_cli(capsys, "diff", folder, pair[1])
     assert rc == EXIT_ERROR and out == "" and err.count("\n") == 1
     assert f"A ({folder}) names 2 checkpoints: " in err
-    rc, out, err = run(capsys, "diff", pair[0], pair[1], "--limit", "-1")
+    rc, out, err = run_cli(capsys, "diff", pair[0], pair[1], "--limit", "-1")
     assert rc == EXIT_ERROR and err == "zeroscan: error: --limit takes the number of rows to show (0 shows all), got -1\n"
 
 
 def test_diff_help(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run(capsys, "diff", "--help")
+    rc, out, _ = run_cli(capsys, "diff", "--help")
     assert rc == EXIT_OK and out.startswith("usage: zeroscan diff A B [options]")
     assert "--plot" not in out and "--histogram" not in out  # options a diff has no use for
-    rc, out, _ = run(capsys, "--help")
+    rc, out, _ = run_cli(capsys, "--help")
     assert rc == EXIT_OK and "diff" in out

@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import fresh_generator
+from helpers import fresh_generator, run_cli, run_cli_json
 from safetensors.torch import save_file
 
 from zeroscan import checkpoint
-from zeroscan.cli import main
 from zeroscan.cli_format import LARGE_LOG_BYTES, Progress
 from zeroscan.checkpoint.groups import diff_groups, group_of, layer_of, module_of, scan_groups, worst_first
 
@@ -27,17 +26,6 @@ DIFF_GROUP_KEYS = {"group", "tensors", "changed", "identical", "added", "removed
                    "became_nan", "became_zero", "findings", "severity", "worst_tensor"}
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()  # drop what came before (the printed test seed)
-    rc = main(list(argv))
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
-    rc, out, err = run(capsys, *argv, "--json")
-    assert err == "", err
-    return rc, json.loads(out)
 
 
 def table_names(out: str, prefix: str) -> list[str]:
@@ -198,14 +186,14 @@ def planted_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
 def test_sort_worst_is_the_default_in_tables(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "planted.safetensors"
     tensors, want = planted_checkpoint(path)
-    rc, doc = run_json(capsys, "scan", str(path), "--sort", "worst")
+    rc, doc = run_cli_json(capsys, "scan", str(path), "--sort", "worst")
     assert rc == 1 and [r["name"] for r in doc["files"][0]["tensors"]] == want
-    rc, out, _ = run(capsys, "scan", str(path))
+    rc, out, _ = run_cli(capsys, "scan", str(path))
     names = [line.split()[0] for line in out.splitlines()[2:] if line.split() and line.split()[0] in tensors]
     assert names == want
     findings = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("  ")]
     assert findings == ["nan_many.weight", "nan_few.weight", "zero.weight", "tiny.weight"]
-    _, doc = run_json(capsys, "scan", str(path))  # JSON keeps file order unless --sort says otherwise
+    _, doc = run_cli_json(capsys, "scan", str(path))  # JSON keeps file order unless --sort says otherwise
     assert [r["name"] for r in doc["files"][0]["tensors"]] == sorted(tensors)
 
 
@@ -221,7 +209,7 @@ def many(tmp_path: Path) -> Path:
 
 
 def test_limit_caps_tables_and_findings(capsys: pytest.CaptureFixture[str], many: Path) -> None:
-    rc, out, _ = run(capsys, "scan", str(many), "--fail-on", "none")
+    rc, out, _ = run_cli(capsys, "scan", str(many), "--fail-on", "none")
     assert rc == 0
     assert len(table_names(out, "model.layers.")) == 50
     assert "… 1,050 more tensors not shown (--limit 0 shows all)\n" in out
@@ -229,27 +217,27 @@ def test_limit_caps_tables_and_findings(capsys: pytest.CaptureFixture[str], many
     assert len(warnings) == 50 and "  … 50 more findings not shown (--limit 0 shows all)\n" in out
     assert out.rstrip().endswith("1100 tensors scanned, 100 findings (100 warnings)")
 
-    rc, out, _ = run(capsys, "scan", str(many), "--limit", "7")
+    rc, out, _ = run_cli(capsys, "scan", str(many), "--limit", "7")
     shown = table_names(out, "model.layers.")
     assert len(shown) == 7 and all(int(n.split(".")[2]) % 11 == 3 for n in shown)  # all-zero layers first
     assert "… 1,093 more tensors not shown" in out and "… 93 more findings not shown" in out
 
-    rc, out, _ = run(capsys, "scan", str(many), "--limit", "0")
+    rc, out, _ = run_cli(capsys, "scan", str(many), "--limit", "0")
     assert len(table_names(out, "model.layers.")) == 1100 and "more" not in out
     assert sum(line.startswith("  WARNING ") for line in out.splitlines()) == 100
 
-    rc, out, _ = run(capsys, "scan", str(many), "--limit", "1", "--only-findings")
+    rc, out, _ = run_cli(capsys, "scan", str(many), "--limit", "1", "--only-findings")
     assert len(table_names(out, "model.layers.")) == 1 and "… 99 more tensors not shown" in out
     assert "… 99 more findings not shown" in out
 
-    _, doc = run_json(capsys, "scan", str(many), "--limit", "3")  # JSON has every row
+    _, doc = run_cli_json(capsys, "scan", str(many), "--limit", "3")  # JSON has every row
     assert len(doc["files"][0]["tensors"]) == 1100
 
 
 def test_limit_one_more_agrees_in_number(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "two.safetensors"
     save_file({"a": torch.ones(3), "b": torch.ones(3)}, str(path))
-    _, out, _ = run(capsys, "scan", str(path), "--limit", "1")
+    _, out, _ = run_cli(capsys, "scan", str(path), "--limit", "1")
     assert "… 1 more tensor not shown (--limit 0 shows all)" in out
 
 
@@ -271,7 +259,7 @@ def test_group_by_layer_on_a_checkpoint(capsys: pytest.CaptureFixture[str], tmp_
     path = tmp_path / "model.safetensors"
     save_file(tensors, str(path))
 
-    rc, doc = run_json(capsys, "scan", str(path), "--group-by", "layer")
+    rc, doc = run_cli_json(capsys, "scan", str(path), "--group-by", "layer")
     groups = doc["files"][0]["groups"]
     assert rc == 1 and all(set(grp) == GROUP_KEYS for grp in groups)
     assert [grp["group"] for grp in groups[:2]] == [f"model.layers.{bad}", f"model.layers.{dead}"]
@@ -286,7 +274,7 @@ def test_group_by_layer_on_a_checkpoint(capsys: pytest.CaptureFixture[str], tmp_
     assert groups[1]["severity"] == "warning" and groups[1]["findings"] == 1
     assert len(doc["files"][0]["tensors"]) == len(tensors)  # the rows are all still there
 
-    rc, out, _ = run(capsys, "scan", str(path), "--group-by", "layer")
+    rc, out, _ = run_cli(capsys, "scan", str(path), "--group-by", "layer")
     lines = out.splitlines()
     assert lines[1].split()[:3] == ["group", "tensors", "elements"]
     assert lines[2].split()[0] == f"model.layers.{bad}" and lines[2].split()[-2:] == ["error", "mlp.up_proj.weight"]
@@ -294,20 +282,20 @@ def test_group_by_layer_on_a_checkpoint(capsys: pytest.CaptureFixture[str], tmp_
     assert lines[2 + layers].split()[-2:] == ["ok", "-"]  # the last group: healthy, no tensor to point at
     assert "findings:" in out and f"ERROR model.layers.{bad}.mlp.up_proj.weight: nonfinite" in out
 
-    _, doc = run_json(capsys, "scan", str(path), "--group-by", "module")
+    _, doc = run_cli_json(capsys, "scan", str(path), "--group-by", "module")
     assert len(doc["files"][0]["groups"]) == len(tensors)  # every tensor here is the only one of its module
-    _, doc = run_json(capsys, "scan", str(path), "--group-by", "shard")
+    _, doc = run_cli_json(capsys, "scan", str(path), "--group-by", "shard")
     (whole,) = doc["files"][0]["groups"]
     assert whole["group"] == "model.safetensors" and whole["tensors"] == len(tensors)
     assert whole["elements"] == sum(x.numel() for x in tensors.values())
-    _, doc = run_json(capsys, "scan", str(path), "--group-by", "layer", "--only-findings")
+    _, doc = run_cli_json(capsys, "scan", str(path), "--group-by", "layer", "--only-findings")
     assert [grp["group"] for grp in doc["files"][0]["groups"]] == [f"model.layers.{bad}", f"model.layers.{dead}"]
-    _, doc = run_json(capsys, "scan", str(path))
+    _, doc = run_cli_json(capsys, "scan", str(path))
     assert "groups" not in doc["files"][0]
 
 
 def test_group_table_stops_at_the_limit(capsys: pytest.CaptureFixture[str], many: Path) -> None:
-    rc, out, _ = run(capsys, "scan", str(many), "--group-by", "layer", "--limit", "12")
+    rc, out, _ = run_cli(capsys, "scan", str(many), "--group-by", "layer", "--limit", "12")
     shown = table_names(out, "model.layers.")
     # the ten all-zero layers first, in file order (safetensors sorts names: 102 before 14)
     assert shown[:10] == sorted(f"model.layers.{k}" for k in range(110) if k % 11 == 3)
@@ -332,17 +320,17 @@ def test_a_skipped_error_fails_and_shards_are_counted(
         return result
 
     monkeypatch.setattr(checkpoint, "scan_checkpoint", sharded_scan)
-    rc, out, _ = run(capsys, "scan", str(path))
+    rc, out, _ = run_cli(capsys, "scan", str(path))
     assert rc == 1  # no tensor has a finding, but the missing one is an error
     assert "(safetensors, 4 tensors, 48 B, 3 shard files)" in out.splitlines()[0]
     assert "  ERROR skipped layers.1.b (float32): model-00002-of-00003.safetensors lacks it" in out
     assert out.rstrip().endswith("3 tensors scanned, no findings, 1 skipped (1 error)")
-    rc, doc = run_json(capsys, "scan", str(path), "--group-by", "shard")
+    rc, doc = run_cli_json(capsys, "scan", str(path), "--group-by", "shard")
     assert rc == 1 and doc["summary"]["worst"] == "error" and doc["summary"]["findings"]["error"] == 0
     assert doc["files"][0]["skipped"][0]["severity"] == "error"
     assert [(grp["group"], grp["severity"], grp["skipped"]) for grp in doc["files"][0]["groups"]][0] == (
         "model-00002-of-00003.safetensors", "error", 1)
-    assert run(capsys, "scan", str(path), "--fail-on", "none")[0] == 0
+    assert run_cli(capsys, "scan", str(path), "--fail-on", "none")[0] == 0
 
 
 # --- paths: folders and globs ----------------------------------------------------------------
@@ -355,14 +343,14 @@ def test_folders_and_globs_scan_each_checkpoint(capsys: pytest.CaptureFixture[st
     for step in (100, 200, 300):
         save_file({"w": torch.randn(8, generator=g)}, str(folder / f"step{step}.safetensors"))
     (folder / "notes.txt").write_text("not a checkpoint")
-    _, doc = run_json(capsys, "scan", str(folder))
+    _, doc = run_cli_json(capsys, "scan", str(folder))
     assert [f["path"] for f in doc["files"]] == [str(folder / f"step{s}.safetensors") for s in (100, 200, 300)]
-    _, doc = run_json(capsys, "scan", str(folder / "step[12]00.safetensors"))
+    _, doc = run_cli_json(capsys, "scan", str(folder / "step[12]00.safetensors"))
     assert [Path(f["path"]).name for f in doc["files"]] == ["step100.safetensors", "step200.safetensors"]
-    rc, out, err = run(capsys, "scan", str(folder), "--progress")
+    rc, out, err = run_cli(capsys, "scan", str(folder), "--progress")
     assert [line for line in err.splitlines() if line.endswith("100% (32 B of 32 B)")] == [
         f"scanning step{s}.safetensors: 100% (32 B of 32 B)" for s in (100, 200, 300)]  # a bar per checkpoint
-    rc, out, err = run(capsys, "scan", str(tmp_path / "nothing*.pt"))
+    rc, out, err = run_cli(capsys, "scan", str(tmp_path / "nothing*.pt"))
     assert rc == 2 and "matches no file" in err and err.count("\n") == 1
 
 
@@ -370,10 +358,10 @@ def test_diff_needs_paths_that_name_two_checkpoints(capsys: pytest.CaptureFixtur
     g = fresh_generator()
     for name in ("a", "b", "c"):
         save_file({"w": torch.randn(8, generator=g)}, str(tmp_path / f"{name}.safetensors"))
-    rc, out, err = run(capsys, "scan", str(tmp_path), "--diff")
+    rc, out, err = run_cli(capsys, "scan", str(tmp_path), "--diff")
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "exactly two checkpoints; the paths given name 3: " in err and "c.safetensors" in err
-    rc, doc = run_json(capsys, "scan", str(tmp_path / "[ab].safetensors"), "--diff")
+    rc, doc = run_cli_json(capsys, "scan", str(tmp_path / "[ab].safetensors"), "--diff")
     assert rc == 0 and (Path(doc["a"]).name, Path(doc["b"]).name) == ("a.safetensors", "b.safetensors")
     assert doc["summary"]["changed"] == 1
 
@@ -382,10 +370,10 @@ def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path:
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.ones(2)}, str(path))
     for argv in (["scan", str(path), "--limit", "-1"], ["scan", str(path), str(path), "--diff", "--limit", "-5"]):
-        rc, out, err = run(capsys, *argv)
+        rc, out, err = run_cli(capsys, *argv)
         assert rc == 2 and out == "" and err.count("\n") == 1
         assert err.startswith("zeroscan: error: --limit ") and f"got {argv[-1]}" in err
-    rc, out, err = run(capsys, "scan", str(path), "--group-by", "file")
+    rc, out, err = run_cli(capsys, "scan", str(path), "--group-by", "file")
     assert rc == 2 and "--group-by" in err and "invalid choice" in err
 
 
@@ -474,7 +462,7 @@ def test_diff_counts_what_became_nan_or_zero(capsys: pytest.CaptureFixture[str],
         a, b = before[name].float(), after[name].float()
         return int((a.isfinite() & ~b.isfinite()).sum())
 
-    rc, doc = run_json(capsys, "scan", str(pa), str(pb), "--diff", "--group-by", "layer")
+    rc, doc = run_cli_json(capsys, "scan", str(pa), str(pb), "--diff", "--group-by", "layer")
     rows = {r["name"]: r for r in doc["tensors"]}
     assert rc == 1 and all("became" in r and "shard" in r for r in rows.values())
     for name in ("layers.0.w", "layers.0.b", "layers.2.w"):
@@ -496,11 +484,11 @@ def test_diff_counts_what_became_nan_or_zero(capsys: pytest.CaptureFixture[str],
     assert (groups["layers.0"]["became_nan"], groups["layers.1"]["became_zero"]) == (2, 1)
     assert groups["layers.1"]["severity"] == "warning" and groups["layers.1"]["changed"] == 2
 
-    rc, out, _ = run(capsys, "scan", str(pa), str(pb), "--diff")
+    rc, out, _ = run_cli(capsys, "scan", str(pa), str(pb), "--diff")
     assert rc == 1 and "3 tensors became NaN/Inf; 1 tensor became all zero" in out
     shown = table_names(out, "layers.")
     assert set(shown[:3]) == {"layers.0.w", "layers.0.b", "layers.2.w"} and shown[3] == "layers.1.w"
-    assert run(capsys, "scan", str(pa), str(pb), "--diff", "--fail-on", "none")[0] == 0
+    assert run_cli(capsys, "scan", str(pa), str(pb), "--diff", "--fail-on", "none")[0] == 0
 
 
 def test_diff_counts_an_expanded_view_without_expanding_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -514,7 +502,7 @@ def test_diff_counts_an_expanded_view_without_expanding_it(tmp_path: Path, capsy
     pa, pb = tmp_path / "a.pt", tmp_path / "b.pt"
     torch.save({"w": base.expand(rows, cols)}, pa)
     torch.save({"w": poisoned.expand(rows, cols)}, pb)
-    _, doc = run_json(capsys, "scan", str(pa), str(pb), "--diff")
+    _, doc = run_cli_json(capsys, "scan", str(pa), str(pb), "--diff")
     (row,) = doc["tensors"]
     assert row["changed"] == k * rows and row["reason"] == f"became NaN/Inf at {k * rows} elements"
 
@@ -551,7 +539,7 @@ def test_a_sharded_folder_is_one_checkpoint(capsys: pytest.CaptureFixture[str], 
     save_shards(folder, shards)
 
     for path in (folder, folder / "model.safetensors.index.json", folder / "*.safetensors"):
-        rc, doc = run_json(capsys, "scan", str(path), "--group-by", "shard")
+        rc, doc = run_cli_json(capsys, "scan", str(path), "--group-by", "shard")
         (f,) = doc["files"]  # one checkpoint, however it is named
         assert rc == 1, path
         assert {r["name"]: r["shard"] for r in f["tensors"]} == {
@@ -565,7 +553,7 @@ def test_a_sharded_folder_is_one_checkpoint(capsys: pytest.CaptureFixture[str], 
         assert (groups["model-00003-of-00003.safetensors"]["severity"],
                 groups["model-00003-of-00003.safetensors"]["skipped"]) == ("error", 1)
         assert all(grp["tensors"] == 4 and grp["elements"] == 2 * (64 + 8) for grp in f["groups"])
-    rc, out, _ = run(capsys, "scan", str(folder))
+    rc, out, _ = run_cli(capsys, "scan", str(folder))
     assert out.splitlines()[0].endswith(", 13 tensors, 1.7 KiB, 3 shard files)")
     assert "ERROR skipped model.layers.5.v_proj.weight: " in out
 
@@ -575,7 +563,7 @@ def test_a_sharded_folder_is_one_checkpoint(capsys: pytest.CaptureFixture[str], 
     changed = {shard: {n: x.clone() for n, x in tensors.items()} for shard, tensors in shards.items()}
     changed["model-00001-of-00003.safetensors"]["model.layers.1.q_proj.weight"].zero_()
     save_shards(after, changed)
-    rc, doc = run_json(capsys, "scan", str(folder), str(after), "--diff", "--group-by", "shard")
+    rc, doc = run_cli_json(capsys, "scan", str(folder), str(after), "--diff", "--group-by", "shard")
     assert rc == 0 and doc["summary"]["became_zero"] == 1  # a warning: below --fail-on error
     assert [(grp["group"], grp["became_zero"], grp["severity"]) for grp in doc["groups"]][0] == (
         "model-00001-of-00003.safetensors", 1, "warning")

@@ -12,6 +12,9 @@ every request that touches it, then copies the requested box out of it: a
 block costs, while it is read, the memory and the read of the chunks it
 touches, so a tensor saved as one chunk far larger than a batch is read once
 per block.
+
+Every problem with a `.distcp` file raises CheckpointError, one line naming
+the file, when a tensor is read.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ from __future__ import annotations
 import io
 import math
 import os
+import pickle
 import stat
 import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
-import pickle
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo

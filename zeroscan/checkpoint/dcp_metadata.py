@@ -1,4 +1,5 @@
-"""Reading torch.distributed.checkpoint (DCP) folders tensor by tensor.
+"""A torch.distributed.checkpoint (DCP) folder's `.metadata`, read without
+running its pickle.
 
 FSDP2 and torchtitan save a folder: a `.metadata` pickle that gives every
 tensor's dtype, shape and chunks (a shard of a DTensor is one chunk) and
@@ -8,23 +9,10 @@ each chunk a small torch.save archive.
 torch's FileSystemReader.read_metadata unpickles `.metadata` with plain
 pickle.load, which runs whatever a hostile file asks for. So zeroscan
 unpickles it itself, allowing only the classes DCP metadata is made of
-(METADATA_GLOBALS), and hands the result to the reader. Chunks are read
-through DCP's own FileSystemReader, which loads each with
-torch.load(weights_only=True), and a LoadPlanner that asks for any box of a
-tensor, a whole tensor or a block of its rows (create_read_items_for_chunk_list).
-Items DCP stored as bytes (an optimizer's step count, a config) are pickles
-that DCP's planners load with weights_only=False: they are never asked for,
-and are left out of the entries as a torch.save file's non-tensor leaves are.
+(METADATA_GLOBALS), then checks what it says (sizes, file names, chunks
+that overlap) before zeroscan.checkpoint.dcp hands it to DCP's reader.
 
-A scan holds a batch of tensors at a time, and a tensor larger than a batch
-one block of rows at a time. But DCP's reader loads a whole stored chunk for
-every request that touches it, then copies the requested box out of it: a
-block costs, while it is read, the memory and the read of the chunks it
-touches, so a tensor saved as one chunk far larger than a batch is read once
-per block.
-
-Every problem with the folder raises CheckpointError, one line naming the
-file: `.metadata` on opening, a `.distcp` file when a tensor is read.
+Every problem with `.metadata` raises CheckpointError, one line naming the file.
 """
 
 from __future__ import annotations
