@@ -26,10 +26,17 @@ def modules(root: Path) -> dict[str, Path]:
     return {module_name(root, p): p for p in sorted((root / PACKAGE).rglob("*.py"))}
 
 
-def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The package's modules `name` imports, at any depth of its code."""
+def imported(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], set[str]]:
+    """The package's modules `name` imports, at any depth of its code, as
+    (named, implied). Named: `import P.x` of a source module, and for
+    `from P import x` the submodule P.x where there is one, else P itself (x
+    is a name its __init__ defines). Implied: the packages above each of
+    them, whose __init__ runs first, and those above a module that is no
+    source file (the compiled zeroscan._C). `importlib.import_module` calls
+    are not seen: they name their module at run time."""
     is_package = path.name == "__init__.py"
-    found: set[str] = set()
+    named: set[str] = set()
+    implied: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -41,28 +48,32 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                     anchor = anchor[:-1]
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
         else:
             continue
         for target in targets:
-            # `import a.b.c` runs a, a.b and a.b.c; the edge that matters is the deepest module.
-            while target and target not in known:
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
-    return found
+            if target in known:
+                named.add(target)
+            implied.update(p for p in packages_above(target) if p in known)
+    named.discard(name)
+    implied.discard(name)
+    return named, implied
+
+
+def packages_above(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))]
 
 
 def graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules that importing it runs, named or implied. An
+    implied package that the importing module is itself inside of is running
+    already, and is no edge."""
     known = modules(root)
-    edges = {name: imported(name, path, known) for name, path in known.items()}
-    # A package's __init__ runs before any of its submodules: importing a.b imports a.
-    for name in known:
-        parent = name.rpartition(".")[0]
-        while parent:
-            if parent in known and parent != name:
-                edges[name].discard(parent)  # importing your own package is not an edge out of it
-            parent = parent.rpartition(".")[0]
+    edges: dict[str, set[str]] = {}
+    for name, path in known.items():
+        named, implied = imported(name, path, known)
+        edges[name] = named | (implied - set(packages_above(name)))
     return edges
 
 

@@ -103,8 +103,8 @@ def swallowed(monitor: Monitor) -> list[tuple[int, list[tuple[str, str]]]]:
     """Errors the Monitor kept as notes instead of raising, per recorded step:
     a scan that raises (a sync refused by the sync debug mode, an op refused
     while capturing) falls back to one scan per device and then becomes a
-    "not scanned" note (monitor.py _run, step_record.scan_by_device), and so does
-    one raised in an activation hook (monitor.py _activation_hook)."""
+    "not scanned" note (scanner.py Scanner._run, step_record.scan_by_device), and
+    so does one raised in an activation hook (monitor.py Monitor._on_activation)."""
     return [
         (r.step, [*r.notes, *((u.label, u.why) for u in r.unscanned)])
         for r in monitor._records

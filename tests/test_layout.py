@@ -119,6 +119,26 @@ def test_import_graph_sees_function_level_imports(tmp_path: Path) -> None:
     assert cycles(graph(tmp_path)) == [["zeroscan.a", "zeroscan.b"]]
 
 
+def test_import_graph_sees_a_package_init_run_by_a_submodule_import(tmp_path: Path) -> None:
+    # Importing zeroscan.sub.leaf runs zeroscan/sub/__init__.py, which imports a back.
+    package = tmp_path / "zeroscan"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("import zeroscan.sub.leaf\n")
+    (package / "sub" / "__init__.py").write_text("from zeroscan.a import x\n")
+    (package / "sub" / "leaf.py").write_text("")
+    assert cycles(graph(tmp_path)) == [["zeroscan.a", "zeroscan.sub"]]
+
+
+def test_import_graph_sees_a_name_taken_from_a_package_init(tmp_path: Path) -> None:
+    # `from zeroscan import helper` takes a name the package's __init__ defines, and that __init__ imports b.
+    package = tmp_path / "zeroscan"
+    package.mkdir()
+    (package / "__init__.py").write_text("from zeroscan.b import helper\n")
+    (package / "b.py").write_text("def helper():\n    from zeroscan import version\n")
+    assert cycles(graph(tmp_path)) == [["zeroscan", "zeroscan.b"]]
+
+
 # `pip install zeroscan` (with or without extras) installs PyPI's unrelated project of that name.
 BARE_NAME_HINT = re.compile(r"""pip3? install\b[^\n;&|#]*?(?<![\w./-])["']?zeroscan(\[[^\]]*\])?["']?(?=[\s`)]|$)""")
 

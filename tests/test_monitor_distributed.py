@@ -465,7 +465,7 @@ def test_without_a_group_nothing_is_gathered(monkeypatch: pytest.MonkeyPatch) ->
     def no_gather(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a Monitor without a process group gathered")
 
-    monkeypatch.setattr(zdist, "gather_rows", no_gather)
+    monkeypatch.setattr(zeroscan.distributed_gather, "gather_rows", no_gather)  # where compare_replicas looks it up
     monkeypatch.setattr(zeroscan.allreduce, "start", no_gather)
     g = fresh_generator()
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))

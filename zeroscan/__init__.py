@@ -10,8 +10,8 @@ whose gradients hold NaN/Inf. `zeroscan.integrations` runs the Monitor inside
 transformers' Trainer, Lightning and Accelerate (each imported only when used).
 
 `import zeroscan` loads what a training loop calls (stats, diagnose,
-Monitor, guard) and nothing more: the checkpoint reader, the loggers, the
-plots, the distributed merge and the CLI are submodules loaded on first use
+Monitor with its merge across ranks, guard) and nothing more: the checkpoint
+reader, the loggers, the plots and the CLI are submodules loaded on first use
 (`zeroscan.loggers.log_tensorboard(...)` works after a bare `import
 zeroscan`), and no torch._dynamo, matplotlib or framework is imported until
 something needs it.

@@ -15,7 +15,7 @@ A tensor's group (group_of), from its dotted name or its row:
 * shard: the file holding the tensor (row["shard"]); a one-file
   checkpoint's rows have none, and the caller names that file.
 
-Everything here is a pure function of scan rows (zeroscan.checkpoint.scan_row)
+Everything here is a pure function of scan rows (zeroscan.checkpoint.scan.scan_row)
 or diff rows (zeroscan.checkpoint.diff.diff_checkpoints): dicts in, dicts out.
 """
 

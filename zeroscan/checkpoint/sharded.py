@@ -5,9 +5,10 @@ A Hugging Face model of more than a few GB is a folder of shards,
 and an index, `model.safetensors.index.json`, whose "weight_map" names the
 shard of every tensor (`pytorch_model-0000k-of-0000n.bin` and
 `pytorch_model.bin.index.json` for torch.save shards). A ShardedCheckpoint
-opens every shard (each a zeroscan.checkpoint.Checkpoint: its header or
-pickle only, no tensor data) and lists their tensors as one checkpoint,
-in shard order and within a shard in file order, each with its shard's name.
+holds every shard, opened by zeroscan.checkpoint.opening (each a
+zeroscan.checkpoint.single.Checkpoint: its header or pickle only, no tensor
+data), and lists their tensors as one checkpoint, in shard order and within
+a shard in file order, each with its shard's name.
 
 Without an index, the complete set of shards is the model. With one, the
 index decides: a tensor it names that its shard lacks is reported (severity

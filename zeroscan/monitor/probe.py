@@ -86,12 +86,14 @@ class Probe(TorchFunctionMode):
         # (the Monitor on a compiled model's _orig_mod): the ops it observes stay
         # its own. Disabled here, not on the class: torch.compiler.disable imports
         # torch._dynamo, about a second that `import zeroscan` must not cost.
-        self._observe_eagerly = torch.compiler.disable(self._observe)
+        # The function, not the bound method: a bound method here would make a
+        # reference cycle of the probe.
+        self._observe_eagerly = torch.compiler.disable(Probe._observe)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         try:
-            made_by = self._observe_eagerly(func, args, kwargs)
+            made_by = self._observe_eagerly(self, func, args, kwargs)
         except Exception:  # observing must never break the forward pass
             made_by = None
         out = func(*args, **kwargs)
