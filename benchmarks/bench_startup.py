@@ -10,8 +10,9 @@ time. The import time is measured inside the process (time.perf_counter
 around `import zeroscan`, torch already imported).
 
 Targets: `import zeroscan` after torch <= 0.25 s; `zeroscan scan` of a 4 MB
-safetensors file <= 1.25 x the wall time of `python -c "import torch"`;
-`import zeroscan` imports no torch._dynamo.
+safetensors file holding every value distribution (zeros, subnormals,
+NaN/Inf) <= 1.25 x the wall time of `python -c "import torch"`; `import
+zeroscan` imports no torch._dynamo.
 """
 
 from __future__ import annotations
@@ -66,11 +67,17 @@ def main() -> int:
     import torch
     from safetensors.torch import save_file
 
+    from zeroscan.testing import DISTRIBUTIONS, make_distribution
+
     folder = Path(tempfile.mkdtemp(prefix="zeroscan-startup-"))
     try:
+        # 4 MB of float32, one tensor per value distribution of zeroscan.testing (zeros,
+        # subnormals, NaN/Inf among them): the scan's findings and its exit path are those
+        # of a file with every kind of problem, not of healthy data only.
         small = folder / "one.safetensors"
         g = torch.Generator().manual_seed(0)
-        save_file({"weight": torch.randn(1000, 1000, generator=g), "bias": torch.randn(1000, generator=g)}, str(small))
+        per = (1 << 20) // len(DISTRIBUTIONS)
+        save_file({name: make_distribution(name, per, torch.float32, g) for name in DISTRIBUTIONS}, str(small))
         torch_cmd = [sys.executable, "-c", "import torch"]
         scan_cmd = scan_command(small)
         torch_s: list[float] = []
@@ -95,7 +102,7 @@ def main() -> int:
     print(f"{'command':52} {'median s':>9} {'best s':>8}")
     rows = [
         ('python -c "import torch"', torch_s),
-        (f"zeroscan scan {small.name} (4 MB)", scan_s),
+        (f"zeroscan scan {small.name} (4 MB, 9 distributions)", scan_s),
         ("import zeroscan, after import torch (in process)", import_s),
     ]
     for name, times in rows:
