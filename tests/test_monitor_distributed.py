@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroscan
-import zeroscan.distributed as zdist
+import zeroscan.distributed_gather
 import zeroscan.monitor.step_record as monitor_records
 from zeroscan.monitor import Slot
 from helpers import assert_same_stats, example, fresh_generator, serious
@@ -75,6 +75,16 @@ def collectives_counted() -> Iterator[list[str]]:
 # Each runs on every rank of the spawned world and returns its report.
 
 
+def tanh_ddp(
+    seed: int, inputs: int, hidden: int, outputs: int
+) -> tuple[nn.Sequential, nn.parallel.DistributedDataParallel, torch.optim.SGD]:
+    """A two-layer Tanh MLP seeded alike on every rank, wrapped in DDP, with SGD."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, outputs))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    return model, ddp, torch.optim.SGD(ddp.parameters(), lr=0.05)
+
+
 def check_ddp_nan_on_one_rank(rank: int, seed: int) -> Report:
     """DDP; after the all-reduce rank 1 alone writes a NaN into one gradient."""
     names = ["module.0.weight", "module.0.bias", "module.2.weight", "module.2.bias"]
@@ -115,10 +125,7 @@ def check_ddp_healthy(rank: int, seed: int) -> Report:
     After the first step (which builds the packing it reuses) the step path,
     merge included, calls no op after which a CUDA host would wait for its
     device (DeviceWaits: the CPU's stand-in for CUDA's sync debug mode)."""
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 3))
-    ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    model, ddp, opt = tanh_ddp(seed, 12, 24, 3)
     g = torch.Generator().manual_seed(seed + 1 + rank)
     across = Monitor(ddp, opt, process_group=dist.group.WORLD)
     alone = Monitor(ddp, opt)
@@ -320,10 +327,7 @@ def check_report_mid_step_alone(rank: int, seed: int) -> Report:
     with DDP's and hang until the group's timeout); every step's merge is
     read later all the same (the first one too, which a report read while
     it was open), and the final reports agree on every rank."""
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-    ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    model, ddp, opt = tanh_ddp(seed, 6, 8, 2)
     g = torch.Generator().manual_seed(seed + 5 + rank)
     monitor = Monitor(ddp, opt, process_group=dist.group.WORLD)
     steps = 4
