@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import zeroscan
-from zeroscan.cli_format import fmt_bytes, fmt_count
+from zeroscan.cli_format import fmt_bytes
 from zeroscan.diagnosis import Verdict
 from zeroscan.histogram import Histogram
+from zeroscan.words import short_count
 from zeroscan.loggers import SEVERITY_RANK
 from zeroscan.monitor.report import Finding, Report
 from zeroscan.checkpoint.groups import RANK
@@ -37,17 +38,17 @@ NAN, INF = math.nan, math.inf
         (10**15, "1000.0T"),  # past the largest unit a count stays in it
     ],
 )
-def test_fmt_count_carries_into_the_next_unit(n: int, want: str) -> None:
-    assert fmt_count(n) == want
+def test_short_count_carries_into_the_next_unit(n: int, want: str) -> None:
+    assert short_count(n) == want
 
 
 @pytest.mark.parametrize("scale", [1e3, 1e6, 1e9])
 @pytest.mark.parametrize("below", [0, 1, 49, 50, 51, 0.05, 0.1])
-def test_fmt_count_never_shows_1000_of_a_unit(scale: float, below: float) -> None:
+def test_short_count_never_shows_1000_of_a_unit(scale: float, below: float) -> None:
     """Just under each unit's next one (by whole counts and by fractions of a
     unit): the number shown stays below 1000 and within half a last digit of n."""
     n = int(1000 * scale - (below * scale if below < 1 else below))
-    text = fmt_count(n)
+    text = short_count(n)
     value, unit = float(text[:-1]), text[-1]
     shown_scale = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[unit]
     assert value < 1000, text

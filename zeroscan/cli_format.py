@@ -19,7 +19,6 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from zeroscan.words import short_count
 
 LARGE_TTY_BYTES = 64 << 20  # a progress bar on a terminal from this size
 LARGE_LOG_BYTES = 1 << 30  # progress lines in a log (stderr not a terminal) from this size
@@ -111,11 +110,6 @@ def fit_to_console(stream: TextIO | None) -> None:
 
 
 # --- numbers, tables, colours ----------------------------------------------------
-
-
-def fmt_count(n: int) -> str:
-    """A count in a few characters: 12345 -> "12.3K", 10**6 -> "1.0M" (exact below 10K)."""
-    return short_count(n)
 
 
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")  # a size past the last stays in it

@@ -32,7 +32,6 @@ from zeroscan.cli_format import (
     Style,
     fmt_binades,
     fmt_bytes,
-    fmt_count,
     fmt_num,
     fmt_percent,
     fmt_shape,
@@ -41,7 +40,7 @@ from zeroscan.cli_format import (
 )
 from zeroscan.report_data import json_safe
 from zeroscan.checkpoint.groups import RANK, scan_groups, worst_first
-from zeroscan.words import count_noun
+from zeroscan.words import count_noun, short_count
 
 
 def sort_rows(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
@@ -80,11 +79,11 @@ def scan_table(rows: Sequence[dict[str, Any]], style: Style) -> list[str]:
             short_name(str(r["name"])),
             str(r["dtype"]),
             fmt_shape(r["shape"]),
-            fmt_count(n),
+            short_count(n),
             fmt_percent(int(r["zeros"]), n),
-            fmt_count(int(r["subnormal"])),
-            fmt_count(int(r["near_zero"])),
-            f"{fmt_count(int(r['nan']))}/{fmt_count(int(r['posinf']) + int(r['neginf']))}" if nonfinite else "0",
+            short_count(int(r["subnormal"])),
+            short_count(int(r["near_zero"])),
+            f"{short_count(int(r['nan']))}/{short_count(int(r['posinf']) + int(r['neginf']))}" if nonfinite else "0",
             rng,
             *([fmt_binades(r["histogram"], str(r["dtype"])) if "histogram" in r else "-"] if with_binades else []),
             fmt_num(r["mean"]),
@@ -109,11 +108,11 @@ def group_table(groups: Sequence[dict[str, Any]], style: Style) -> list[str]:
             short_name(group_label(g["group"])),
             str(g["tensors"]),
             *([str(g["skipped"])] if with_skipped else []),
-            fmt_count(g["elements"]),
+            short_count(g["elements"]),
             fmt_percent(g["zeros"], g["elements"]),
-            fmt_count(g["subnormal"]),
-            fmt_count(g["near_zero"]),
-            f"{fmt_count(g['nan'])}/{fmt_count(g['inf'])}" if nonfinite else "0",
+            short_count(g["subnormal"]),
+            short_count(g["near_zero"]),
+            f"{short_count(g['nan'])}/{short_count(g['inf'])}" if nonfinite else "0",
             str(g["findings"]),
             g["severity"],
             worst_cell(g),
