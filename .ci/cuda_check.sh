@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI for the CUDA kernels, on a machine with nvcc and usually no GPU.
 #
-# 1. Compiles every kernel file (csrc/cuda/stats_cuda_*.cu) for sm_80 and
+# 1. Compiles every kernel file (csrc/cuda/*.cu but the test program) for sm_80 and
 #    sm_90 with `nvcc -Xptxas -v`, with the flags torch's build uses, and
 #    fails if any function has a stack frame or spills registers (local
 #    memory in a memory-bound kernel costs bandwidth).
@@ -44,7 +44,7 @@ FLAGS=(-std=c++20 -O3 -lineinfo
        -gencode=arch=compute_80,code=sm_80
        -gencode=arch=compute_90,code=sm_90)
 
-KERNELS=(csrc/cuda/stats_cuda_*.cu)
+KERNELS=(csrc/cuda/stats_cuda_*.cu csrc/cuda/nonfinite_cuda.cu)
 echo "== compiling ${#KERNELS[@]} kernel files for sm_80 and sm_90 (ptxas -v)"
 export NVCC BUILD_DIR
 printf '%s\n' "${KERNELS[@]}" | xargs -P "$JOBS" -I{} bash -c '
@@ -81,8 +81,9 @@ for f in "${KERNELS[@]}"; do
       printf "  %-16s %-5s %3d regs  %s\n", file, arch, regs, substr(short, 1, 48)
     }
     END {
-      # A dtype file holds a contiguous and a strided kernel; the merge file one kernel.
-      want = file == "stats_cuda_combine" ? 1 : 2
+      # A dtype file holds a contiguous and a strided kernel; the merge file one
+      # kernel; the non-finite marker one per floating dtype.
+      want = file == "stats_cuda_combine" ? 1 : file == "nonfinite_cuda" ? 6 : 2
       if (entries["sm_80"] < want || entries["sm_90"] < want) {
         printf "FAIL %s: expected kernels for sm_80 and sm_90 in the ptxas report\n", file
         bad = 1

@@ -31,4 +31,9 @@ TORCH_LIBRARY(zeroscan, m) {
   // rows: int64 [W, N, 16], W parts' rows of the same N tensors -> int64
   // [N, 16], each tensor's parts combined (`combine_in_tree`, stats_record.h).
   m.def("combine_rows(Tensor rows) -> Tensor");
+  // xs: N tensors on one device; flags: int32 [F] on that device; slots: N
+  // indices into flags. ORs into flags[slots[i]] 1 when xs[i] holds an
+  // infinity and 2 when it holds a NaN (csrc/nonfinite.h); never reads the
+  // flags back, so nothing waits for the device.
+  m.def("mark_nonfinite(Tensor[] xs, Tensor(a!) flags, int[] slots) -> ()");
 }

@@ -1,7 +1,8 @@
 """The native operators: loading them, their fake kernels, and what they accept.
 
 `torch.ops.zeroscan.stats`, `stats_many`, `stats_many_hist`,
-`stats_many_mapped` and `combine_rows` are declared once in
+`stats_many_mapped`, `combine_rows` and `mark_nonfinite` (the flags of
+Monitor(trace_nonfinite=True)) are declared once in
 csrc/zeroscan.cpp and implemented per backend in csrc/cpu and csrc/cuda
 (stats_many_mapped on the CPU alone). The fake kernels here give their
 output shapes to torch.compile and to meta/fake tensors without running
@@ -93,6 +94,11 @@ def _stats_many_mapped_fake(
 def _combine_rows_fake(rows: torch.Tensor) -> torch.Tensor:
     torch._check(rows.dim() == 3 and rows.shape[-1] == NUM_FIELDS and rows.shape[0] > 0)
     return rows.new_empty((rows.shape[1], NUM_FIELDS))
+
+
+@torch.library.register_fake("zeroscan::mark_nonfinite")
+def _mark_nonfinite_fake(xs: list[torch.Tensor], flags: torch.Tensor, slots: list[int]) -> None:
+    return None
 
 
 # Under torch.func.vmap a scan would have to give one Stats per slice, but a

@@ -1,0 +1,83 @@
+// zeroscan.mark_nonfinite on the CPU: ORs into flags[slots[i]] what kinds of
+// non-finite value xs[i] holds (kHoldsInf, kHoldsNan: nonfinite.h).
+//
+// Each tensor is walked in place (layout.h) in fixed pieces, split across
+// threads. A piece that holds a non-finite value is tested again for its
+// kinds; once both kinds are found, the other pieces stop. The runs are tested by an AVX2 build of the same
+// loop where the CPU has AVX2 (and ZEROSCAN_CPU_CAPABILITY is not "scalar"):
+// the default x86-64 build has no unsigned 32- or 64-bit lane compares.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+
+#include "../nonfinite_check.h"
+#include "../nonfinite.h"
+#include "../op_common.h"
+#include "scan_span.h"
+
+namespace zeroscan {
+namespace cpu {
+namespace {
+
+constexpr int64_t kPiece = 1 << 14;  // elements tested between looks at `found`
+
+template <typename S>
+bool any_nonfinite_plain(const S* p, int64_t n, int64_t stride, uint64_t finite_max) {
+  return any_nonfinite(p, n, stride, finite_max);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+template <typename S>
+__attribute__((target("avx2"))) bool any_nonfinite_avx2(const S* p, int64_t n, int64_t stride, uint64_t finite_max) {
+  return any_nonfinite(p, n, stride, finite_max);
+}
+
+bool use_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && capability_allows(Capability::kAvx512);
+  return yes;
+}
+#endif
+
+template <typename S>
+int32_t kinds_held(const at::Tensor& x) {
+  const Layout l = layout_of(x);
+  if (l.numel == 0) return 0;
+  const Limits lim = limits_of(x.scalar_type(), c10::nullopt);
+  const S* base = static_cast<const S*>(x.const_data_ptr());
+  auto test = &any_nonfinite_plain<S>;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (use_avx2()) test = &any_nonfinite_avx2<S>;
+#endif
+  constexpr int32_t kBoth = kHoldsInf | kHoldsNan;
+  std::atomic<int32_t> found{0};
+  at::parallel_for(0, l.numel, 4 * kPiece, [&](int64_t begin, int64_t end) {
+    for (int64_t at = begin; at < end && found.load(std::memory_order_relaxed) != kBoth; at += kPiece) {
+      for_each_run(l, at, std::min(end, at + kPiece), [&](int64_t offset, int64_t length, int64_t stride) {
+        if (test(base + offset, length, stride, lim.finite_max)) {
+          found.fetch_or(nonfinite_kinds(base + offset, length, stride, lim.finite_max, lim.nonnan_max));
+        }
+      });
+    }
+  });
+  return found.load();
+}
+
+void mark_nonfinite_cpu(at::TensorList xs, const at::Tensor& flags, at::IntArrayRef slots) {
+  check_mark_nonfinite(xs, flags, slots);
+  int32_t* out = flags.mutable_data_ptr<int32_t>();
+  for (size_t t = 0; t < xs.size(); ++t) {
+    out[slots[t]] |= visit_dtype(xs[t].scalar_type(), [&](auto tag) {
+      return kinds_held<typename decltype(tag)::type>(xs[t]);
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zeroscan, CPU, m) {
+  m.impl("mark_nonfinite", &mark_nonfinite_cpu);
+}
+
+}  // namespace cpu
+}  // namespace zeroscan
