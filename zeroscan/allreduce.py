@@ -67,7 +67,7 @@ from zeroscan import allreduce_replicas
 from zeroscan.allreduce_words import as_words, fingerprint, key_value, last_rank, neither, ordered
 from zeroscan.result_row import NONFINITE, NUM_COUNTS, NUM_FIELDS, Column, empty_rows, finite_count, moments
 
-NUM_HEADER = 4  # header words each rank adds: any int64s every rank should agree on
+NUM_HEADER = 6  # header words each rank adds: int64s whose least and greatest value every rank learns
 
 
 class Col(enum.IntEnum):

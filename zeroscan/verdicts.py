@@ -68,6 +68,8 @@ class Cause(str, enum.Enum):
     # Steps: optimizer.step() skipped (GradScaler), or never seen.
     SKIPPED_STEPS = "skipped_steps"
     NO_STEP = "no_step"
+    # Where the first inf/NaN was born (Monitor(trace_nonfinite=True)).
+    NONFINITE_ORIGIN = "nonfinite_origin"
     # Activations.
     DEAD_UNITS = "dead_units"
     SATURATED_SOFTMAX = "saturated_softmax"

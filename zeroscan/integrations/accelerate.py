@@ -94,8 +94,8 @@ def monitor(
 
     every: scan one optimizer step in `every` (the micro-steps of gradient
         accumulation are not optimizer steps).
-    options: history, activations, thresholds, histogram, passed on to
-        zeroscan.Monitor.
+    options: history, activations, thresholds, histogram, trace_nonfinite,
+        passed on to zeroscan.Monitor.
 
     With an optimizer the Monitor scans at each optimizer step by itself;
     without one, call monitor.step() once per optimizer step (where

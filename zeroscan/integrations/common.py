@@ -175,7 +175,7 @@ def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return inner
 
 
-MONITOR_OPTIONS = ("history", "activations", "thresholds", "histogram")
+MONITOR_OPTIONS = ("history", "activations", "thresholds", "histogram", "trace_nonfinite")
 
 
 def monitor_options(user: str, options: dict[str, Any]) -> dict[str, Any]:

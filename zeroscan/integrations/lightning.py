@@ -89,8 +89,8 @@ class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
         and underflow % per gradient (three scalars per parameter).
     prefix: the first part of every logged key ("zeroscan.findings/error").
     logger: where findings go (default logging.getLogger("zeroscan")).
-    monitor_options: history, activations, thresholds, histogram, passed on
-        to zeroscan.Monitor.
+    monitor_options: history, activations, thresholds, histogram,
+        trace_nonfinite, passed on to zeroscan.Monitor.
 
     After fit(), `monitor` is the (closed) Monitor of the run and `report`
     its latest Report (None before the first).

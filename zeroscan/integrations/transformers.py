@@ -81,8 +81,8 @@ class ZeroscanCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         and underflow % per gradient (three scalars per parameter).
     prefix: the first part of every logged key ("zeroscan.findings/error").
     logger: where findings go (default logging.getLogger("zeroscan")).
-    options: history, activations, thresholds, histogram, passed on
-        to zeroscan.Monitor.
+    options: history, activations, thresholds, histogram, trace_nonfinite,
+        passed on to zeroscan.Monitor.
     """
 
     def __init__(

@@ -100,8 +100,8 @@ class Hooks:
     def __init__(self) -> None:
         self._handles: dict[int, tuple[RemovableHandle, weakref.ref[nn.Module] | None]] = {}
 
-    def forward_pre(self, module: nn.Module, hook: Callable[..., Any]) -> RemovableHandle:
-        return self._on_module(module, module.register_forward_pre_hook(hook))
+    def forward_pre(self, module: nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False) -> RemovableHandle:
+        return self._on_module(module, module.register_forward_pre_hook(hook, with_kwargs=with_kwargs))
 
     def forward(self, module: nn.Module, hook: Callable[..., Any], *, always_call: bool = False) -> RemovableHandle:
         return self._on_module(module, module.register_forward_hook(hook, always_call=always_call))

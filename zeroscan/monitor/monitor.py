@@ -3,14 +3,16 @@
 What is measured lives elsewhere: the scan is zeroscan's native stats_many
 (step_record.py), run over a step's tensors by scanner.py, the activation scans
 are activations.py, what is read of the optimizer is optimizer.py, why a
-gradient is None is causes.py, what the records mean is rules.py, and the
-exchange across ranks is ranks.py.
+gradient is None is causes.py, what the records mean is rules.py, the
+exchange across ranks is ranks.py, and where a NaN was born is
+nonfinite_trace.py (recording) and nonfinite_origin.py (reading).
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import replace
 import weakref
 from collections import deque
 from typing import Any, NamedTuple
@@ -27,6 +29,8 @@ from zeroscan.monitor.causes import CauseFinder, cleared_cause
 from zeroscan.monitor.graph import Root, output_roots
 from zeroscan.monitor.grad_histograms import check_histogram, free_earlier_fields, latest_histograms
 from zeroscan.monitor.hooks import Hooks, weak_hook
+from zeroscan.monitor.nonfinite_origin import origin_finding, pointer
+from zeroscan.monitor.nonfinite_trace import NonfiniteTrace
 from zeroscan.monitor.optimizer import optimizer_view, step_lrs
 from zeroscan.monitor.ranks import RankExchange, check_group
 from zeroscan.monitor.step_record import StepRecord, decode_records, grad_row, renumber, weight_row
@@ -38,6 +42,7 @@ from zeroscan.monitor.steps import history_records, judged_records
 from zeroscan.monitor.structure import StructureWatch
 from zeroscan.monitor.turns import Turns
 from zeroscan.monitor.unregistered import unregistered_state
+from zeroscan.verdicts import Cause
 
 
 class OpenStep(NamedTuple):
@@ -71,6 +76,14 @@ class Monitor:
     histogram: also count, in the same scans, the exact log2-magnitude
         histogram of every gradient and weight (Report.histograms; see
         grad_histograms.py for what it keeps). Not with a process_group yet.
+    trace_nonfinite: at every step (monitored or not), flag on the device
+        whether each module call's inputs and outputs, the gradients backward
+        brings them, and each parameter's incoming gradient hold inf/NaN, so
+        that once a gradient holds inf/NaN the report names where it was born
+        (a nonfinite_origin finding, and Report.nonfinite_origin): the step,
+        the pass, and the first module whose output or gradient went
+        non-finite from finite inputs. One native pass per tensor, no host
+        sync; what it costs and cannot see: nonfinite_trace.py and the README.
     """
 
     def __init__(
@@ -85,6 +98,7 @@ class Monitor:
         thresholds: Thresholds | None = None,
         process_group: dist.ProcessGroup | None = None,
         histogram: bool = False,
+        trace_nonfinite: bool = False,
     ) -> None:
         op = "zeroscan.Monitor"
         if not isinstance(model, nn.Module):
@@ -95,6 +109,8 @@ class Monitor:
             raise ValueError(f"{op}: every must be an int >= 1, got {every!r}")
         if isinstance(history, bool) or not isinstance(history, int) or history < 2:
             raise ValueError(f"{op}: history must be an int >= 2, got {history!r}")
+        if not isinstance(trace_nonfinite, bool):
+            raise TypeError(f"{op}: trace_nonfinite must be True or False, got {trace_nonfinite!r}")
         if thresholds is not None and not isinstance(thresholds, Thresholds):
             raise TypeError(f"{op}: thresholds must be a zeroscan.Thresholds, got {type(thresholds).__name__}")
         self.model = model
@@ -131,6 +147,10 @@ class Monitor:
         if activations:
             for name, tag, module in activation_modules(model):
                 self._hooks.forward(module, weak_hook(self, "_on_activation", name, tag))
+        # After the root hooks above, which run first: _root_pre resets the trace's calls.
+        self._trace = NonfiniteTrace(model, self._params, self._hooks, history) if trace_nonfinite else None
+        if self._trace is not None and self._ranks is not None:
+            self._ranks.born = self._trace.born_words
         if self._auto:
             assert optimizer is not None
             self._hooks.keep(optimizer.register_step_pre_hook(weak_hook(self, "_on_optimizer_step")))
@@ -182,6 +202,8 @@ class Monitor:
         with self._turns.step:
             self._training_thread = threading.get_ident()
             self._watch.reset()
+            if self._trace is not None:
+                self._trace.forward_started()
             if self._monitored():
                 self._causes.forward_started()
 
@@ -229,6 +251,8 @@ class Monitor:
             self._open = None
             if self._open_touched:  # reset or changed, and no step ran: a skipped step
                 self._end_step(open_step.record, stepped=False)
+        if self._trace is not None:  # the passes since the last close are this step's
+            self._trace.close(self._count)
         record = None
         if self._monitored():  # the gradients as backward left them: a skipped step keeps these
             record = StepRecord(self._count)
@@ -273,6 +297,8 @@ class Monitor:
         """The optimizer step runs now: the step that backward opened ends,
         scanned as it is now (after clipping and unscaling)."""
         self._refresh_structure()
+        if self._trace is not None:  # passes no backward watch closed (none, usually)
+            self._trace.close(self._count)
         open_step, self._open = self._open, None
         record = None
         if open_step is not None and open_step.record is not None:
@@ -379,11 +405,22 @@ class Monitor:
         latest = judged_records(self._params, recorded)[-1]
         self._explain_zeros(latest)
         optimizer = optimizer_view(self.optimizer, self._params)
-        findings = judge(self._params, recorded, self.thresholds, optimizer, unregistered_state(self.model))
+        model_findings = unregistered_state(self.model)
+        origin, pointing = None, ""
+        if self._trace is not None:
+            found, origin = origin_finding(self._params, recorded, list(self._trace.steps))
+            model_findings += [found] if found is not None else []
+            pointing = pointer(origin, found)
+        findings = judge(self._params, recorded, self.thresholds, optimizer, model_findings)
+        if pointing:
+            findings = [
+                replace(f, message=f.message + pointing) if f.cause in (Cause.NONFINITE, Cause.SKIPPED_STEPS) else f
+                for f in findings
+            ]
         shown = history_records(self._params, recorded)
         return Report(
             latest.step, findings, tensor_rows(self._params, latest), history(self._params, shown),
-            latest_histograms(self._params, latest),
+            latest_histograms(self._params, latest), origin.to_dict() if origin is not None else None,
         )
 
     def _explain_zeros(self, record: StepRecord) -> None:
@@ -440,3 +477,5 @@ class Monitor:
         self._causes.drop()
         self._causes = CauseFinder(self.model, params, self._hooks)
         self._causes.arm()
+        if self._trace is not None:
+            self._trace.attach(self.model, params)

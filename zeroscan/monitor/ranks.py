@@ -24,7 +24,7 @@ names, or every rank raises one error naming the ranks that differ.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -78,6 +78,9 @@ class RankExchange:
         self._ranks = ranks  # group rank -> global rank
         self._rtol = rtol
         self._layouts: dict[tuple[Any, ...], Layout] = {}
+        # Monitor(trace_nonfinite=True): (rank, device) -> int64 [2], the header's
+        # last two words (nonfinite_trace.NonfiniteTrace.born_words).
+        self.born: Callable[[int, int, torch.device], torch.Tensor] | None = None
         self.set_params(params)
 
     def set_params(self, params: list[Param]) -> None:
@@ -164,7 +167,8 @@ class RankExchange:
             rows = buffer.to(device)
             packed.index_copy_(0, dest, rows if src is None else rows.index_select(0, src))
         step = torch.full((1,), record.step, dtype=torch.int64, device=device)  # a fill: nothing copied from the host
-        head = torch.cat([step, header[1:]])
+        born = header[4:] if self.born is None else self.born(self._rank, self._world, device)
+        head = torch.cat([step, header[1:4], born])
         rank = torch.full((1,), self._rank, dtype=torch.int64, device=device)
         return allreduce.Local(packed, present, counted, is_sharded, rank, head)
 
@@ -179,8 +183,10 @@ class RankExchange:
         """A step's packing before its rows are copied in: empty rows, which
         slots this rank holds, counts (sharded slots: unless another rank
         contributes the shard; replicated ones: on group rank 0 only) and
-        calls sharded, the header (step, P, a checksum of the names) and,
-        per device group, where its rows go. Built once per layout, so a
+        calls sharded, the header (step, P, a checksum of the names, a
+        checksum of the sharded slots, and the least and greatest rank whose
+        traced passes made a non-finite value: none, W and -1, unless
+        `born` says) and, per device group, where its rows go. Built once per layout, so a
         step copies nothing from the host."""
         n = slot_rows(len(self._params))
         gone = {s.row for s in absent}
@@ -190,7 +196,9 @@ class RankExchange:
         is_sharded[[s.row for s in sharded]] = True
         counted = is_sharded.clone() if self._rank != 0 else torch.ones(n, dtype=torch.bool)
         counted[[s.row for s in uncounted]] = False
-        header = torch.tensor([0, len(self._params), self._names_crc, _layout_crc(sharded)], dtype=torch.int64)
+        header = torch.tensor(
+            [0, len(self._params), self._names_crc, _layout_crc(sharded), self._world, -1], dtype=torch.int64
+        )
         copies = []
         for slots, _ in groups:
             keep = [k for k, row in enumerate(slots) if row not in gone]  # a gradient cleared before the step
@@ -243,6 +251,7 @@ class RankExchange:
                 f"{', '.join(here)}{', ...' if len(rec.sharded) > 3 else ''}); every rank must wrap the model "
                 "the same way"
             )
+        rec.born_ranks = (self._ranks[low[4]], self._ranks[high[5]]) if high[5] >= 0 else None
         is_sharded = np.zeros(n, dtype=bool)
         is_sharded[[s.row for s in rec.sharded if 0 <= s.row < n]] = True
         words = np.zeros((n, NUM_FIELDS), dtype=np.int64)

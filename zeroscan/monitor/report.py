@@ -166,6 +166,11 @@ class Report:
     histogram (zeroscan.histogram.Histogram) of every gradient and weight of
     the report's step, by histogram_key ("fc1.weight:grad",
     "fc1.weight:weight"); {} otherwise.
+
+    nonfinite_origin: with Monitor(trace_nonfinite=True), where the first
+    inf/NaN of the traced steps was born, as the nonfinite_origin finding
+    names it (a dict: step, pass, micro_batch, name, kind, values, how);
+    None when no gradient held inf/NaN, or nothing was traced.
     """
 
     def __init__(
@@ -175,12 +180,14 @@ class Report:
         tensors: list[dict[str, Any]],
         history: dict[str, Any],
         histograms: dict[str, Histogram] | None = None,
+        nonfinite_origin: dict[str, Any] | None = None,
     ) -> None:
         self.step = step
         self.findings = findings
         self.tensors = tensors
         self.history = history
         self.histograms: dict[str, Histogram] = dict(histograms or {})
+        self.nonfinite_origin = nonfinite_origin
 
     @property
     def worst(self) -> Severity:
@@ -208,8 +215,9 @@ class Report:
         tensor's real one): float32 and bfloat16 share binades], "history": {"steps", "names", "grad_norm",
         "zero_fraction", "subnormal_fraction"} (the tensor rows' names; a
         history made with the older "underflow_fraction" is read too)};
-        floats are Python floats, nan where unknown."""
-        return {
+        floats are Python floats, nan where unknown; and "nonfinite_origin"
+        where the report has one."""
+        out: dict[str, Any] = {
             "step": self.step,
             "findings": [f.to_dict() for f in self.findings],
             "tensors": [self._tensor_dict(t) for t in self.tensors],
@@ -226,6 +234,9 @@ class Report:
                 ],
             },
         }
+        if self.nonfinite_origin is not None:
+            out["nonfinite_origin"] = dict(self.nonfinite_origin)
+        return out
 
     def _tensor_dict(self, t: dict[str, Any]) -> dict[str, Any]:
         """One entry of to_dict()["tensors"]: the tensor's row, with its histogram if any."""

@@ -124,7 +124,7 @@ class StepRecord:
     __slots__ = (
         "step", "stepped", "groups", "fields", "requires_grad", "none_causes", "activations", "notes", "unscanned",
         "rows", "acts", "exchange", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared",
-        "zero_causes", "lrs",
+        "zero_causes", "lrs", "born_ranks",
     )
 
     def __init__(self, step: int) -> None:
@@ -164,6 +164,9 @@ class StepRecord:
         # Parameters whose gradient existed when backward ended but was gone at the
         # step (zero_grad() in between).
         self.cleared: list[int] = []
+        # Across ranks, with trace_nonfinite: the least and greatest global rank whose
+        # traced passes made a non-finite value since the previous monitored step.
+        self.born_ranks: tuple[int, int] | None = None
 
     def add(self, scans: list[Scan]) -> None:
         """Keeps the results of `scans`, later than those kept so far."""

@@ -1,0 +1,313 @@
+"""Monitor(trace_nonfinite=True), the reading: where the first NaN or
+infinity of the traced steps was born (nonfinite_trace.py records it).
+
+Each forward pass is walked in the order its module calls began and
+returned, then its backward pass in the order gradients arrived. The first
+point where a flag shows a non-finite value that no earlier point showed is
+the origin:
+
+- a call returned a non-finite output from finite inputs: born in that
+  module's forward (in its own code: every module it called returned
+  finite values), unless one of its parameters holds a non-finite weight at
+  that step, which is then the origin;
+- a call began with a non-finite input that no module returned: born in the
+  code of the module that made the call, before the call; for a top-level
+  call (the model's own), the input batch;
+- the gradient reaching a tensor was non-finite while every earlier one was
+  finite: born in the backward of the innermost module that took the tensor
+  as an input; for the model's output, outside the model (the loss, or the
+  gradient given to backward());
+- a parameter's incoming gradient was non-finite: born in the backward of
+  the module that holds it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from zeroscan.monitor.nonfinite_trace import CHUNK, PARAMETER, ForwardPass, Segment, StepTrace
+from zeroscan.monitor.report import GLOBAL_NAME, Finding
+from zeroscan.monitor.step_record import Param, StepRecord
+from zeroscan.monitor.steps import first_nonfinite, nonfinite_grads, undone
+from zeroscan.verdicts import Cause, Severity
+from zeroscan.words import count_noun, listed
+
+INFINITE, NAN = 1, 2  # the kinds bits of csrc/nonfinite.h
+
+
+class Origin(NamedTuple):
+    """Where a non-finite value was born.
+
+    step: the step (Monitor.steps_seen numbering); phase: "forward" or
+    "backward"; micro: which forward pass of the step (0-based) of `passes`;
+    where: the module named (its qualified name, "(model)" for the model
+    itself), the parameter, "(input batch)" or "(outside the model)";
+    kind: "activation" (forward), "grad" (backward) or "weight"; kinds:
+    INFINITE | NAN bits; how: what was seen, in words.
+    """
+
+    step: int
+    phase: str
+    micro: int
+    passes: int
+    where: str
+    kind: str
+    kinds: int
+    how: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "pass": self.phase,
+            "micro_batch": self.micro,
+            "name": self.where,
+            "kind": self.kind,
+            "values": kinds_words(self.kinds),
+            "how": self.how,
+        }
+
+
+def kinds_words(kinds: int) -> str:
+    return {INFINITE: "inf", NAN: "NaN", INFINITE | NAN: "NaN and inf"}.get(kinds, "inf/NaN")
+
+
+def read_flags(steps: list[StepTrace]) -> dict[int, np.ndarray]:
+    """Every segment's flag per slot (int32 [slots], by id(segment)): one copy
+    per device, none for the CPU."""
+    segments = [s for t in steps for s in t.segments]
+    by_device: dict[torch.device, list[tuple[Segment, int, torch.Tensor]]] = {}
+    for s in segments:
+        for (device, chunk), buffer in s.flags.buffers.items():
+            by_device.setdefault(device, []).append((s, chunk, buffer))
+    host: dict[tuple[int, torch.device, int], np.ndarray] = {}
+    for device, items in by_device.items():
+        if device.type == "cpu":
+            values = [b.numpy() for _, _, b in items]
+        else:
+            values = list(torch.cat([b for _, _, b in items]).cpu().numpy().reshape(len(items), CHUNK))
+        for (s, chunk, _), v in zip(items, values):
+            host[(id(s), device, chunk)] = v
+    out: dict[int, np.ndarray] = {}
+    for s in segments:
+        flags = np.zeros(len(s.flags.devices), dtype=np.int32)
+        for slot, device in enumerate(s.flags.devices):
+            flags[slot] = host[(id(s), device, slot // CHUNK)][slot % CHUNK]
+        out[id(s)] = flags
+    return out
+
+
+def has_births(steps: list[StepTrace], flags: dict[int, np.ndarray]) -> list[StepTrace]:
+    """The steps whose flags show any non-finite value."""
+    return [t for t in steps if any(flags[id(s)].any() for s in t.segments)]
+
+
+def find_origin(
+    trace: StepTrace, flags: dict[int, np.ndarray], params: list[Param], bad_weights: set[int] | None
+) -> Origin | None:
+    """The origin in one step's passes, in the order they ran. bad_weights: the
+    parameters whose weight held inf/NaN at that step (None: not scanned)."""
+    passes = [(s, p) for s in trace.segments for p in s.passes]
+    for micro, (segment, fpass) in enumerate(passes):
+        values = flags[id(segment)]
+        found = _forward(fpass, values, params, bad_weights) or _backward(fpass, values, params)
+        if found is not None:
+            where, kind, phase, kinds, how = found
+            return Origin(trace.step, phase, micro, len(passes), where, kind, kinds, how)
+    return None
+
+
+Found = tuple[str, str, str, int, str]  # where, kind, phase, kinds, how
+
+
+def _bits(values: np.ndarray, slot: int) -> int:
+    return int(values[slot]) if slot >= 0 else 0
+
+
+def _forward(fpass: ForwardPass, values: np.ndarray, params: list[Param], bad_weights: set[int] | None) -> Found | None:
+    seen: set[int] = set()  # tracked tensors already shown non-finite
+    for event in fpass.events:
+        number, returned = divmod(event, 2)
+        call = fpass.calls[number]
+        tracked = call.outputs if returned else call.inputs
+        new = [(k, t) for k, t in enumerate(tracked) if t not in seen and _bits(values, fpass.fslots[t])]
+        if not new:
+            seen.update(t for t in tracked if _bits(values, fpass.fslots[t]))
+            continue
+        kinds = 0
+        for _, t in new:
+            kinds |= _bits(values, fpass.fslots[t])
+        what = kinds_words(kinds)
+        if returned:
+            held = _held_weights(call.name, params, bad_weights)
+            if held:
+                return held[0], "weight", "forward", kinds, (
+                    f"{call.name} returned {what} from finite inputs, and its "
+                    f"{'parameter' if len(held) == 1 else 'parameters'} {listed(held, 3)} "
+                    f"{'holds' if len(held) == 1 else 'hold'} inf/NaN at this step: a non-finite weight"
+                )
+            inner = [c.name for c in fpass.calls[number + 1 :] if c.parent == number]
+            own = (
+                f" (in its own code: the modules it called, {listed(inner, 3)}, returned finite values)"
+                if inner else ""
+            )
+            return call.name, "activation", "forward", kinds, (
+                f"{call.name} returned {what} while its inputs were finite{own}"
+            )
+        label = call.labels[new[0][0]]
+        if call.parent < 0:
+            where = "(input batch)" if number == 0 else "(outside the model)"
+            return where, "activation", "forward", kinds, (
+                f"{call.name} was called with {what} in {label}: it came in with the input batch"
+                if number == 0 else
+                f"{call.name} was called with {what} in {label}, made by code outside the model's forward"
+            )
+        parent = fpass.calls[call.parent].name
+        return parent, "activation", "forward", kinds, (
+            f"{parent} called {call.name} with {what} in {label}, while every module before returned finite "
+            f"values: made in {parent}'s own forward code, before that call"
+        )
+    return None
+
+
+def _held_weights(module: str, params: list[Param], bad_weights: set[int] | None) -> list[str]:
+    """The parameters in `module` (or below it) whose weight held inf/NaN."""
+    if not bad_weights:
+        return []
+    prefix = "" if module == "(model)" else module + "."
+    return [params[i].name for i in sorted(bad_weights) if params[i].name.startswith(prefix)]
+
+
+def _backward(fpass: ForwardPass, values: np.ndarray, params: list[Param]) -> Found | None:
+    for what, index, slot in fpass.arrivals:
+        kinds = _bits(values, slot)
+        if not kinds:
+            continue
+        words = kinds_words(kinds)
+        if what == PARAMETER:
+            p = params[index]
+            owner = p.owner or "(model)"
+            return owner, "grad", "backward", kinds, (
+                f"the gradient {owner}'s backward gave its parameter {p.name} held {words}, while every gradient "
+                "before it was finite"
+            )
+        takers = [c for c in fpass.calls if index in c.inputs]
+        if takers:
+            taker = max(takers, key=lambda c: c.depth)
+            label = taker.labels[taker.inputs.index(index)]
+            return taker.name, "grad", "backward", kinds, (
+                f"the gradient {taker.name}'s backward gave its input {label} held {words}, while the gradients "
+                "it received were finite"
+            )
+        makers = [(n, c) for n, c in enumerate(fpass.calls) if index in c.outputs]
+        if not makers or min(c.depth for _, c in makers) == 0:
+            outer = makers[0][1].name if makers else "the model"
+            return "(outside the model)", "grad", "backward", kinds, (
+                f"the gradient reaching the output of {outer} held {words}: made outside the model, by the loss "
+                "or the gradient given to backward()"
+            )
+        number, maker = max(makers, key=lambda nc: nc[1].depth)
+        parent = fpass.calls[maker.parent].name
+        return parent, "grad", "backward", kinds, (
+            f"the gradient reaching the output of {maker.name} held {words}, while every gradient before it was "
+            f"finite: made in the backward of {parent}'s own code, which used that output"
+        )
+    return None
+
+
+# ---- the finding ------------------------------------------------------------------
+
+
+def origin_finding(
+    params: list[Param], records: list[StepRecord], traces: list[StepTrace]
+) -> tuple[Finding | None, Origin | None]:
+    """The nonfinite_origin finding of decoded `records` (oldest first) and
+    the traced steps `traces`, and the origin it names: None, None while no
+    recorded gradient holds inf/NaN."""
+    first = first_nonfinite(params, records)
+    if first is None:
+        return None, None
+    flags = read_flags(traces)
+    births = has_births(traces, flags)
+    severity = _severity(params, records)
+    ranks = _rank_words(records)
+    if not births:
+        kept = f"steps {traces[0].step} to {traces[-1].step}" if traces else "no step"
+        return Finding(GLOBAL_NAME, "grad", severity, Cause.NONFINITE_ORIGIN, (
+            f"the gradients of step {records[first[0]].step} hold inf/NaN, but in the traced steps kept ({kept}) "
+            "no module's forward output or backward gradient on this rank held any, nor any parameter's "
+            "incoming gradient: they came in after backward made the gradients (the gradient all-reduce from "
+            "another rank, or code that changed .grad)" + ranks
+        )), None
+    weights = {r.step: _bad_weights(params, r) for r in records}
+    origins = [o for o in (find_origin(t, flags, params, weights.get(t.step)) for t in births) if o is not None]
+    if not origins:
+        return None, None
+    origin = origins[0]
+    micro = f" (forward pass {origin.micro + 1} of {origin.passes})" if origin.passes > 1 else ""
+    later = _later_words(origin, origins[1:])
+    return Finding(origin.where, origin.kind, severity, Cause.NONFINITE_ORIGIN, (
+        f"{kinds_words(origin.kinds)} was born at step {origin.step}, in the {origin.phase} pass{micro}: "
+        f"{origin.how}{later}{ranks}"
+    )), origin
+
+
+def pointer(origin: Origin | None, finding: Finding | None) -> str:
+    """What the nonfinite and skipped_steps findings add to point at the origin."""
+    if finding is None:
+        return ""
+    if origin is None:
+        return "; see the nonfinite_origin finding for where they came from"
+    return f"; born at step {origin.step} in {origin.where} ({origin.phase}): see the nonfinite_origin finding"
+
+
+def _bad_weights(params: list[Param], r: StepRecord) -> set[int] | None:
+    if r.rows is None:
+        return None
+    return {int(i) for i in np.flatnonzero(r.rows.nonfinite_weights(len(params)))}
+
+
+def _severity(params: list[Param], records: list[StepRecord]) -> Severity:
+    """An error once a step was taken on inf/NaN gradients and not undone;
+    information while every such step was skipped (GradScaler calibrating)."""
+    for k, r in enumerate(records):
+        if r.stepped and nonfinite_grads(params, r) and not undone(params, records, k):
+            return Severity.ERROR
+    return Severity.INFO
+
+
+def _later_words(origin: Origin, later: list[Origin], most: int = 3) -> str:
+    """The later steps whose passes made a non-finite value again. Those whose
+    origin is a weight that already held inf/NaN are the first birth's
+    consequence (an optimizer step applied it), said once."""
+    if not later:
+        return ""
+    carried = [o for o in later if o.kind == "weight"]
+    fresh = [o for o in later if o.kind != "weight"]
+    words = ""
+    if fresh:
+        same = all(o.where == origin.where and o.phase == origin.phase for o in fresh)
+        steps = listed([str(o.step) for o in fresh], most)
+        where = "in the same place" if same else "; ".join(
+            f"step {o.step}: {o.where} ({o.phase})" for o in fresh[:most]
+        )
+        words += f"; born again at {count_noun(len(fresh), 'later step')} ({steps}): {where}"
+    if carried:
+        words += (
+            f"; from step {carried[0].step} on, the weights hold inf/NaN ({carried[0].where} is the first a "
+            "forward pass met), so every pass makes it again"
+        )
+    return words
+
+
+def _rank_words(records: list[StepRecord]) -> str:
+    """Across ranks: which ranks' own passes made a non-finite value, at the first
+    monitored step where any did."""
+    for r in records:
+        if r.born_ranks is not None and r.born_ranks[1] >= 0:
+            low, high = r.born_ranks
+            who = f"rank {low}" if low == high else f"ranks {low} to {high} (at least two)"
+            return f"; across the process group, {who} made it first, by step {r.step}"
+    return ""

@@ -1,0 +1,321 @@
+"""Monitor(trace_nonfinite=True), the recording: where a NaN or an infinity
+could have been born, flagged on the device at every step.
+
+Every module of the model gets a forward pre-hook and a forward hook. In a
+forward pass that builds a graph, each floating-point tensor a module call
+takes or returns gets a flag on its own device (zeroscan's mark_nonfinite:
+one pass over the tensor that ORs 1 for an infinity and 2 for a NaN into an
+int32 slot, and reads nothing back), and a tensor hook that flags the
+gradient reaching it in backward. Every parameter gets a tensor hook too,
+which flags the gradient backward brings it. The host keeps, per pass, which
+slot belongs to which call's inputs or outputs, and the order in which calls
+began and returned and gradients arrived; nonfinite_origin.py reads the
+flags only when report() asks, and finds the first place a non-finite value
+appeared.
+
+A tensor met again unchanged (the same object with the same version
+counter: one module's output taken as the next one's input, a parent
+returning its last child's output) keeps its flag and its gradient hook, so
+most tensors are read once per pass and once more in backward.
+
+What this does not see, by design:
+- values made and used inside one module's own code: a NaN born there is
+  named as born in that module (in its code, not in a module it calls);
+- forward passes without a graph (torch.no_grad, inference), and the
+  recomputation of activation checkpointing, which runs inside backward and
+  repeats what the forward pass already flagged;
+- tensors that are not plain strided floating-point tensors (DTensor and
+  other subclasses, sparse, complex), and parameters that are DTensors
+  (FSDP2's shards): their modules' plain inputs and outputs still are;
+- inside a torch.compile'd module: tracing stops at its boundary
+  (`traced_modules`), because hooks inside a compiled region break its graph.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from zeroscan.monitor.hooks import Hooks, weak_hook
+from zeroscan.monitor.step_record import Param
+from zeroscan.ops import FLOAT_DTYPES
+
+CHUNK = 1024  # flag slots per device buffer
+MAX_DEPTH = 4  # how deep into nested lists, tuples and dicts a call's tensors are looked for
+TENSOR, PARAMETER = 0, 1  # what a gradient arrival is for
+_MARK = torch.ops.zeroscan.mark_nonfinite.default
+_FLAGGED = frozenset(FLOAT_DTYPES)
+
+
+class Flags:
+    """The flag slots of one segment: int32 buffers of CHUNK slots, one per
+    device and chunk, made zeroed when first needed, and the device of each
+    slot. Slot -1 is a tensor that could not be read (never flagged)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self.devices: list[torch.device] = []
+
+    def mark(self, t: torch.Tensor) -> int:
+        """A new slot, flagged with what `t` holds (queued on t's device)."""
+        slot = len(self.devices)
+        key = (t.device, slot // CHUNK)
+        buffer = self.buffers.get(key)
+        try:
+            if buffer is None:
+                buffer = self.buffers[key] = torch.zeros(CHUNK, dtype=torch.int32, device=t.device)
+            _MARK([t.detach()], buffer, [slot % CHUNK])
+        except (RuntimeError, ValueError, TypeError):  # unreadable (freed storage): never break training
+            return -1
+        self.devices.append(t.device)
+        return slot
+
+
+class Call:
+    """One call of a module in a forward pass: its name, how deep it is in
+    the calls under way, the call it was made from (-1: none), and the
+    tracked tensors (numbers into ForwardPass.fslots) it took and returned."""
+
+    __slots__ = ("name", "depth", "parent", "inputs", "labels", "outputs")
+
+    def __init__(self, name: str, depth: int, parent: int) -> None:
+        self.name = name
+        self.depth = depth
+        self.parent = parent
+        self.inputs: list[int] = []
+        self.labels: list[str] = []  # how each input was passed: "args[0]", "kwargs['mask']"
+        self.outputs: list[int] = []
+
+
+class ForwardPass:
+    """One forward pass (the calls from the first top-level module call
+    until a backward pass begins) and the gradients its backward brought.
+
+    events: 2 * call for a call's start, 2 * call + 1 for its return, in order.
+    fslots: per tracked tensor, its flag slot (-1: unread).
+    arrivals: (TENSOR, tracked tensor, slot) or (PARAMETER, parameter
+        index, slot) per gradient, in the order backward brought them.
+    """
+
+    __slots__ = ("calls", "events", "fslots", "arrivals", "flags")
+
+    def __init__(self, flags: Flags) -> None:
+        self.calls: list[Call] = []
+        self.events: list[int] = []
+        self.fslots: list[int] = []
+        self.arrivals: list[tuple[int, int, int]] = []
+        self.flags = flags
+
+
+class Segment:
+    """The passes between two ends of a backward pass: one step, or one
+    micro-batch of it (gradient accumulation). `step` is set when it closes."""
+
+    __slots__ = ("passes", "flags", "step")
+
+    def __init__(self) -> None:
+        self.passes: list[ForwardPass] = []
+        self.flags = Flags()
+        self.step = -1
+
+
+class StepTrace(NamedTuple):
+    step: int
+    segments: list[Segment]
+
+
+def flaggable(x: object) -> bool:
+    """A tensor the trace flags: plain (not a subclass such as DTensor), strided, floating."""
+    return (
+        type(x) in (torch.Tensor, nn.Parameter)
+        and x.dtype in _FLAGGED  # type: ignore[union-attr]
+        and x.layout == torch.strided  # type: ignore[union-attr]
+        and x.device.type != "meta"  # type: ignore[union-attr]
+    )
+
+
+def tensors_in(value: Any, label: str, out: list[tuple[torch.Tensor, str]], depth: int = 0) -> None:
+    """Appends (tensor, label) for every flaggable tensor in `value`, looking
+    into lists, tuples and dicts (a Hugging Face ModelOutput is one) MAX_DEPTH deep."""
+    if isinstance(value, torch.Tensor):
+        if flaggable(value):
+            out.append((value, label))
+    elif depth < MAX_DEPTH:
+        if isinstance(value, (list, tuple)):
+            for k, v in enumerate(value):
+                tensors_in(v, f"{label}[{k}]", out, depth + 1)
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                tensors_in(v, f"{label}[{key!r}]", out, depth + 1)
+
+
+def traced_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module the trace hooks, the model itself named
+    "(model)": all of them, except what lies inside a torch.compile'd module
+    (an OptimizedModule), which is traced at its boundary only."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        found.append((name or "(model)", module))
+        if hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", model)
+    return found
+
+
+class GradArrived:
+    """The hook on one tracked tensor: flags the gradient that backward
+    brings it. Holds its trace weakly; changes no gradient."""
+
+    __slots__ = ("_trace", "_pass", "_tracked")
+
+    def __init__(self, trace: NonfiniteTrace, fpass: ForwardPass, tracked: int) -> None:
+        self._trace = weakref.ref(trace)
+        self._pass = fpass
+        self._tracked = tracked
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self._trace() is None or not flaggable(grad):
+            return
+        slot = self._pass.flags.mark(grad)
+        self._pass.arrivals.append((TENSOR, self._tracked, slot))
+
+
+class NonfiniteTrace:
+    """The hooks of trace_nonfinite=True and what they record: `steps`, the
+    StepTraces of the last `history` steps that ran a traced pass (oldest
+    first). The Monitor closes a segment at the end of every backward pass
+    and step (`close`)."""
+
+    def __init__(self, model: nn.Module, params: list[Param], hooks: Hooks, history: int) -> None:
+        self.steps: deque[StepTrace] = deque(maxlen=history)
+        self._hooks = hooks
+        self._handles: list[Any] = []
+        self._segment = Segment()
+        self._pass: ForwardPass | None = None
+        self._stack: list[int] = []  # the calls under way, innermost last
+        self._skipping = 0  # depth inside a top-level call that is not traced
+        self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, int]] = {}
+        self._unexchanged: list[Segment] = []  # closed since the last exchange across ranks
+        self.attach(model, params)
+
+    def attach(self, model: nn.Module, params: list[Param]) -> None:
+        """Hooks the model's modules and parameters (again, after the model changed)."""
+        self.detach()
+        for name, module in traced_modules(model):
+            self._handles.append(self._hooks.forward_pre(module, weak_hook(self, "_began", name), with_kwargs=True))
+            self._handles.append(self._hooks.forward(module, weak_hook(self, "_returned", name)))
+        for p in params:
+            if p.tensor.requires_grad and flaggable(p.tensor):
+                self._handles.append(self._hooks.keep(p.tensor.register_hook(weak_hook(self, "_param_grad", p.index))))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            self._hooks.remove(handle)
+        self._handles = []
+
+    def forward_started(self) -> None:
+        """The model's own forward begins (the Monitor's root pre-hook): calls
+        left under way by a forward pass that raised are forgotten."""
+        self._stack = []
+        self._skipping = 0
+
+    # ---- hooks ---------------------------------------------------------------
+
+    def _began(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._skipping:
+            self._skipping += 1
+            return
+        if not self._stack:
+            # No graph, or backward recomputing a checkpointed forward: not a pass to trace.
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+                self._skipping = 1
+                return
+            if self._pass is None or self._pass.arrivals:  # backward ran since: a new pass
+                self._pass = ForwardPass(self._segment.flags)
+                self._segment.passes.append(self._pass)
+                self._seen = {}
+        fpass = self._pass
+        assert fpass is not None
+        number = len(fpass.calls)
+        call = Call(name, len(self._stack), self._stack[-1] if self._stack else -1)
+        found: list[tuple[torch.Tensor, str]] = []
+        tensors_in(args, "args", found)
+        tensors_in(kwargs, "kwargs", found)
+        for t, label in found:
+            call.inputs.append(self._track(fpass, t))
+            call.labels.append(label)
+        fpass.calls.append(call)
+        fpass.events.append(2 * number)
+        self._stack.append(number)
+
+    def _returned(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        if self._skipping:
+            self._skipping -= 1
+            return
+        fpass = self._pass
+        if fpass is None or not self._stack or fpass.calls[self._stack[-1]].name != name:
+            return  # a call that began before this Monitor, or calls left by an exception
+        number = self._stack.pop()
+        found: list[tuple[torch.Tensor, str]] = []
+        tensors_in(output, "output", found)
+        fpass.calls[number].outputs = [self._track(fpass, t) for t, _ in found]
+        fpass.events.append(2 * number + 1)
+
+    def _param_grad(self, index: int, grad: torch.Tensor) -> None:
+        fpass = self._pass
+        if fpass is None or not flaggable(grad):
+            return
+        fpass.arrivals.append((PARAMETER, index, fpass.flags.mark(grad)))
+
+    def _track(self, fpass: ForwardPass, t: torch.Tensor) -> int:
+        """The tracked number of `t` in this pass: flagged (and hooked for its
+        gradient) when first met, or met again with a new version."""
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return seen[2]
+        number = len(fpass.fslots)
+        fpass.fslots.append(fpass.flags.mark(t))
+        if t.requires_grad:
+            try:
+                t.register_hook(GradArrived(self, fpass, number))
+            except RuntimeError:  # a tensor that cannot take hooks: its forward flag stands
+                pass
+        self._seen[id(t)] = (weakref.ref(t), t._version, number)
+        return number
+
+    # ---- steps ---------------------------------------------------------------
+
+    def close(self, step: int) -> None:
+        """The passes since the last close belong to monitored-or-not step
+        `step` (a step's micro-batches join one StepTrace)."""
+        segment, self._segment = self._segment, Segment()
+        self._pass = None
+        self._seen = {}
+        if not segment.passes:
+            return
+        segment.step = step
+        self._unexchanged.append(segment)
+        if self.steps and self.steps[-1].step == step:
+            self.steps[-1].segments.append(segment)
+        else:
+            self.steps.append(StepTrace(step, [segment]))
+
+    def born_words(self, rank: int, world: int, device: torch.device) -> torch.Tensor:
+        """int64 [2] on `device`: [rank, rank] if a segment closed since the
+        last call holds any non-finite flag, else [world, -1] (the merge
+        across ranks then gives the least and the greatest rank that made
+        one); computed on the devices, not read."""
+        segments, self._unexchanged = self._unexchanged, []
+        anys = [b.amax().to(device) for s in segments for b in s.flags.buffers.values()]
+        born = torch.stack(anys).amax() > 0 if anys else torch.zeros((), dtype=torch.bool, device=device)
+        low = torch.where(born, rank, world).to(torch.int64)  # scalars: nothing copied from the host
+        high = torch.where(born, rank, -1).to(torch.int64)
+        return torch.stack([low, high])
