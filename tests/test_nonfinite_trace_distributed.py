@@ -153,7 +153,7 @@ def check_ddp_clean_rank_keeps_training(rank: int, world_size: int, seed: int) -
     all-reduce; SGD then put NaN in its weights, and its later passes make
     NaN from them. Its origin should be none (the gradients came in after
     backward at step 3), not a weight born after the gradients already held
-    NaN. (xfail: see the test below.)"""
+    NaN."""
     _, report, _ = train_ddp(rank, seed, fault="forward", armed=lambda r, s: r == 1 and s == 3, steps=6)
     words = "; across the process group, rank 1 made it first, by step 3"
     if rank == 0:
@@ -307,14 +307,6 @@ CHECKS: dict[str, Callable[[int, int, int], str]] = {
 }
 WORLD_CHECKS: dict[str, Check] = dict(CHECKS)
 
-KNOWN_BUGS = {
-    "ddp_clean_rank_keeps_training": (
-        "zeroscan bug: on a rank whose own passes were clean when its gradients went non-finite (through the "
-        "all-reduce), the origin is the first later step whose forward pass met the weights SGD poisoned "
-        "(kind 'weight', born after the gradients already held NaN), not 'came in after backward'; "
-        "nonfinite_origin.origin_finding takes births at any step, even after the first non-finite gradient"
-    ),
-}
 
 
 @pytest.fixture(scope="module")
@@ -324,10 +316,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     )
 
 
-@pytest.mark.parametrize("check", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name])) if name in KNOWN_BUGS else name
-    for name in CHECKS
-])
+@pytest.mark.parametrize("check", list(CHECKS))
 def test_check_passes_on_every_rank(world: World, check: str) -> None:
     """One check of CHECKS (each check_* function above says what it asserts)."""
     world.assert_passed(check)

@@ -451,6 +451,8 @@ class Monitor:
         params = step_record.collect_params(self.model)
         now = [(p.name, id(p.tensor)) for p in params]
         self._structure.rebuild()
+        if self._trace is not None:  # every module now, parameters or not
+            self._trace.attach(self.model, params)
         if now == [(p.name, id(p.tensor)) for p in self._params]:
             return
         # The records kept so far are read back (a rare host sync) and renumbered.
@@ -477,5 +479,3 @@ class Monitor:
         self._causes.drop()
         self._causes = CauseFinder(self.model, params, self._hooks)
         self._causes.arm()
-        if self._trace is not None:
-            self._trace.attach(self.model, params)

@@ -112,7 +112,7 @@ def find_origin(
     passes = [(s, p) for s in trace.segments for p in s.passes]
     for micro, (segment, fpass) in enumerate(passes):
         values = flags[id(segment)]
-        found = _forward(fpass, values, params, bad_weights) or _backward(fpass, values, params)
+        found = _forward(fpass, values, params, bad_weights) or _backward(fpass, values)
         if found is not None:
             where, kind, phase, kinds, how = found
             return Origin(trace.step, phase, micro, len(passes), where, kind, kinds, how)
@@ -180,17 +180,17 @@ def _held_weights(module: str, params: list[Param], bad_weights: set[int] | None
     return [params[i].name for i in sorted(bad_weights) if params[i].name.startswith(prefix)]
 
 
-def _backward(fpass: ForwardPass, values: np.ndarray, params: list[Param]) -> Found | None:
+def _backward(fpass: ForwardPass, values: np.ndarray) -> Found | None:
     for what, index, slot in fpass.arrivals:
         kinds = _bits(values, slot)
         if not kinds:
             continue
         words = kinds_words(kinds)
         if what == PARAMETER:
-            p = params[index]
-            owner = p.owner or "(model)"
+            name, owner = fpass.params[index]
+            owner = owner or "(model)"
             return owner, "grad", "backward", kinds, (
-                f"the gradient {owner}'s backward gave its parameter {p.name} held {words}, while every gradient "
+                f"the gradient {owner}'s backward gave its parameter {name} held {words}, while every gradient "
                 "before it was finite"
             )
         takers = [c for c in fpass.calls if index in c.inputs]
@@ -230,20 +230,24 @@ def origin_finding(
     if first is None:
         return None, None
     flags = read_flags(traces)
+    bad_step = records[first[0]].step
     births = has_births(traces, flags)
     severity = _severity(params, records)
     ranks = _rank_words(records)
-    if not births:
-        kept = f"steps {traces[0].step} to {traces[-1].step}" if traces else "no step"
+    # A birth after the first step whose gradients held inf/NaN is its
+    # consequence (weights an optimizer step poisoned), not where it began.
+    if not any(t.step <= bad_step for t in births):
+        kept = [t.step for t in traces if t.step <= bad_step]
+        steps = f"steps {kept[0]} to {kept[-1]}" if kept else "none"
         return Finding(GLOBAL_NAME, "grad", severity, Cause.NONFINITE_ORIGIN, (
-            f"the gradients of step {records[first[0]].step} hold inf/NaN, but in the traced steps kept ({kept}) "
+            f"the gradients of step {bad_step} hold inf/NaN, but in the traced steps kept up to it ({steps}) "
             "no module's forward output or backward gradient on this rank held any, nor any parameter's "
             "incoming gradient: they came in after backward made the gradients (the gradient all-reduce from "
             "another rank, or code that changed .grad)" + ranks
         )), None
     weights = {r.step: _bad_weights(params, r) for r in records}
     origins = [o for o in (find_origin(t, flags, params, weights.get(t.step)) for t in births) if o is not None]
-    if not origins:
+    if not origins or origins[0].step > bad_step:
         return None, None
     origin = origins[0]
     micro = f" (forward pass {origin.micro + 1} of {origin.passes})" if origin.passes > 1 else ""

@@ -99,16 +99,19 @@ class ForwardPass:
     fslots: per tracked tensor, its flag slot (-1: unread).
     arrivals: (TENSOR, tracked tensor, slot) or (PARAMETER, parameter
         index, slot) per gradient, in the order backward brought them.
+    params: (name, owner module) per parameter index, as the model was
+        when the pass ran.
     """
 
-    __slots__ = ("calls", "events", "fslots", "arrivals", "flags")
+    __slots__ = ("calls", "events", "fslots", "arrivals", "flags", "params")
 
-    def __init__(self, flags: Flags) -> None:
+    def __init__(self, flags: Flags, params: list[tuple[str, str]]) -> None:
         self.calls: list[Call] = []
         self.events: list[int] = []
         self.fslots: list[int] = []
         self.arrivals: list[tuple[int, int, int]] = []
         self.flags = flags
+        self.params = params
 
 
 class Segment:
@@ -204,11 +207,13 @@ class NonfiniteTrace:
         self._skipping = 0  # depth inside a top-level call that is not traced
         self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, int]] = {}
         self._unexchanged: list[Segment] = []  # closed since the last exchange across ranks
+        self._params: list[tuple[str, str]] = []
         self.attach(model, params)
 
     def attach(self, model: nn.Module, params: list[Param]) -> None:
         """Hooks the model's modules and parameters (again, after the model changed)."""
         self.detach()
+        self._params = [(p.name, p.owner) for p in params]
         for name, module in traced_modules(model):
             self._handles.append(self._hooks.forward_pre(module, weak_hook(self, "_began", name), with_kwargs=True))
             self._handles.append(self._hooks.forward(module, weak_hook(self, "_returned", name)))
@@ -239,7 +244,7 @@ class NonfiniteTrace:
                 self._skipping = 1
                 return
             if self._pass is None or self._pass.arrivals:  # backward ran since: a new pass
-                self._pass = ForwardPass(self._segment.flags)
+                self._pass = ForwardPass(self._segment.flags, self._params)
                 self._segment.passes.append(self._pass)
                 self._seen = {}
         fpass = self._pass
