@@ -8,6 +8,9 @@ download), for a few steps on CPU, healthy or with one planted problem:
     detached           the LM head reads a detached hidden state        -> ERROR "detached"
     nan                one weight of the MLP set to NaN                 -> ERROR "nonfinite"
 
+plant_nan_at(model, step) is apart from those: one module's forward returns
+NaN at one optimizer step, for the trace_nonfinite tests.
+
 `require(name)` imports a framework; where ZEROSCAN_REQUIRE_FRAMEWORKS is
 set (.ci/run sets it) a missing one fails the test instead of skipping it,
 so CI cannot pass with the integrations untested.
@@ -79,6 +82,52 @@ def plant(model: nn.Module, problem: str) -> nn.Module:
     elif problem not in ("healthy", "not_in_optimizer"):
         raise ValueError(f"plant: problem must be 'healthy' or one of {sorted(PROBLEMS)}, got {problem!r}")
     return model
+
+
+NAN_MODULE = f"{PLANTED}.act"  # the module plant_nan_at makes return NaN
+
+
+class NaNAtCall(nn.Module):
+    """Runs `inner`, and multiplies its output by NaN in the `at`-th (0-based)
+    forward call made with grad mode on: with one forward pass per optimizer
+    step, the forward pass of optimizer step `at` (steps counted from 0, as
+    the Monitor counts them)."""
+
+    def __init__(self, inner: nn.Module, at: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.at = at
+        self.calls = 0  # forward calls with grad mode on so far
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        if torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls - 1 == self.at:
+                y = y * float("nan")
+        return y
+
+
+def plant_nan_at(model: nn.Module, step: int, prefix: str = "") -> str:
+    """Makes the planted block's activation return NaN at optimizer step
+    `step` (NaNAtCall); returns its qualified name in the model, `prefix`
+    first (the name a Monitor on a module holding the model gives it)."""
+    block = model.get_submodule(PLANTED)
+    block.act = NaNAtCall(block.act, step)
+    return prefix + NAN_MODULE
+
+
+def assert_nan_born_at(report: Any, name: str, step: int) -> None:
+    """`report` (a Monitor's, with trace_nonfinite=True) names the NaN of
+    plant_nan_at as born in `name`'s forward at optimizer step `step`: in
+    Report.nonfinite_origin and in one nonfinite_origin finding."""
+    origin = report.nonfinite_origin
+    assert origin is not None, str(report)
+    assert (origin["name"], origin["pass"], origin["step"]) == (name, "forward", step), origin
+    assert (origin["kind"], origin["values"], origin["micro_batch"]) == ("activation", "NaN", 0), origin
+    born = [f for f in report.findings if f.cause == Cause.NONFINITE_ORIGIN]
+    assert [f.name for f in born] == [name], str(report)
+    assert f"NaN was born at step {step}, in the forward pass" in born[0].message, born[0].message
 
 
 def trained_params(model: nn.Module, problem: str) -> list[nn.Parameter]:

@@ -78,10 +78,14 @@ def train(
     batches: int = 6,
     log_every: int = 2,
     scaler: torch.amp.GradScaler | None = None,
+    nan_at: int | None = None,
+    monitor_options: dict[str, Any] | None = None,
     **accelerator_options: Any,
 ) -> Run:
     """Trains the tiny GPT-2 with `problem` planted for `batches` batches of 4,
-    logging a report every `log_every` optimizer steps and after the last."""
+    logging a report every `log_every` optimizer steps and after the last.
+    nan_at: a NaN made in one module's forward at that optimizer step
+    (frameworks.plant_nan_at); monitor_options: passed on to monitor()."""
     accelerator = accelerate.Accelerator(cpu=True, **accelerator_options)
     if scaler is not None:
         # Accelerate makes no GradScaler on CPU; one set before prepare() is used as
@@ -90,10 +94,12 @@ def train(
         accelerator.scaler = scaler
     accelerator.init_trackers("test")
     model = frameworks.plant(frameworks.tiny_gpt2(), problem)
+    if nan_at is not None:
+        frameworks.plant_nan_at(model, nan_at)
     optimizer = frameworks.optimizer(model, problem)
     data = torch.utils.data.DataLoader(frameworks.token_rows(4 * batches), batch_size=4)
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
-    monitor = za.monitor(accelerator, model, optimizer)
+    monitor = za.monitor(accelerator, model, optimizer, **(monitor_options or {}))
     run = Run(accelerator, monitor, optimizer)
     watched = accelerator.unwrap_model(model).get_parameter(WATCHED)
     steps = 0
@@ -227,6 +233,18 @@ def test_gradscaler_skipped_steps_are_reported(caplog: pytest.LogCaptureFixture)
     assert tracked(run)[-1]["zeroscan.findings/info"] >= 1
     assert any(Cause.SKIPPED_STEPS.value in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
     assert run.monitor.steps_seen == 6
+
+
+def test_trace_nonfinite_names_where_a_planted_nan_was_born() -> None:
+    """monitor(..., trace_nonfinite=True) passes the option on: a NaN made in one
+    activation's forward at the loop's third optimizer step (the Monitor's step 2)
+    is named there, in the unwrapped model's names; the reports before it have no origin."""
+    run = train(batches=4, log_every=1, nan_at=2, monitor_options={"trace_nonfinite": True}, log_with=[Recorder()])
+    assert run.monitor.steps_seen == 4 and [r.step for r in run.reports] == [0, 1, 2, 3]
+    assert [r.nonfinite_origin is None for r in run.reports] == [True, True, False, False]
+    assert [values["zeroscan.grad/nonfinite"] > 0 for values in tracked(run)] == [False, False, True, True]
+    for report in run.reports[2:]:
+        frameworks.assert_nan_born_at(report, frameworks.NAN_MODULE, 2)
 
 
 def test_tensorboard_tracker_gets_the_scalars(tmp_path: Path) -> None:

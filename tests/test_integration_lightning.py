@@ -162,6 +162,22 @@ def test_planted_problem_reaches_the_log(tmp_path: Path, caplog: pytest.LogCaptu
             assert re.search(rf" {re.escape(f['name'])} \(\w+\): {cause.value}:", logged), f["name"]
 
 
+def test_trace_nonfinite_names_where_a_planted_nan_was_born(tmp_path: Path) -> None:
+    """ZeroscanCallback(trace_nonfinite=True) passes the option on: a NaN made in
+    one activation's forward at the third optimizer step (the Monitor's step 2,
+    global_step 3) is named there, by its name in the LightningModule."""
+    module = TinyGPT2()
+    name = frameworks.plant_nan_at(module.model, 2, prefix="model.")
+    callback = ZeroscanCallback(trace_nonfinite=True)
+    trainer = fit(tmp_path, module, callback, steps=4)
+    assert callback.monitor is not None and callback.monitor.steps_seen == trainer.global_step == 4
+    rows = zeroscan_rows(trainer)
+    nonfinite = [(int(row["step"]), float(row["zeroscan.grad/nonfinite"]) > 0) for row in rows]
+    assert nonfinite == [(1, False), (2, False), (3, True), (4, True)], nonfinite
+    assert callback.report is not None
+    frameworks.assert_nan_born_at(callback.report, name, 2)
+
+
 class CallsSubmodule(TinyGPT2):
     """training_step calls the GPT-2 directly, bypassing the LightningModule's forward."""
 

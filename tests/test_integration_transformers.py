@@ -57,11 +57,15 @@ def run(
     problem: str = "healthy",
     callback: ZeroscanCallback | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    nan_at: int | None = None,
     **args: Any,
 ) -> tuple[Any, ZeroscanCallback, GradientWatch]:
-    """Trains the tiny GPT-2 with `problem` planted; returns the Trainer, the
-    zeroscan callback and the GradientWatch."""
+    """Trains the tiny GPT-2 with `problem` planted (and with nan_at, a NaN
+    made in one module's forward at that optimizer step: frameworks.plant_nan_at);
+    returns the Trainer, the zeroscan callback and the GradientWatch."""
     model = frameworks.plant(frameworks.tiny_gpt2(), problem)
+    if nan_at is not None:
+        frameworks.plant_nan_at(model, nan_at)
     settings: dict[str, Any] = dict(
         output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=4, logging_steps=2,
         report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
@@ -243,6 +247,21 @@ def test_steps_the_grad_scaler_skips_are_told_apart(tmp_path: Path) -> None:
     assert f"skipped at {skipped} of 8 monitored steps" in finding.message, finding.message
     assert finding.severity == Severity.INFO  # the run ends stepping: a scaler calibrating
     assert all(f.cause == Cause.SKIPPED_STEPS for f in callback.report.findings), str(callback.report)
+
+
+def test_trace_nonfinite_names_where_a_planted_nan_was_born(tmp_path: Path) -> None:
+    """ZeroscanCallback(trace_nonfinite=True) passes the option on: a NaN made in
+    one activation's forward at the third optimizer step (the Monitor's step 2,
+    the Trainer's global_step 3) is named there, in the Trainer's model's names."""
+    callback = ZeroscanCallback(trace_nonfinite=True)
+    trainer, callback, _ = run(tmp_path, callback=callback, nan_at=2, max_steps=4, logging_steps=1)
+    assert callback.monitor is not None and callback.monitor.steps_seen == trainer.state.global_step == 4
+    rows = zeroscan_rows(trainer)
+    # The rows at global_step 1 and 2 report finite gradients; the NaN ones from 3 on.
+    errors = [(r["step"], r["zeroscan.findings/error"] > 0) for r in rows]
+    assert errors == [(1, False), (2, False), (3, True), (4, True)], errors
+    assert callback.report is not None
+    frameworks.assert_nan_born_at(callback.report, frameworks.NAN_MODULE, 2)
 
 
 def test_report_every_spaces_the_reports(tmp_path: Path) -> None:
