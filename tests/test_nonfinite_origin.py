@@ -253,3 +253,14 @@ def test_origin_record_words() -> None:
 def test_trace_nonfinite_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="trace_nonfinite must be True or False, got 1"):
         zeroscan.Monitor(nn.Linear(2, 2), trace_nonfinite=1)
+
+
+def test_the_attention_mask_example() -> None:
+    """examples/nan_in_attention_mask.py: a fully masked softmax row at step 7."""
+    from helpers import example, fresh_seed
+
+    report = example("nan_in_attention_mask").run(seed=fresh_seed(2**31))
+    origin = report.nonfinite_origin
+    assert origin is not None
+    assert (origin["step"], origin["pass"], origin["name"], origin["values"]) == (7, "forward", "blocks.0.attn", "NaN")
+    assert "called blocks.0.attn.proj with NaN" in origin["how"]

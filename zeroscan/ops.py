@@ -98,6 +98,10 @@ def _combine_rows_fake(rows: torch.Tensor) -> torch.Tensor:
 
 @torch.library.register_fake("zeroscan::mark_nonfinite")
 def _mark_nonfinite_fake(xs: list[torch.Tensor], flags: torch.Tensor, slots: list[int]) -> None:
+    # As in stats_many's: a meta tensor among real ones dispatches the call here.
+    for k, x in enumerate(xs):
+        if x.device != flags.device:
+            raise RuntimeError(f"zeroscan.mark_nonfinite: xs[{k}] is on {x.device} but flags is on {flags.device}")
     return None
 
 

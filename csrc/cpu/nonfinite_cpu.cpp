@@ -64,6 +64,9 @@ int32_t kinds_held(const at::Tensor& x) {
 }
 
 void mark_nonfinite_cpu(at::TensorList xs, const at::Tensor& flags, at::IntArrayRef slots) {
+  TORCH_CHECK(capability_cap() != Capability::kInvalid,
+              "zeroscan.mark_nonfinite: ZEROSCAN_CPU_CAPABILITY must be scalar, avx512 or native; got '",
+              std::getenv("ZEROSCAN_CPU_CAPABILITY"), "'");
   check_mark_nonfinite(xs, flags, slots);
   int32_t* out = flags.mutable_data_ptr<int32_t>();
   for (size_t t = 0; t < xs.size(); ++t) {

@@ -92,9 +92,18 @@ def read_flags(steps: list[StepTrace]) -> dict[int, np.ndarray]:
             host[(id(s), device, chunk)] = v
     out: dict[int, np.ndarray] = {}
     for s in segments:
-        flags = np.zeros(len(s.flags.devices), dtype=np.int32)
-        for slot, device in enumerate(s.flags.devices):
-            flags[slot] = host[(id(s), device, slot // CHUNK)][slot % CHUNK]
+        devices = s.flags.devices
+        flags = np.zeros(len(devices), dtype=np.int32)  # a slot whose buffer was never made reads 0
+        if len(set(devices)) == 1:  # one device: the chunks in order
+            for chunk in range((len(devices) + CHUNK - 1) // CHUNK):
+                values = host.get((id(s), devices[0], chunk))
+                if values is not None:
+                    part = flags[chunk * CHUNK : (chunk + 1) * CHUNK]
+                    part[:] = values[: len(part)]
+        else:
+            for slot, device in enumerate(devices):
+                values = host.get((id(s), device, slot // CHUNK))
+                flags[slot] = values[slot % CHUNK] if values is not None else 0
         out[id(s)] = flags
     return out
 

@@ -33,6 +33,7 @@ What this does not see, by design:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from typing import Any, NamedTuple
@@ -59,19 +60,22 @@ class Flags:
     def __init__(self) -> None:
         self.buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
         self.devices: list[torch.device] = []
+        # Backward runs gradient hooks on one autograd thread per device: a slot is taken under the lock.
+        self._lock = threading.Lock()
 
     def mark(self, t: torch.Tensor) -> int:
         """A new slot, flagged with what `t` holds (queued on t's device)."""
-        slot = len(self.devices)
-        key = (t.device, slot // CHUNK)
-        buffer = self.buffers.get(key)
         try:
-            if buffer is None:
-                buffer = self.buffers[key] = torch.zeros(CHUNK, dtype=torch.int32, device=t.device)
+            with self._lock:
+                slot = len(self.devices)
+                self.devices.append(t.device)  # a slot never flagged reads as finite
+                key = (t.device, slot // CHUNK)
+                buffer = self.buffers.get(key)
+                if buffer is None:
+                    buffer = self.buffers[key] = torch.zeros(CHUNK, dtype=torch.int32, device=t.device)
             _MARK([t.detach()], buffer, [slot % CHUNK])
         except (RuntimeError, ValueError, TypeError):  # unreadable (freed storage): never break training
             return -1
-        self.devices.append(t.device)
         return slot
 
 
