@@ -264,3 +264,42 @@ def test_the_attention_mask_example() -> None:
     assert origin is not None
     assert (origin["step"], origin["pass"], origin["name"], origin["values"]) == (7, "forward", "blocks.0.attn", "NaN")
     assert "called blocks.0.attn.proj with NaN" in origin["how"]
+
+
+class Raises(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("caught by its caller")
+
+
+class CatchesAndMakesInf(nn.Module):
+    """Calls a child that raises and catches it, then makes -inf in its own code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raises = Raises()
+        self.lin = nn.Linear(4, 4)
+        self.fault = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            self.raises(x)
+        except ValueError:
+            pass
+        if self.fault:
+            x = x + torch.log(torch.zeros_like(x))
+        return self.lin(x)
+
+
+def test_a_caught_exception_in_a_child_keeps_the_calls_straight() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), CatchesAndMakesInf(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = zeroscan.Monitor(model, opt, trace_nonfinite=True)
+    for step in range(4):
+        model[1].fault = step == 2
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    origin = mon.report().nonfinite_origin
+    assert origin is not None
+    assert (origin["step"], origin["pass"], origin["name"]) == (2, "forward", "1"), origin
+    assert "1 called 1.lin with inf" in origin["how"], origin

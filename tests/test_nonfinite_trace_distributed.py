@@ -258,7 +258,7 @@ def check_fsdp2_forward_fault_on_rank_1(rank: int, world_size: int, seed: int) -
     report = monitor.report()
     assert monitor._trace is not None
     passes = [p for t in monitor._trace.steps for s in t.segments for p in s.passes]
-    assert len(passes) == last + 1 and all(p.arrivals for p in passes)  # the activations' gradients arrived
+    assert len(passes) == last + 1 and all(len(p.arrivals) for p in passes)  # the activations' gradients arrived
     assert not any(what == PARAMETER for p in passes for what, _, _ in p.arrivals)  # DTensor parameters: unhooked
     assert {c.name for c in passes[0].calls} == {"(model)", "fc1", "act", "plant", "fc2"}
     words = f"; across the process group, rank 1 made it first, by step {last}"

@@ -57,7 +57,7 @@ group with two rounds of all-reduces of a few hundred bytes per tensor,
 whatever the world size (zeroscan/allreduce.py): sharded tensors (FSDP2,
 tensor parallel) are merged into the statistics of the full tensor, and
 replicas (DDP) are compared, with findings that name the ranks that differ.
-The step keeps only the merged summary, 2P x 192 + 64 bytes on the device the
+The step keeps only the merged summary, 2P x 192 + 96 bytes on the device the
 group's backend uses, until report() reads it.
 report() issues no collective: any rank may call it, alone (rank 0, to
 log), at any point of a step; every rank that calls it gets the same global

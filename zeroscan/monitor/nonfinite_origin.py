@@ -92,18 +92,15 @@ def read_flags(steps: list[StepTrace]) -> dict[int, np.ndarray]:
             host[(id(s), device, chunk)] = v
     out: dict[int, np.ndarray] = {}
     for s in segments:
-        devices = s.flags.devices
-        flags = np.zeros(len(devices), dtype=np.int32)  # a slot whose buffer was never made reads 0
-        if len(set(devices)) == 1:  # one device: the chunks in order
-            for chunk in range((len(devices) + CHUNK - 1) // CHUNK):
-                values = host.get((id(s), devices[0], chunk))
+        where = np.frombuffer(s.flags.where, dtype=np.uint8)
+        flags = np.zeros(len(where), dtype=np.int32)  # a slot whose buffer was never made reads 0
+        for k, device in enumerate(s.flags.devices):
+            for chunk in range((len(where) + CHUNK - 1) // CHUNK):
+                values = host.get((id(s), device, chunk))
                 if values is not None:
-                    part = flags[chunk * CHUNK : (chunk + 1) * CHUNK]
-                    part[:] = values[: len(part)]
-        else:
-            for slot, device in enumerate(devices):
-                values = host.get((id(s), device, slot // CHUNK))
-                flags[slot] = values[slot % CHUNK] if values is not None else 0
+                    part = slice(chunk * CHUNK, min((chunk + 1) * CHUNK, len(where)))
+                    here = where[part] == k
+                    flags[part][here] = values[: part.stop - part.start][here]
         out[id(s)] = flags
     return out
 
@@ -190,7 +187,7 @@ def _held_weights(module: str, params: list[Param], bad_weights: set[int] | None
 
 
 def _backward(fpass: ForwardPass, values: np.ndarray) -> Found | None:
-    for what, index, slot in fpass.arrivals:
+    for what, index, slot in np.asarray(fpass.arrivals).reshape(-1, 3).tolist():
         kinds = _bits(values, slot)
         if not kinds:
             continue

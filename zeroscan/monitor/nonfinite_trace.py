@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import threading
 import weakref
+from array import array
 from collections import deque
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,25 +56,33 @@ _FLAGGED = frozenset(FLOAT_DTYPES)
 
 class Flags:
     """The flag slots of one segment: int32 buffers of CHUNK slots, one per
-    device and chunk, made zeroed when first needed, and the device of each
-    slot. Slot -1 is a tensor that could not be read (never flagged)."""
+    device and chunk, made zeroed when first needed, and where each slot is:
+    `devices` (the distinct ones) and `where` (per slot, its device's index).
+    Slot -1 is a tensor that could not be read (never flagged)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
         self.devices: list[torch.device] = []
+        self.where = array("B")
         # Backward runs gradient hooks on one autograd thread per device: a slot is taken under the lock.
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.where)
 
     def mark(self, t: torch.Tensor) -> int:
         """A new slot, flagged with what `t` holds (queued on t's device)."""
         try:
+            device = t.device
             with self._lock:
-                slot = len(self.devices)
-                self.devices.append(t.device)  # a slot never flagged reads as finite
-                key = (t.device, slot // CHUNK)
+                slot = len(self.where)
+                if device not in self.devices:
+                    self.devices.append(device)
+                self.where.append(self.devices.index(device))  # a slot never flagged reads as finite
+                key = (device, slot // CHUNK)
                 buffer = self.buffers.get(key)
                 if buffer is None:
-                    buffer = self.buffers[key] = torch.zeros(CHUNK, dtype=torch.int32, device=t.device)
+                    buffer = self.buffers[key] = torch.zeros(CHUNK, dtype=torch.int32, device=device)
             _MARK([t.detach()], buffer, [slot % CHUNK])
         except (RuntimeError, ValueError, TypeError):  # unreadable (freed storage): never break training
             return -1
@@ -95,6 +105,17 @@ class Call:
         self.outputs: list[int] = []
 
 
+class FrozenCall(NamedTuple):
+    """A Call once its pass is over: what the trace keeps."""
+
+    name: str
+    depth: int
+    parent: int
+    inputs: tuple[int, ...]
+    labels: tuple[str, ...]
+    outputs: tuple[int, ...]
+
+
 class ForwardPass:
     """One forward pass (the calls from the first top-level module call
     until a backward pass begins) and the gradients its backward brought.
@@ -110,12 +131,27 @@ class ForwardPass:
     __slots__ = ("calls", "events", "fslots", "arrivals", "flags", "params")
 
     def __init__(self, flags: Flags, params: list[tuple[str, str]]) -> None:
-        self.calls: list[Call] = []
-        self.events: list[int] = []
-        self.fslots: list[int] = []
+        self.calls: list[Call] | tuple[FrozenCall, ...] = []
+        self.events: list[int] | tuple[int, ...] = []
+        self.fslots: list[int] | tuple[int, ...] = []
         self.arrivals: list[tuple[int, int, int]] = []
         self.flags = flags
         self.params = params
+
+    def freeze(self, like: ForwardPass | None) -> None:
+        """The pass is over: its calls, events and slots become tuples, shared
+        with `like` (the previous pass) where they are equal, as they are at
+        every step of a model whose forward pass does not change; its
+        arrivals become (what, index, slot) rows of an int32 array."""
+        calls = tuple(
+            FrozenCall(c.name, c.depth, c.parent, tuple(c.inputs), tuple(c.labels), tuple(c.outputs))
+            for c in self.calls
+        )
+        events, fslots = tuple(self.events), tuple(self.fslots)
+        if like is not None and (like.calls, like.events, like.fslots) == (calls, events, fslots):
+            calls, events, fslots = like.calls, like.events, like.fslots  # type: ignore[assignment]
+        self.calls, self.events, self.fslots = calls, events, fslots
+        self.arrivals = np.array(self.arrivals, dtype=np.int32).reshape(-1, 3)  # type: ignore[assignment]
 
 
 class Segment:
@@ -141,7 +177,7 @@ def flaggable(x: object) -> bool:
         type(x) in (torch.Tensor, nn.Parameter)
         and x.dtype in _FLAGGED  # type: ignore[union-attr]
         and x.layout == torch.strided  # type: ignore[union-attr]
-        and x.device.type != "meta"  # type: ignore[union-attr]
+        and not x.is_meta  # type: ignore[union-attr]
     )
 
 
@@ -212,6 +248,7 @@ class NonfiniteTrace:
         self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, int]] = {}
         self._unexchanged: list[Segment] = []  # closed since the last exchange across ranks
         self._params: list[tuple[str, str]] = []
+        self._last_pass: ForwardPass | None = None  # the latest pass closed, whose structure the next may share
         self.attach(model, params)
 
     def attach(self, model: nn.Module, params: list[Param]) -> None:
@@ -220,7 +257,8 @@ class NonfiniteTrace:
         self._params = [(p.name, p.owner) for p in params]
         for name, module in traced_modules(model):
             self._handles.append(self._hooks.forward_pre(module, weak_hook(self, "_began", name), with_kwargs=True))
-            self._handles.append(self._hooks.forward(module, weak_hook(self, "_returned", name)))
+            # always_call: a call that raises (and that its caller catches) still leaves the calls under way.
+            self._handles.append(self._hooks.forward(module, weak_hook(self, "_returned", name), always_call=True))
         for p in params:
             if p.tensor.requires_grad and flaggable(p.tensor):
                 self._handles.append(self._hooks.keep(p.tensor.register_hook(weak_hook(self, "_param_grad", p.index))))
@@ -270,8 +308,10 @@ class NonfiniteTrace:
             self._skipping -= 1
             return
         fpass = self._pass
-        if fpass is None or not self._stack or fpass.calls[self._stack[-1]].name != name:
-            return  # a call that began before this Monitor, or calls left by an exception
+        under_way = [k for k, number in enumerate(self._stack) if fpass is not None and fpass.calls[number].name == name]
+        if fpass is None or not under_way:
+            return  # a call that began before this Monitor was made
+        del self._stack[under_way[-1] + 1 :]  # calls inside it that raised, and were caught in it
         number = self._stack.pop()
         found: list[tuple[torch.Tensor, str]] = []
         tensors_in(output, "output", found)
@@ -310,6 +350,9 @@ class NonfiniteTrace:
         self._seen = {}
         if not segment.passes:
             return
+        for fpass in segment.passes:
+            fpass.freeze(self._last_pass)
+            self._last_pass = fpass
         segment.step = step
         self._unexchanged.append(segment)
         if self.steps and self.steps[-1].step == step:
