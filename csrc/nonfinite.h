@@ -6,11 +6,16 @@
 // floating dtype of the table the first key above it, `bad = finite_max + 1`,
 // is a run of ones just below the sign bit (the exponent field of the IEEE
 // formats; all seven bits of float8_e4m3fn, whose only non-finite value is
-// NaN), and every key at or above it has all those ones set. So the test is
-// `(bits & bad) == bad` on the stored bits, the sign ignored: an AND and an
-// equality, which vectorize on any x86-64 where an unsigned compare of
-// 32- or 64-bit lanes does not. The integer dtypes never hold one. Free of
-// torch headers.
+// NaN), and every key at or above it has all those ones set. So on the stored
+// bits, the sign ignored:
+//
+//   non-finite   (bits & bad) == bad
+//   infinite     (bits & kAbsMask) == bad, in a dtype that has infinities
+//   NaN          non-finite and not infinite
+//
+// ANDs and equalities, which vectorize on any x86-64 where an unsigned
+// compare of 32- or 64-bit lanes does not. The integer dtypes never hold a
+// non-finite value. Free of torch headers.
 #pragma once
 
 #include <cstdint>
@@ -20,45 +25,40 @@
 
 namespace zeroscan {
 
-// Whether any of the `n` elements at p[0], p[stride], ... is NaN or ±Inf.
-// Folds the tests into an integer of the element's width, without branching,
-// so that the contiguous loop vectorizes; a caller that wants to stop early
-// calls it on pieces.
-template <typename S>
-ZS_HD bool any_nonfinite(const S* p, int64_t n, int64_t stride, uint64_t finite_max) {
-  using F = Format<S>;
-  if constexpr (!F::kFloating) {
-    return false;
-  } else {
-    using key_t = typename F::key_t;
-    const key_t bad = static_cast<key_t>(finite_max + 1);
-    key_t found = 0;
-    if (stride == 1) {
-      for (int64_t i = 0; i < n; ++i) found |= key_t((F::bits(p[i]) & bad) == bad);
-    } else {
-      for (int64_t i = 0; i < n; ++i) found |= key_t((F::bits(p[i * stride]) & bad) == bad);
-    }
-    return found != 0;
-  }
-}
-
-// What kinds of non-finite value the `n` elements at p[0], p[stride], ...
-// hold: kHoldsInf | kHoldsNan bits (0: all finite). Tests each element twice, so
-// a caller runs it where any_nonfinite found one.
 constexpr int32_t kHoldsInf = 1;
 constexpr int32_t kHoldsNan = 2;
 
+// Every kind a dtype can hold: a caller that has found them all can stop.
 template <typename S>
-ZS_HD int32_t nonfinite_kinds(const S* p, int64_t n, int64_t stride, uint64_t finite_max, uint64_t nonnan_max) {
+constexpr int32_t all_kinds() {
+  return Format<S>::kHasInf ? (kHoldsInf | kHoldsNan) : Format<S>::kHasNan ? kHoldsNan : 0;
+}
+
+// The kinds of non-finite value (kHoldsInf | kHoldsNan; 0: all finite) among
+// the `n` elements at p[0], p[stride], ... Folds the tests into integers of
+// the element's width, without branching, so that the contiguous loop
+// vectorizes; a caller that wants to stop early calls it on pieces.
+template <typename S>
+ZS_HD int32_t nonfinite_kinds(const S* p, int64_t n, int64_t stride, uint64_t finite_max) {
   using F = Format<S>;
-  int32_t kinds = 0;
-  if constexpr (F::kFloating) {
-    for (int64_t i = 0; i < n; ++i) {
-      const uint64_t key = F::key(p[i * stride]);
-      kinds |= key > nonnan_max ? kHoldsNan : key > finite_max ? kHoldsInf : 0;
+  if constexpr (!F::kFloating) {
+    return 0;
+  } else {
+    using key_t = typename F::key_t;
+    const key_t bad = static_cast<key_t>(finite_max + 1);
+    key_t infinite = 0, nan = 0;
+    auto test = [&](key_t bits) {
+      const key_t is_inf = F::kHasInf ? key_t((bits & F::kAbsMask) == bad) : key_t(0);
+      infinite |= is_inf;
+      nan |= key_t(((bits & bad) == bad) & !is_inf);
+    };
+    if (stride == 1) {
+      for (int64_t i = 0; i < n; ++i) test(F::bits(p[i]));
+    } else {
+      for (int64_t i = 0; i < n; ++i) test(F::bits(p[i * stride]));
     }
+    return (infinite != 0 ? kHoldsInf : 0) | (nan != 0 ? kHoldsNan : 0);
   }
-  return kinds;
 }
 
 }  // namespace zeroscan

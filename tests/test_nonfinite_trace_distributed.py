@@ -106,7 +106,7 @@ def assert_came_in(report: Report, step: int, ranks_words: str) -> None:
     assert report.nonfinite_origin is None, report.nonfinite_origin
     (finding,) = origin_findings(report)
     assert finding.name == "(all parameters)", finding
-    assert finding.message.startswith(f"the gradients of step {step} hold inf/NaN, but in the traced steps kept"), (
+    assert finding.message.startswith(f"the gradients of step {step} hold inf/NaN, but in the traced steps that led to them"), (
         finding.message
     )
     assert CAME_IN in finding.message and finding.message.endswith(ranks_words), finding.message

@@ -31,7 +31,7 @@ void mark_nonfinite_cuda(at::TensorList xs, const at::Tensor& flags, at::IntArra
       using S = typename decltype(tag)::type;
       if constexpr (Format<S>::kFloating) {
         launch_mark_nonfinite<S>(static_cast<const S*>(x.const_data_ptr()), layout, lim.finite_max,
-                                 lim.nonnan_max, out + slots[t], max_blocks, stream);
+                                 out + slots[t], max_blocks, stream);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     });

@@ -1,7 +1,8 @@
 // The CUDA kernel of zeroscan.mark_nonfinite: a grid-stride walk of one
 // tensor's layout in place, each thread folding the kinds of non-finite value
-// (nonfinite.h) over its positions. A warp ORs its threads' kinds together
-// and one lane ORs them into the flag; nothing is read back.
+// (nonfinite.h) over its positions. A warp votes on each kind (__ballot_sync,
+// every architecture) and one lane ORs the warp's kinds into the flag;
+// nothing is read back.
 #include "../dtypes.h"
 #include "../nonfinite.h"
 #include "nonfinite_cuda.h"
@@ -14,7 +15,7 @@ constexpr int kThreads = 256;
 
 template <typename S>
 __global__ void __launch_bounds__(kThreads)
-    mark_nonfinite_kernel(const S* data, Layout l, uint64_t finite_max, uint64_t nonnan_max, int32_t* flag) {
+    mark_nonfinite_kernel(const S* data, Layout l, uint64_t finite_max, int32_t* flag) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int32_t kinds = 0;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < l.numel; i += step) {
@@ -23,27 +24,28 @@ __global__ void __launch_bounds__(kThreads)
       offset += (rest % l.sizes[d]) * l.strides[d];
       rest /= l.sizes[d];
     }
-    kinds |= nonfinite_kinds(data + offset, 1, 1, finite_max, nonnan_max);
+    kinds |= nonfinite_kinds(data + offset, 1, 1, finite_max);
   }
-  kinds = __reduce_or_sync(0xffffffffu, static_cast<unsigned>(kinds));
-  if (kinds != 0 && (threadIdx.x % 32) == 0) atomicOr(flag, kinds);
+  const bool any_inf = __ballot_sync(0xffffffffu, (kinds & kHoldsInf) != 0) != 0;
+  const bool any_nan = __ballot_sync(0xffffffffu, (kinds & kHoldsNan) != 0) != 0;
+  const int32_t warp_kinds = (any_inf ? kHoldsInf : 0) | (any_nan ? kHoldsNan : 0);
+  if (warp_kinds != 0 && (threadIdx.x % 32) == 0) atomicOr(flag, warp_kinds);
 }
 
 }  // namespace
 
 template <typename S>
-void launch_mark_nonfinite(const S* data, const Layout& layout, uint64_t finite_max, uint64_t nonnan_max,
-                           int32_t* flag, int max_blocks, cudaStream_t stream) {
+void launch_mark_nonfinite(const S* data, const Layout& layout, uint64_t finite_max, int32_t* flag,
+                           int max_blocks, cudaStream_t stream) {
   const int64_t wanted = (layout.numel + kThreads - 1) / kThreads;
   const int blocks = static_cast<int>(wanted < max_blocks ? wanted : max_blocks);
-  mark_nonfinite_kernel<S><<<blocks, kThreads, 0, stream>>>(data, layout, finite_max, nonnan_max, flag);
+  mark_nonfinite_kernel<S><<<blocks, kThreads, 0, stream>>>(data, layout, finite_max, flag);
 }
 
 // The floating storage types of the dtype table; integer tensors never hold
 // a non-finite value, so the launcher does not launch for them.
 #define ZEROSCAN_MARK_NONFINITE(S)                                                                         \
-  template void launch_mark_nonfinite<S>(const S*, const Layout&, uint64_t, uint64_t, int32_t*, int, \
-                                         cudaStream_t);
+  template void launch_mark_nonfinite<S>(const S*, const Layout&, uint64_t, int32_t*, int, cudaStream_t);
 ZEROSCAN_MARK_NONFINITE(float)
 ZEROSCAN_MARK_NONFINITE(double)
 ZEROSCAN_MARK_NONFINITE(f16_t)

@@ -15,8 +15,8 @@ namespace cuda {
 // nonfinite.h) at the positions of `layout` (from plan_layout, numel > 0)
 // over `data`, of storage type S. Queued on `stream`; nothing waits.
 template <typename S>
-void launch_mark_nonfinite(const S* data, const Layout& layout, uint64_t finite_max, uint64_t nonnan_max,
-                           int32_t* flag, int max_blocks, cudaStream_t stream);
+void launch_mark_nonfinite(const S* data, const Layout& layout, uint64_t finite_max, int32_t* flag,
+                           int max_blocks, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace zeroscan

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import copy
 import threading
-from dataclasses import replace
 import weakref
 from collections import deque
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -31,6 +31,8 @@ from zeroscan.monitor.grad_histograms import check_histogram, free_earlier_field
 from zeroscan.monitor.hooks import Hooks, weak_hook
 from zeroscan.monitor.nonfinite_origin import origin_finding, pointer
 from zeroscan.monitor.nonfinite_trace import NonfiniteTrace
+
+MAX_TRACED_STEPS = 1024  # with every > 1, steps the trace keeps at most (about 14 KiB each)
 from zeroscan.monitor.optimizer import optimizer_view, step_lrs
 from zeroscan.monitor.ranks import RankExchange, check_group
 from zeroscan.monitor.step_record import StepRecord, decode_records, grad_row, renumber, weight_row
@@ -148,8 +150,13 @@ class Monitor:
             for name, tag, module in activation_modules(model):
                 self._hooks.forward(module, weak_hook(self, "_on_activation", name, tag))
         # After the root hooks above, which run first: _root_pre resets the trace's calls.
-        self._trace = NonfiniteTrace(model, self._params, self._hooks, history) if trace_nonfinite else None
+        # The trace keeps as many steps as the records span (every monitored step of
+        # `history`, and the steps between them), up to MAX_TRACED_STEPS.
+        kept = min(history * every, max(history, MAX_TRACED_STEPS))
+        self._trace = NonfiniteTrace(model, self._params, self._hooks, kept) if trace_nonfinite else None
+        self._retrace = False  # the model changed: the trace hooks it again at the next step
         if self._trace is not None and self._ranks is not None:
+            self._trace.exchanging = True
             self._ranks.born = self._trace.born_words
         if self._auto:
             assert optimizer is not None
@@ -251,8 +258,7 @@ class Monitor:
             self._open = None
             if self._open_touched:  # reset or changed, and no step ran: a skipped step
                 self._end_step(open_step.record, stepped=False)
-        if self._trace is not None:  # the passes since the last close are this step's
-            self._trace.close(self._count)
+        self._close_trace()  # the passes since the last close are this step's
         record = None
         if self._monitored():  # the gradients as backward left them: a skipped step keeps these
             record = StepRecord(self._count)
@@ -297,8 +303,7 @@ class Monitor:
         """The optimizer step runs now: the step that backward opened ends,
         scanned as it is now (after clipping and unscaling)."""
         self._refresh_structure()
-        if self._trace is not None:  # passes no backward watch closed (none, usually)
-            self._trace.close(self._count)
+        self._close_trace()  # passes no backward watch closed (none, usually)
         open_step, self._open = self._open, None
         record = None
         if open_step is not None and open_step.record is not None:
@@ -423,6 +428,18 @@ class Monitor:
             latest_histograms(self._params, latest), origin.to_dict() if origin is not None else None,
         )
 
+    def _close_trace(self) -> None:
+        """Ends the trace's segment as this step's, and hooks a changed model
+        again: here on the step path, between forward passes, never from
+        report() (another thread's forward pass may be iterating the hooks)."""
+        trace = self._trace
+        if trace is None or self._closed:
+            return
+        trace.close(self._count, self._params)
+        if self._retrace or trace.stale:
+            self._retrace = False
+            trace.attach(self.model, self._params)
+
     def _explain_zeros(self, record: StepRecord) -> None:
         """Why the gradients of `record` (the step the report judges) that are
         exactly zero everywhere are so, where the cause analysis can tell."""
@@ -446,14 +463,15 @@ class Monitor:
     def _refresh_structure(self, check: bool = False) -> None:
         """Takes in a change of the model's modules or parameters (see
         structure.py); `check` also compares the parameters themselves."""
-        if not (self._structure.changed or check):
+        changed = self._structure.changed
+        if not (changed or check):
             return
         params = step_record.collect_params(self.model)
         now = [(p.name, id(p.tensor)) for p in params]
         self._structure.rebuild()
-        if self._trace is not None:  # every module now, parameters or not
-            self._trace.attach(self.model, params)
-        if now == [(p.name, id(p.tensor)) for p in self._params]:
+        same = now == [(p.name, id(p.tensor)) for p in self._params]
+        self._retrace = self._retrace or changed or not same  # the trace hooks every module as it is now
+        if same:
             return
         # The records kept so far are read back (a rare host sync) and renumbered.
         recorded = list(self._records)

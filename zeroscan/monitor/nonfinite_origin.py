@@ -1,5 +1,11 @@
 """Monitor(trace_nonfinite=True), the reading: where the first NaN or
-infinity of the traced steps was born (nonfinite_trace.py records it).
+infinity of the recorded gradients was born (nonfinite_trace.py records it).
+
+Which non-finite gradients are explained: those of the first step taken on
+them (neither skipped nor undone), else of the first step that held any;
+their birth is looked for from the step after the last record before them
+whose gradients were finite, so that a GradScaler's harmless early skips do
+not stand for a later NaN that the optimizer applied.
 
 Each forward pass is walked in the order its module calls began and
 returned, then its backward pass in the order gradients arrived. The first
@@ -9,7 +15,8 @@ the origin:
 - a call returned a non-finite output from finite inputs: born in that
   module's forward (in its own code: every module it called returned
   finite values), unless one of its parameters holds a non-finite weight at
-  that step, which is then the origin;
+  that step, which is then the origin (known at monitored steps, whose scan
+  reads the weights; at the others the module is named);
 - a call began with a non-finite input that no module returned: born in the
   code of the module that made the call, before the call; for a top-level
   call (the model's own), the input batch;
@@ -133,14 +140,13 @@ def _bits(values: np.ndarray, slot: int) -> int:
 
 
 def _forward(fpass: ForwardPass, values: np.ndarray, params: list[Param], bad_weights: set[int] | None) -> Found | None:
-    seen: set[int] = set()  # tracked tensors already shown non-finite
+    # The first call start or return with a non-finite flag: every flag before it was finite.
     for event in fpass.events:
         number, returned = divmod(event, 2)
         call = fpass.calls[number]
         tracked = call.outputs if returned else call.inputs
-        new = [(k, t) for k, t in enumerate(tracked) if t not in seen and _bits(values, fpass.fslots[t])]
+        new = [(k, t) for k, t in enumerate(tracked) if _bits(values, fpass.fslots[t])]
         if not new:
-            seen.update(t for t in tracked if _bits(values, fpass.fslots[t]))
             continue
         kinds = 0
         for _, t in new:
@@ -164,10 +170,10 @@ def _forward(fpass: ForwardPass, values: np.ndarray, params: list[Param], bad_we
             )
         label = call.labels[new[0][0]]
         if call.parent < 0:
-            where = "(input batch)" if number == 0 else "(outside the model)"
-            return where, "activation", "forward", kinds, (
+            batch = call.name == "(model)" or number == 0
+            return "(input batch)" if batch else "(outside the model)", "activation", "forward", kinds, (
                 f"{call.name} was called with {what} in {label}: it came in with the input batch"
-                if number == 0 else
+                if batch else
                 f"{call.name} was called with {what} in {label}, made by code outside the model's forward"
             )
         parent = fpass.calls[call.parent].name
@@ -232,36 +238,57 @@ def origin_finding(
     """The nonfinite_origin finding of decoded `records` (oldest first) and
     the traced steps `traces`, and the origin it names: None, None while no
     recorded gradient holds inf/NaN."""
-    first = first_nonfinite(params, records)
-    if first is None:
+    if first_nonfinite(params, records) is None:
         return None, None
+    target, start = _target(params, records)
     flags = read_flags(traces)
-    bad_step = records[first[0]].step
     births = has_births(traces, flags)
     severity = _severity(params, records)
     ranks = _rank_words(records)
-    # A birth after the first step whose gradients held inf/NaN is its
-    # consequence (weights an optimizer step poisoned), not where it began.
-    if not any(t.step <= bad_step for t in births):
-        kept = [t.step for t in traces if t.step <= bad_step]
-        steps = f"steps {kept[0]} to {kept[-1]}" if kept else "none"
+    # A birth before `start` belongs to an earlier bad run, one after the target
+    # step is its consequence (weights an optimizer step poisoned).
+    if not any(start <= t.step <= target for t in births):
+        traced = [t.step for t in traces if start <= t.step <= target]
+        if target not in traced:
+            return Finding(GLOBAL_NAME, "grad", severity, Cause.NONFINITE_ORIGIN, (
+                f"the gradients of step {target} hold inf/NaN, and the trace holds no pass of that step (a "
+                "forward pass under no_grad, on another thread, or older than the steps the trace keeps), so it "
+                "cannot say where they came from" + ranks
+            )), None
         return Finding(GLOBAL_NAME, "grad", severity, Cause.NONFINITE_ORIGIN, (
-            f"the gradients of step {bad_step} hold inf/NaN, but in the traced steps kept up to it ({steps}) "
-            "no module's forward output or backward gradient on this rank held any, nor any parameter's "
-            "incoming gradient: they came in after backward made the gradients (the gradient all-reduce from "
-            "another rank, or code that changed .grad)" + ranks
+            f"the gradients of step {target} hold inf/NaN, but in the traced steps that led to them "
+            f"({_steps_words(traced)}) no module's forward output or backward gradient on this rank held any, nor "
+            "any parameter's incoming gradient: they came in after backward made the gradients (the gradient "
+            "all-reduce from another rank, or code that changed .grad)" + ranks
         )), None
     weights = {r.step: _bad_weights(params, r) for r in records}
     origins = [o for o in (find_origin(t, flags, params, weights.get(t.step)) for t in births) if o is not None]
-    if not origins or origins[0].step > bad_step:
+    found = [o for o in origins if start <= o.step <= target]
+    if not found:
         return None, None
-    origin = origins[0]
+    origin = found[0]
     micro = f" (forward pass {origin.micro + 1} of {origin.passes})" if origin.passes > 1 else ""
-    later = _later_words(origin, origins[1:])
+    later = _later_words(origin, [o for o in origins if o.step > origin.step])
     return Finding(origin.where, origin.kind, severity, Cause.NONFINITE_ORIGIN, (
         f"{kinds_words(origin.kinds)} was born at step {origin.step}, in the {origin.phase} pass{micro}: "
         f"{origin.how}{later}{ranks}"
     )), origin
+
+
+def _target(params: list[Param], records: list[StepRecord]) -> tuple[int, int]:
+    """The step whose non-finite gradients the finding explains, and the first
+    step its birth can be at: the first step taken on them (not skipped nor
+    undone), else the first that held any; from the step after the last
+    record before it whose gradients were finite."""
+    bad = [k for k, r in enumerate(records) if nonfinite_grads(params, r)]
+    applied = [k for k in bad if records[k].stepped and not undone(params, records, k)]
+    k = applied[0] if applied else bad[0]
+    finite = [j for j in range(k) if j not in bad]
+    return records[k].step, records[finite[-1]].step + 1 if finite else -1
+
+
+def _steps_words(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]} to {steps[-1]}"
 
 
 def pointer(origin: Origin | None, finding: Finding | None) -> str:

@@ -21,14 +21,21 @@ most tensors are read once per pass and once more in backward.
 What this does not see, by design:
 - values made and used inside one module's own code: a NaN born there is
   named as born in that module (in its code, not in a module it calls);
-- forward passes without a graph (torch.no_grad, inference), and the
-  recomputation of activation checkpointing, which runs inside backward and
-  repeats what the forward pass already flagged;
+- forward passes without a graph (a top-level call under torch.no_grad or
+  inference mode), and the recomputation of activation checkpointing, which
+  runs inside backward and repeats what the forward pass already flagged;
+- calls on other threads than the one that called the model (nn.DataParallel's
+  replicas): the wrapper's own call is traced;
 - tensors that are not plain strided floating-point tensors (DTensor and
   other subclasses, sparse, complex), and parameters that are DTensors
   (FSDP2's shards): their modules' plain inputs and outputs still are;
 - inside a torch.compile'd module: tracing stops at its boundary
-  (`traced_modules`), because hooks inside a compiled region break its graph.
+  (`traced_modules`), because hooks inside a compiled region break its graph;
+  a module compiled in place (module.compile()) runs its own hooks inside
+  the compiled region, so neither it nor what it holds is traced, and an
+  origin inside it is named in its caller. Compile before making the Monitor.
+
+A hook never raises into training: what it cannot read is left unflagged.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ MAX_DEPTH = 4  # how deep into nested lists, tuples and dicts a call's tensors a
 TENSOR, PARAMETER = 0, 1  # what a gradient arrival is for
 _MARK = torch.ops.zeroscan.mark_nonfinite.default
 _FLAGGED = frozenset(FLOAT_DTYPES)
+_NO_KERNEL: set[str] = set()  # device types mark_nonfinite has no kernel for (found on first use)
 
 
 class Flags:
@@ -72,8 +80,10 @@ class Flags:
 
     def mark(self, t: torch.Tensor) -> int:
         """A new slot, flagged with what `t` holds (queued on t's device)."""
+        device = t.device
+        if device.type in _NO_KERNEL:
+            return -1
         try:
-            device = t.device
             with self._lock:
                 slot = len(self.where)
                 if device not in self.devices:
@@ -84,6 +94,9 @@ class Flags:
                 if buffer is None:
                     buffer = self.buffers[key] = torch.zeros(CHUNK, dtype=torch.int32, device=device)
             _MARK([t.detach()], buffer, [slot % CHUNK])
+        except NotImplementedError:  # no kernel for this device type (MPS, XLA)
+            _NO_KERNEL.add(device.type)
+            return -1
         except (RuntimeError, ValueError, TypeError):  # unreadable (freed storage): never break training
             return -1
         return slot
@@ -128,7 +141,7 @@ class ForwardPass:
         when the pass ran.
     """
 
-    __slots__ = ("calls", "events", "fslots", "arrivals", "flags", "params")
+    __slots__ = ("calls", "events", "fslots", "arrivals", "flags", "params", "closed")
 
     def __init__(self, flags: Flags, params: list[tuple[str, str]]) -> None:
         self.calls: list[Call] | tuple[FrozenCall, ...] = []
@@ -137,6 +150,7 @@ class ForwardPass:
         self.arrivals: list[tuple[int, int, int]] = []
         self.flags = flags
         self.params = params
+        self.closed = False  # a gradient arriving later (a graph kept past its step) is not this pass's
 
     def freeze(self, like: ForwardPass | None) -> None:
         """The pass is over: its calls, events and slots become tuples, shared
@@ -147,6 +161,7 @@ class ForwardPass:
             FrozenCall(c.name, c.depth, c.parent, tuple(c.inputs), tuple(c.labels), tuple(c.outputs))
             for c in self.calls
         )
+        self.closed = True
         events, fslots = tuple(self.events), tuple(self.fslots)
         if like is not None and (like.calls, like.events, like.fslots) == (calls, events, fslots):
             calls, events, fslots = like.calls, like.events, like.fslots  # type: ignore[assignment]
@@ -178,6 +193,7 @@ def flaggable(x: object) -> bool:
         and x.dtype in _FLAGGED  # type: ignore[union-attr]
         and x.layout == torch.strided  # type: ignore[union-attr]
         and not x.is_meta  # type: ignore[union-attr]
+        and not x.is_nested  # type: ignore[union-attr]
     )
 
 
@@ -197,12 +213,18 @@ def tensors_in(value: Any, label: str, out: list[tuple[torch.Tensor, str]], dept
 
 
 def traced_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every module the trace hooks, the model itself named
-    "(model)": all of them, except what lies inside a torch.compile'd module
-    (an OptimizedModule), which is traced at its boundary only."""
+    """(name, module) of every module the trace hooks, once each (a module
+    held twice keeps its first name), the model itself named "(model)": all
+    of them, except what lies inside a torch.compile'd module (an
+    OptimizedModule: traced at its boundary) and a module compiled in place
+    (module.compile(): its hooks would run inside the compiled region)."""
     found: list[tuple[str, nn.Module]] = []
+    met: set[int] = set()
 
     def visit(name: str, module: nn.Module) -> None:
+        if id(module) in met or getattr(module, "_compiled_call_impl", None) is not None:
+            return
+        met.add(id(module))
         found.append((name or "(model)", module))
         if hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
             return
@@ -225,10 +247,10 @@ class GradArrived:
         self._tracked = tracked
 
     def __call__(self, grad: torch.Tensor) -> None:
-        if self._trace() is None or not flaggable(grad):
+        fpass = self._pass
+        if self._trace() is None or fpass.closed or not flaggable(grad):
             return
-        slot = self._pass.flags.mark(grad)
-        self._pass.arrivals.append((TENSOR, self._tracked, slot))
+        fpass.arrivals.append((TENSOR, self._tracked, fpass.flags.mark(grad)))  # type: ignore[union-attr]
 
 
 class NonfiniteTrace:
@@ -239,6 +261,9 @@ class NonfiniteTrace:
 
     def __init__(self, model: nn.Module, params: list[Param], hooks: Hooks, history: int) -> None:
         self.steps: deque[StepTrace] = deque(maxlen=history)
+        # Set by the Monitor across ranks: then each exchange reads which segments made inf/NaN.
+        self.exchanging = False
+        self.stale = False  # a parameter's requires_grad changed since attach(): attach again at the next step
         self._hooks = hooks
         self._handles: list[Any] = []
         self._segment = Segment()
@@ -249,11 +274,13 @@ class NonfiniteTrace:
         self._unexchanged: list[Segment] = []  # closed since the last exchange across ranks
         self._params: list[tuple[str, str]] = []
         self._last_pass: ForwardPass | None = None  # the latest pass closed, whose structure the next may share
+        self._thread: int | None = None  # the thread that called the model: the only one whose calls are traced
         self.attach(model, params)
 
     def attach(self, model: nn.Module, params: list[Param]) -> None:
         """Hooks the model's modules and parameters (again, after the model changed)."""
         self.detach()
+        self.stale = False
         self._params = [(p.name, p.owner) for p in params]
         for name, module in traced_modules(model):
             self._handles.append(self._hooks.forward_pre(module, weak_hook(self, "_began", name), with_kwargs=True))
@@ -262,6 +289,11 @@ class NonfiniteTrace:
         for p in params:
             if p.tensor.requires_grad and flaggable(p.tensor):
                 self._handles.append(self._hooks.keep(p.tensor.register_hook(weak_hook(self, "_param_grad", p.index))))
+        self._signature = self._requires_grad(params)
+
+    @staticmethod
+    def _requires_grad(params: list[Param]) -> tuple[bool, ...]:
+        return tuple(p.tensor.requires_grad for p in params)
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -273,10 +305,33 @@ class NonfiniteTrace:
         left under way by a forward pass that raised are forgotten."""
         self._stack = []
         self._skipping = 0
+        self._thread = threading.get_ident()
 
     # ---- hooks ---------------------------------------------------------------
 
     def _began(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            self._begin(name, args, kwargs)
+        except Exception:  # noqa: BLE001  the trace must never break the user's forward pass
+            self._stack, self._skipping = [], 0
+
+    def _returned(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        try:
+            self._return(name, output)
+        except Exception:  # noqa: BLE001
+            self._stack, self._skipping = [], 0
+
+    def _param_grad(self, index: int, grad: torch.Tensor) -> None:
+        fpass = self._pass
+        try:
+            if fpass is not None and not fpass.closed and flaggable(grad):
+                fpass.arrivals.append((PARAMETER, index, fpass.flags.mark(grad)))  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001  nor its backward pass
+            pass
+
+    def _begin(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._thread is not None and threading.get_ident() != self._thread:
+            return  # a replica's call on a worker thread (nn.DataParallel)
         if self._skipping:
             self._skipping += 1
             return
@@ -290,7 +345,8 @@ class NonfiniteTrace:
                 self._segment.passes.append(self._pass)
                 self._seen = {}
         fpass = self._pass
-        assert fpass is not None
+        if fpass is None or fpass.closed:  # a step closed while a forward pass was under way
+            return
         number = len(fpass.calls)
         call = Call(name, len(self._stack), self._stack[-1] if self._stack else -1)
         found: list[tuple[torch.Tensor, str]] = []
@@ -299,62 +355,64 @@ class NonfiniteTrace:
         for t, label in found:
             call.inputs.append(self._track(fpass, t))
             call.labels.append(label)
-        fpass.calls.append(call)
-        fpass.events.append(2 * number)
+        fpass.calls.append(call)  # type: ignore[union-attr]
+        fpass.events.append(2 * number)  # type: ignore[union-attr]
         self._stack.append(number)
 
-    def _returned(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+    def _return(self, name: str, output: Any) -> None:
+        if self._thread is not None and threading.get_ident() != self._thread:
+            return
         if self._skipping:
             self._skipping -= 1
             return
         fpass = self._pass
-        under_way = [k for k, number in enumerate(self._stack) if fpass is not None and fpass.calls[number].name == name]
-        if fpass is None or not under_way:
+        if fpass is None or fpass.closed:
+            return
+        under_way = [k for k, number in enumerate(self._stack) if fpass.calls[number].name == name]
+        if not under_way:
             return  # a call that began before this Monitor was made
         del self._stack[under_way[-1] + 1 :]  # calls inside it that raised, and were caught in it
         number = self._stack.pop()
         found: list[tuple[torch.Tensor, str]] = []
         tensors_in(output, "output", found)
-        fpass.calls[number].outputs = [self._track(fpass, t) for t, _ in found]
-        fpass.events.append(2 * number + 1)
-
-    def _param_grad(self, index: int, grad: torch.Tensor) -> None:
-        fpass = self._pass
-        if fpass is None or not flaggable(grad):
-            return
-        fpass.arrivals.append((PARAMETER, index, fpass.flags.mark(grad)))
+        fpass.calls[number].outputs = [self._track(fpass, t) for t, _ in found]  # type: ignore[union-attr]
+        fpass.events.append(2 * number + 1)  # type: ignore[union-attr]
 
     def _track(self, fpass: ForwardPass, t: torch.Tensor) -> int:
-        """The tracked number of `t` in this pass: flagged (and hooked for its
-        gradient) when first met, or met again with a new version."""
+        """The tracked number of `t` in this pass: flagged (and, unless a leaf,
+        hooked for its gradient) when first met, or met again with a new version.
+        A leaf's gradient is not hooked: a parameter's has its own hook, and
+        a leaf that lives across steps would collect one hook per step."""
+        version = -1 if t.is_inference() else t._version  # an inference tensor has no version counter
         seen = self._seen.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
+        if seen is not None and seen[0]() is t and seen[1] == version:
             return seen[2]
         number = len(fpass.fslots)
-        fpass.fslots.append(fpass.flags.mark(t))
-        if t.requires_grad:
-            try:
-                t.register_hook(GradArrived(self, fpass, number))
-            except RuntimeError:  # a tensor that cannot take hooks: its forward flag stands
-                pass
-        self._seen[id(t)] = (weakref.ref(t), t._version, number)
+        fpass.fslots.append(fpass.flags.mark(t))  # type: ignore[union-attr]
+        if t.requires_grad and not t.is_leaf:
+            t.register_hook(GradArrived(self, fpass, number))
+        self._seen[id(t)] = (weakref.ref(t), version, number)
         return number
 
     # ---- steps ---------------------------------------------------------------
 
-    def close(self, step: int) -> None:
+    def close(self, step: int, params: list[Param]) -> None:
         """The passes since the last close belong to monitored-or-not step
-        `step` (a step's micro-batches join one StepTrace)."""
+        `step` (a step's micro-batches join one StepTrace). `params`: the
+        Monitor's, to notice a requires_grad that changed (`stale`)."""
         segment, self._segment = self._segment, Segment()
         self._pass = None
         self._seen = {}
+        if self._requires_grad(params) != self._signature:
+            self.stale = True
         if not segment.passes:
             return
         for fpass in segment.passes:
             fpass.freeze(self._last_pass)
             self._last_pass = fpass
         segment.step = step
-        self._unexchanged.append(segment)
+        if self.exchanging:
+            self._unexchanged.append(segment)
         if self.steps and self.steps[-1].step == step:
             self.steps[-1].segments.append(segment)
         else:
@@ -366,8 +424,13 @@ class NonfiniteTrace:
         across ranks then gives the least and the greatest rank that made
         one); computed on the devices, not read."""
         segments, self._unexchanged = self._unexchanged, []
-        anys = [b.amax().to(device) for s in segments for b in s.flags.buffers.values()]
-        born = torch.stack(anys).amax() > 0 if anys else torch.zeros((), dtype=torch.bool, device=device)
+        buffers = [(d, b) for s in segments for (d, _), b in s.flags.buffers.items()]
+        # A CPU flag is read where it is (copying it to a GPU would wait for the host); the others stay on devices.
+        if any(bool(b.any()) for d, b in buffers if d.type == "cpu"):
+            born = torch.ones((), dtype=torch.bool, device=device)
+        else:
+            anys = [b.amax().to(device) for d, b in buffers if d.type != "cpu"]
+            born = torch.stack(anys).amax() > 0 if anys else torch.zeros((), dtype=torch.bool, device=device)
         low = torch.where(born, rank, world).to(torch.int64)  # scalars: nothing copied from the host
         high = torch.where(born, rank, -1).to(torch.int64)
         return torch.stack([low, high])

@@ -167,10 +167,11 @@ class Report:
     the report's step, by histogram_key ("fc1.weight:grad",
     "fc1.weight:weight"); {} otherwise.
 
-    nonfinite_origin: with Monitor(trace_nonfinite=True), where the first
-    inf/NaN of the traced steps was born, as the nonfinite_origin finding
+    nonfinite_origin: with Monitor(trace_nonfinite=True), where the inf/NaN
+    of the recorded gradients was born, as the nonfinite_origin finding
     names it (a dict: step, pass, micro_batch, name, kind, values, how);
-    None when no gradient held inf/NaN, or nothing was traced.
+    None when no gradient held inf/NaN, when nothing was traced, and when
+    the finding says this rank's passes made none (it came in after backward).
     """
 
     def __init__(
