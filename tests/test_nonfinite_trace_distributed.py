@@ -308,7 +308,6 @@ CHECKS: dict[str, Callable[[int, int, int], str]] = {
 WORLD_CHECKS: dict[str, Check] = dict(CHECKS)
 
 
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     return spawn_world(
