@@ -25,7 +25,11 @@ and outputs, the ways of flagging them are timed alone: mark_nonfinite per
 tensor (what the trace does), the torch composite torch.isfinite(t).all()
 per tensor, stats_many per tensor, and holding every tensor until the
 forward pass ends for one stats_many call (with the bytes that would hold).
-Last, memory: what the trace keeps per step (its flag buffers, and its
+The flag's own cost depends on the values (a tensor stops being read once
+it has shown every kind of non-finite value its dtype holds), so
+mark_nonfinite is also timed against x.sum() on every value distribution of
+zeroscan.testing, float32, bfloat16, float16 and float64, and the worst
+quoted. Last, memory: what the trace keeps per step (its flag buffers, and its
 Python bookkeeping by tracemalloc) over `history` steps, and each
 configuration's peak RSS over three steps, each in a fresh process.
 Target: trace <= 3 % of the step on CPU, <= 2 % and no host sync on a GPU.
@@ -54,6 +58,7 @@ from torch import nn
 import zeroscan
 from timing import describe_machine, device_sync, seconds_per_call
 from zeroscan.monitor import nonfinite_trace
+from zeroscan.testing import distributions_for, make_distribution
 
 
 class Attention(nn.Module):
@@ -206,6 +211,26 @@ def flagging_choices(model: GPT, data: torch.Tensor, sync: Callable[[], None] | 
     return lines
 
 
+def flag_by_distribution(device: torch.device, sync: Callable[[], None] | None, numel: int) -> list[str]:
+    """mark_nonfinite / x.sum() per dtype and value distribution (best of 5), and the worst."""
+    mark = torch.ops.zeroscan.mark_nonfinite.default
+    flags = torch.zeros(1, dtype=torch.int32, device=device)
+    g = torch.Generator().manual_seed(0)
+    lines = [f"mark_nonfinite / x.sum() on {numel / 2**20:.0f}M elements, best of 5 each:"]
+    worst = (0.0, "")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        cells = []
+        for name in distributions_for(dtype):
+            x = make_distribution(name, numel, dtype, g).to(device)
+            floor = min(seconds_per_call(lambda: x.sum(), 3, sync=sync) for _ in range(5))
+            ours = min(seconds_per_call(lambda: mark([x], flags, [0]), 3, sync=sync) for _ in range(5))
+            cells.append(f"{name} {ours / floor:.2f}")
+            worst = max(worst, (ours / floor, f"{name}, {str(dtype).removeprefix('torch.')}"))
+        lines.append(f"  {str(dtype).removeprefix('torch.'):>8}: " + ", ".join(cells))
+    lines.append(f"  worst: {worst[0]:.2f}x x.sum() ({worst[1]})")
+    return lines
+
+
 @contextlib.contextmanager
 def hook_clock(clock: Callable[[], float]) -> Iterator[list[float]]:
     """Sums the time spent in the trace's hooks and bookkeeping (yields [seconds])."""
@@ -282,6 +307,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round and configuration")
     parser.add_argument("--rss-of", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--flags-only", action="store_true", help="only the per-distribution timing of the flag")
     args = parser.parse_args()
     args.vocab, args.length, args.batch = 50257, 128, 2
     args.width, args.layers, args.heads = (256, 4, 4) if args.quick else (768, 12, 12)
@@ -289,6 +315,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.rss_of:
         rss_of(args.rss_of, args)
+        return
+    if args.flags_only:
+        device = torch.device(args.device)
+        print(describe_machine(device))
+        print("\n".join(flag_by_distribution(device, device_sync(device), 1 << 22 if args.quick else 1 << 24)))
         return
 
     device = torch.device(args.device)
@@ -348,6 +379,8 @@ def main() -> None:
           f"range {1e3 * min(hook_seconds):.1f}-{1e3 * max(hook_seconds):.1f} ms)")
     print()
     print("\n".join(flagging_choices(model, data, sync)))
+    print()
+    print("\n".join(flag_by_distribution(device, sync, 1 << 22 if args.quick else 1 << 24)))
     print()
     flag_bytes, python_bytes = kept_memory(model, opt, step, 8)
     print(f"kept by the trace per step: flags {flag_bytes / 1024:.1f} KiB, bookkeeping {python_bytes / 1024:.1f} KiB "

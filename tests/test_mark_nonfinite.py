@@ -671,3 +671,17 @@ def test_plain_path_under_scalar_capability() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "OK", result.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_more_than_2_pow_31_elements() -> None:
+    """int64 positions: a NaN past element 2^31 (2 GiB of float8) is found, and a
+    finite tensor of that size is not flagged."""
+    n = 2**31 + 5
+    x = torch.zeros(n, dtype=torch.float8_e5m2)
+    flags = torch.zeros(2, dtype=torch.int32)
+    MARK([x], flags, [0])
+    x[n - 2] = float("nan")
+    MARK([x], flags, [1])
+    assert flags.tolist() == [0, 2]
+    del x

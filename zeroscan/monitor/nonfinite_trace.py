@@ -75,9 +75,6 @@ class Flags:
         # Backward runs gradient hooks on one autograd thread per device: a slot is taken under the lock.
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return len(self.where)
-
     def mark(self, t: torch.Tensor) -> int:
         """A new slot, flagged with what `t` holds (queued on t's device)."""
         device = t.device
@@ -171,14 +168,13 @@ class ForwardPass:
 
 class Segment:
     """The passes between two ends of a backward pass: one step, or one
-    micro-batch of it (gradient accumulation). `step` is set when it closes."""
+    micro-batch of it (gradient accumulation); its StepTrace says which step."""
 
-    __slots__ = ("passes", "flags", "step")
+    __slots__ = ("passes", "flags")
 
     def __init__(self) -> None:
         self.passes: list[ForwardPass] = []
         self.flags = Flags()
-        self.step = -1
 
 
 class StepTrace(NamedTuple):
@@ -410,7 +406,6 @@ class NonfiniteTrace:
         for fpass in segment.passes:
             fpass.freeze(self._last_pass)
             self._last_pass = fpass
-        segment.step = step
         if self.exchanging:
             self._unexchanged.append(segment)
         if self.steps and self.steps[-1].step == step:
