@@ -44,7 +44,7 @@ FLAGS=(-std=c++20 -O3 -lineinfo
        -gencode=arch=compute_80,code=sm_80
        -gencode=arch=compute_90,code=sm_90)
 
-KERNELS=(csrc/cuda/stats_cuda_*.cu csrc/cuda/nonfinite_cuda.cu)
+KERNELS=(csrc/cuda/stats_cuda_*.cu csrc/cuda/nonfinite_cuda_kernels.cu)
 echo "== compiling ${#KERNELS[@]} kernel files for sm_80 and sm_90 (ptxas -v)"
 export NVCC BUILD_DIR
 printf '%s\n' "${KERNELS[@]}" | xargs -P "$JOBS" -I{} bash -c '
@@ -83,7 +83,7 @@ for f in "${KERNELS[@]}"; do
     END {
       # A dtype file holds a contiguous and a strided kernel; the merge file one
       # kernel; the non-finite marker one per floating dtype.
-      want = file == "stats_cuda_combine" ? 1 : file == "nonfinite_cuda" ? 6 : 2
+      want = file == "stats_cuda_combine" ? 1 : file == "nonfinite_cuda_kernels" ? 6 : 2
       if (entries["sm_80"] < want || entries["sm_90"] < want) {
         printf "FAIL %s: expected kernels for sm_80 and sm_90 in the ptxas report\n", file
         bad = 1
