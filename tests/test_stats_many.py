@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+import weakref
+
 import pytest
 import torch
 
@@ -67,3 +71,42 @@ def test_batch_indexes_like_a_list() -> None:
     assert batch[-1].negative == 5 and batch[0].zeros == 3
     assert len(batch.to_dicts()) == 3
     assert len(zeroscan.stats_many([])) == 0
+
+
+def python_blocks_kept(count: int) -> int:
+    """Python memory blocks (tracemalloc) that stats_many of `count` small
+    tensors leaves allocated while its result is held, none of its Stats made."""
+    xs = [torch.randn(256) for _ in range(count)]
+    zeroscan.stats_many(xs)  # first-call caches are not the call's own
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        batch = zeroscan.stats_many(xs)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    assert len(batch) == count
+    return sum(d.count_diff for d in after.compare_to(before, "filename"))
+
+
+def test_the_call_keeps_no_python_object_per_tensor() -> None:
+    # The Python work of stats_many must not grow per tensor: that work is
+    # what makes 2,000 small tensors cost several flat scans of the same
+    # bytes on a GPU (benchmarks/bench_many_small.py). A per-tensor object
+    # (a metadata tuple, a shape, a Stats) kept before anything is indexed
+    # would add thousands of blocks here; a list of N slots is one block.
+    few, many = python_blocks_kept(50), python_blocks_kept(2000)
+    assert many - few <= 20, f"{few} blocks kept for 50 tensors, {many} for 2,000"
+
+
+def test_each_stats_takes_its_tensors_metadata_and_the_batch_then_lets_go() -> None:
+    xs = [torch.zeros(3, 2, dtype=torch.bfloat16), torch.ones(4, dtype=torch.int8).t(), torch.randn(2, 1, 5)]
+    batch = zeroscan.stats_many(xs)
+    kept = [weakref.ref(x) for x in xs]
+    want = [(x.dtype, x.shape, x.device) for x in xs]
+    xs.clear()  # the caller's list reused: the batch holds its own
+    assert [(s.dtype, s.shape, s.device) for s in batch[:2]] == want[:2]
+    assert (batch[2].dtype, batch[2].shape, batch[2].device) == want[2]
+    gc.collect()
+    assert [ref() for ref in kept] == [None] * 3  # every Stats made: the tensors are let go
+    assert [s.numel for s in batch] == [6, 4, 10]

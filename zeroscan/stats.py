@@ -238,13 +238,16 @@ class StatsBatch(Sequence[Stats]):
     def __init__(self, items: list[Stats]) -> None:
         self._items: list[Stats | None] = list(items)
         self._make: Callable[[int], Stats] | None = None
+        self._unmade = 0
 
     @classmethod
     def lazy(cls, n: int, make: Callable[[int], Stats]) -> StatsBatch:
-        """A batch of n whose i-th Stats is make(i), made on first access."""
+        """A batch of n whose i-th Stats is make(i), made on first access;
+        make is dropped (and what it holds let go) once all n are made."""
         batch = cls([])
         batch._items = [None] * n
         batch._make = make
+        batch._unmade = n
         return batch
 
     def _get(self, i: int) -> Stats:
@@ -252,6 +255,9 @@ class StatsBatch(Sequence[Stats]):
         if item is None:
             assert self._make is not None
             item = self._items[i] = self._make(i)
+            self._unmade -= 1
+            if self._unmade == 0:
+                self._make = None
         return item
 
     def __len__(self) -> int:
@@ -319,6 +325,11 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None, his
     Tensors may mix dtypes, shapes and devices. Their results share one buffer
     per device, so reading any one field copies each device's buffer once.
     Never a collective: DTensors are refused, as by stats().
+
+    The call makes no Python object per tensor: each Stats is made when first
+    indexed, and takes its tensor's dtype and shape then. So the batch holds
+    the tensors until each of its Stats is made, and a tensor whose shape is
+    changed in place before that (resize_, `.data =`) gives its new shape.
     """
     return scan_many("zeroscan.stats_many", tensors, tol=tol, histogram=histogram)
 
@@ -330,7 +341,9 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use zeroscan.stats(x)")
     tol = check_tol(op, tol)
     check_flag(op, "histogram", histogram)
-    xs = tensors if isinstance(tensors, list) else list(tensors)
+    # A copy (one C-level pass, no Python object per tensor): the batch reads
+    # the tensors later, and the caller may reuse its list meanwhile.
+    xs = list(tensors)
     if not xs:
         return StatsBatch([])
     scan = _scan_with_histogram if histogram else _scan_rows
@@ -344,9 +357,11 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
     except (RuntimeError, TypeError, ValueError):
         readout = None
     if readout is not None and not readout.buffer.is_meta:  # meta inputs reach the fake kernel
-        device = readout.buffer.device
-        metas = [(x.dtype, x.shape, device) for x in xs]
-        return StatsBatch.lazy(len(xs), lambda row: Stats(readout, row, metas[row], tol))
+        # No tensor's metadata is read here: a dtype and shape cost ~150 ns a
+        # tensor, plus the garbage collections their tuples set off, and over
+        # 2,000 small tensors that alone took several times a GPU's scan of
+        # one flat tensor of the same bytes (benchmarks/bench_many_small.py).
+        return StatsBatch.lazy(len(xs), _stats_of_rows(readout, xs, tol))
     xs = [require_readable(op, f"tensors[{i}]", x) for i, x in enumerate(xs)]
     items: list[Stats | None] = [None] * len(xs)
     for indices in device_groups(xs):
@@ -358,6 +373,17 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
         for row, i in enumerate(indices):
             items[i] = Stats(readout, row, meta_of(xs[i]), tol)
     return StatsBatch(items)  # type: ignore[arg-type]
+
+
+def _stats_of_rows(readout: Readout, xs: list[torch.Tensor], tol: float | None) -> Callable[[int], Stats]:
+    """What makes the Stats of row i of one native call over xs."""
+    device = readout.buffer.device
+
+    def make(row: int) -> Stats:
+        x = xs[row]
+        return Stats(readout, row, (x.dtype, x.shape, device), tol)
+
+    return make
 
 
 def _scan_rows(xs: list[torch.Tensor], tol: float | None) -> Readout:
