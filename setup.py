@@ -40,6 +40,16 @@ def build_cuda() -> bool:
     return possible
 
 
+# The extension links the process's shared C++ runtime, libstdc++.so.6, named
+# here because a compiler may link a static copy by default (the GPU image's
+# /opt/gcc/bin/g++ did). That second copy does not share the process's
+# locale: formatting a number into an error message ("xs[1] has unsupported
+# dtype") killed the process with SIGSEGV there, and cuts the message short
+# where both copies are the same version. An explicit -lstdc++ comes before
+# the compiler's own static one, which then adds nothing.
+LINK = ["-fopenmp", "-lstdc++"]
+
+
 def extension():
     cxx = ["-O3", "-fopenmp", "-ffp-contract=fast"]
     sources = ["csrc/zeroscan.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
@@ -48,7 +58,7 @@ def extension():
             "zeroscan._C",
             sources,
             extra_compile_args={"cxx": cxx},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=LINK,
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     kernels = [f for f in sorted(glob.glob("csrc/cuda/*.cu")) if not f.endswith("standalone_test.cu")]
@@ -57,7 +67,7 @@ def extension():
         "zeroscan._C",
         sources,
         extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=LINK,
     )
 
 

@@ -25,3 +25,15 @@ jobs="${MAX_JOBS:-$(nproc)}"
 echo "build: ZEROSCAN_CUDA=1 TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=$jobs (CPATH += ${nvidia_include:-nothing})"
 CPATH="$nvidia_include${CPATH:+:$CPATH}" ZEROSCAN_CUDA=1 TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS="$jobs" \
   "$PYTHON" setup.py build_ext --inplace
+
+# The extension must load the process's shared C++ runtime: one built with a
+# static copy of libstdc++ (the GPU image's /opt/gcc/bin/g++ made one) died
+# with SIGSEGV at the first error message that held a number. setup.py names
+# -lstdc++ for this; a compiler that still links it statically fails here.
+so="zeroscan/_C$("$PYTHON" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")"
+needed=$(readelf -d "$so" | grep NEEDED || true)
+if ! grep -q "libstdc++" <<<"$needed"; then
+  echo "build: $so does not load the shared libstdc++.so.6 (a static copy is linked in?); it needs:" >&2
+  echo "$needed" >&2
+  exit 1
+fi
