@@ -8,7 +8,11 @@ import json
 import math
 import os
 import random
+import signal
 import struct
+import subprocess
+import sys
+import textwrap
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -239,3 +243,27 @@ def run_cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, d
     rc, out, err = run_cli(capsys, *argv, "--json")
     assert err == "", err
     return rc, json.loads(out)
+
+
+def run_python(
+    script: str, *args: str, env: Mapping[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """`script` (dedented) in a fresh interpreter, `args` its sys.argv[1:] and
+    `env` its whole environment (default: this one), writing no core file: a
+    crash there (SIGSEGV, SIGBUS, an abort) ends that process, not pytest.
+    `ended` says how it ended."""
+    prelude = "import resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+    return subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=None if env is None else dict(env),
+    )
+
+
+def ended(proc: subprocess.CompletedProcess[str]) -> str:
+    """How a process of run_python ended, for an assertion's message: its exit
+    status, or the signal that killed it, with the end of what it wrote to stderr."""
+    how = f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+    return f"{how}; stderr ends:\n{proc.stderr[-2000:]}"

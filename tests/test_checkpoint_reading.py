@@ -10,16 +10,14 @@ import math
 import os
 import re
 import struct
-import subprocess
 import sys
-import textwrap
 import warnings
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_matches_reference, fresh_generator, make_values, save_file_in_order
+from helpers import assert_matches_reference, fresh_generator, make_values, run_python, save_file_in_order
 from safetensors.torch import save_file
 
 import zeroscan
@@ -54,13 +52,6 @@ def as_record(row: dict[str, object]) -> dict[str, object]:
     """A scan row with the two fields of a Stats record that it leaves out."""
     finite = int(row["numel"]) - int(row["nan"]) - int(row["posinf"]) - int(row["neginf"])  # type: ignore[call-overload]
     return {**row, "finite": finite, "sum": float(row["mean"]) * finite if finite else 0.0}  # type: ignore[arg-type]
-
-
-def run_python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """`script` in a fresh interpreter: a SIGBUS or a descriptor limit there cannot take pytest down."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True, timeout=300
-    )
 
 
 # --- a file truncated while it is scanned ----------------------------------------

@@ -6,10 +6,9 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 
 import zeroscan
 import zeroscan.distributed
-from helpers import DEVICES, assert_matches_reference, fresh_generator, make_values
+from helpers import DEVICES, assert_matches_reference, ended, fresh_generator, make_values, run_python
 from zeroscan import reference_stats
 from zeroscan.result_row import decode
 
@@ -393,11 +392,107 @@ def test_refusals_stay_one_line_when_torch_shows_cpp_stack_traces() -> None:
     # TORCH_SHOW_CPP_STACKTRACES=1 makes torch append the C++ stack to every
     # native error; what zeroscan raises in the caller's words stays one line.
     env = {**os.environ, "TORCH_SHOW_CPP_STACKTRACES": "1", "TORCH_DISABLE_ADDR2LINE": "1"}
-    done = subprocess.run([sys.executable, "-c", NATIVE_REFUSALS], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_python(NATIVE_REFUSALS, env=env, timeout=120)
+    assert done.returncode == 0, ended(done)
     messages = json.loads(done.stdout.strip().splitlines()[-1])
     for name, message in messages.items():
         prefix = name.split(" (")[0]
         assert message is not None, f"{name}: not refused"
         assert message.startswith(prefix + " "), (name, message[:300])
         assert "\n" not in message.strip(), (name, message[:300])
+
+
+# --- each native refusal in a process of its own ----------------------------------
+# A native refusal whose message holds a number ("xs[1]", "65 dimensions")
+# killed the whole process with SIGSEGV on the H200, CPU tensors too: that
+# build of the extension held a static copy of libstdc++ (see setup.py), and
+# formatting a number in it crashed. In pytest's own process such a crash ends
+# the session without a report, so each refusal runs here in a fresh
+# interpreter, on every device, and must end in its one-line error.
+class Refusal(NamedTuple):
+    call: str  # evaluated with ok (float32 [2]), bad (uint16), deep (65 dimensions) and flags on the device
+    message: str  # the whole error, a regex; it names the call, the argument and what it was given
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+
+UINT16 = r"has unsupported dtype \(UInt16\); supported: float32, [a-z0-9_, ]+ and int64"
+DEEP = r"has 65 dimensions; at most 64 are supported"
+REFUSALS = {
+    "stats(histogram=True)": Refusal("zeroscan.stats(bad, histogram=True)", rf"zeroscan\.stats: x {UINT16}"),
+    "stats_many": Refusal("zeroscan.stats_many([ok, bad])", rf"zeroscan\.stats_many: tensors\[1\] {UINT16}"),
+    "stats_many(histogram=True)": Refusal(
+        "zeroscan.stats_many([ok, bad], histogram=True)", rf"zeroscan\.stats_many: tensors\[1\] {UINT16}"
+    ),
+    "scan_buffers": Refusal("zeroscan.scan_buffers([ok, bad])", rf"zeroscan\.scan_buffers: tensors\[1\] {UINT16}"),
+    "stats_many_hist op": Refusal(
+        "torch.ops.zeroscan.stats_many_hist.default([ok, bad], None)", rf"zeroscan\.stats_many_hist: xs\[1\] {UINT16}"
+    ),
+    "stats_many_mapped": Refusal(
+        "stats_many_mapped([ok, bad])", rf"zeroscan\.stats_many_mapped: tensors\[1\] {UINT16}", ("cpu",)
+    ),
+    "stats_many_mapped of a CUDA tensor": Refusal(
+        "stats_many_mapped([torch.ones(2), ok])",
+        r"zeroscan\.stats_many_mapped: tensors\[1\] is on cuda:0; it scans memory-mapped CPU tensors",
+        ("cuda",),
+    ),
+    "stats_many_hist op across devices": Refusal(
+        "torch.ops.zeroscan.stats_many_hist.default([torch.ones(2), ok], None)",
+        r"zeroscan\.stats_many_hist: all tensors of one call must be on the same device; "
+        r"xs\[0\] is on cpu but xs\[1\] is on cuda:0",
+        ("cuda",),
+    ),
+    "stats of 65 dimensions": Refusal("zeroscan.stats(deep)", rf"zeroscan\.stats: x {DEEP}"),
+    "stats_many of 65 dimensions": Refusal(
+        "zeroscan.stats_many([ok, deep], histogram=True)", rf"zeroscan\.stats_many: tensors\[1\] {DEEP}"
+    ),
+    "combine_rows op": Refusal(
+        "torch.ops.zeroscan.combine_rows.default(ok.view(1, 2))",
+        r"zeroscan\.combine_rows: rows must be an int64 \[W, N, 16\] tensor of result rows with W >= 1, "
+        r"got Float of shape \[1, 2\]",
+    ),
+    "mark_nonfinite op": Refusal(
+        "torch.ops.zeroscan.mark_nonfinite.default([ok], flags, [3])",
+        r"zeroscan\.mark_nonfinite: slots\[0\] is 3, outside flags of 1 entries",
+    ),
+}
+
+# argv: the device and the call. Prints the error it raised as JSON (null if none).
+REFUSE = """
+    import json, sys
+    import torch, zeroscan
+    from zeroscan.stats import stats_many_mapped
+
+    device, call = sys.argv[1], sys.argv[2]
+    ok = torch.ones(2, device=device)
+    bad = torch.zeros(4, dtype=torch.uint8, device=device).view(torch.uint16)
+    deep = torch.zeros([1] * 65, device=device)
+    flags = torch.zeros(1, dtype=torch.int32, device=device)
+    try:
+        eval(call)
+    except Exception as e:
+        print(json.dumps({"type": type(e).__name__, "message": str(e)}))
+    else:
+        print(json.dumps(None))
+"""
+
+CUDA_ONLY_WITH_A_GPU = DEVICES[1].marks  # as every CUDA case: collected everywhere, skipped without a GPU
+
+
+@pytest.mark.slow  # a process per case
+@pytest.mark.parametrize(
+    ("kind", "device"),
+    [
+        pytest.param(kind, device, marks=CUDA_ONLY_WITH_A_GPU if device == "cuda" else ())
+        for kind, refusal in REFUSALS.items()
+        for device in refusal.devices
+    ],
+)
+def test_native_refusal_in_a_fresh_process(kind: str, device: str) -> None:
+    refusal = REFUSALS[kind]
+    proc = run_python(REFUSE, device, refusal.call, timeout=120)
+    assert proc.returncode == 0, f"{refusal.call} on {device}: {ended(proc)}"
+    error = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert error is not None, f"{refusal.call} on {device} was not refused"
+    message = error["message"]
+    assert error["type"] == "RuntimeError" and "\n" not in message, (error["type"], message)
+    assert re.fullmatch(refusal.message, message), f"{message!r} does not match {refusal.message!r}"

@@ -13,16 +13,13 @@ from __future__ import annotations
 import json
 import mmap
 import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 import zeroscan
-from helpers import assert_matches_reference, fresh_generator, make_values
+from helpers import assert_matches_reference, fresh_generator, make_values, run_python
 from zeroscan.stats import stats_many_mapped
 
 pytestmark = pytest.mark.slow  # truncates files under processes that then die: left out of the quick subset (-m "not slow")
@@ -109,18 +106,6 @@ def test_opcheck() -> None:
 
 
 # --- a file truncated under the mapping --------------------------------------
-
-def run_python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """`script` in a fresh interpreter that writes no core file: a SIGBUS
-    there cannot take pytest down."""
-    prelude = "import resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
-    return subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
 
 # argv: the file, its size in bytes, where to cut it, the [begin, end) byte
 # spans of the float32 tensors to scan, and "faulthandler" or not. Scans the
