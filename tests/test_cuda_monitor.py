@@ -283,10 +283,12 @@ def test_a_nan_step_issues_the_ops_of_a_clean_one(variant: str) -> None:
     (clean_backward, clean_step), (nan_backward, nan_step) = logs[1], logs[2]
     assert nan_backward == clean_backward, first_difference(nan_backward, clean_backward)
     assert nan_step == clean_step, first_difference(nan_step, clean_step)
-    # The logs see the scans: each ReLU's output in forward and the gradients at the end of backward;
-    # at the step, the Monitor's of every gradient and weight and the guard's of the gradients.
+    # The logs see the scans: each ReLU's output in forward and, at the end of backward, the witness
+    # of a few gradients' first values (no histograms: the gradients themselves wait for the step,
+    # monitor/deferred.py); at the step, the Monitor's of every gradient and weight and the guard's
+    # of the gradients.
     assert [op for op, _ in clean_backward if op.startswith("zeroscan.")] == [
-        "zeroscan.stats_many.default", "zeroscan.stats_many.default", "zeroscan.stats_many_hist.default",
+        "zeroscan.stats_many.default", "zeroscan.stats_many.default", "zeroscan.stats_many.default",
     ]
     assert sorted(op for op, _ in clean_step if op.startswith("zeroscan.")) == [
         "zeroscan.stats_many.default", "zeroscan.stats_many_hist.default",
@@ -320,7 +322,7 @@ def test_the_checks_see_a_host_read_planted_in_the_monitor(plant: str, monkeypat
         with DeviceWaits() as waits:
             train_step(model, opt, data[1])
         op = "aten._local_scalar_dense.default" if plant == "item" else "aten.nonzero.default"
-        assert [seen for seen, _ in waits.by_zeroscan()] == [op, op]  # backward's scan, then the step's
+        assert [seen for seen, _ in waits.by_zeroscan()] == [op, op]  # backward's (the witness), then the step's
         assert all(where is not None and where.startswith("zeroscan/") for _, where in waits.by_zeroscan())
         if plant == "item":
             with host_reads_refused(monkeypatch) as calls:
@@ -374,11 +376,14 @@ def test_a_captured_step_with_the_monitor_replays_like_eager(options: str) -> No
     with torch.cuda.graph(graph):
         loss_of(model, (static_x, static_y)).backward()
         opt.step()
-    # The Monitor's Python side ran once, while capturing: one more step, recorded with two scans
-    # (at the end of backward, and every gradient and weight at the step) into the graph's buffers.
+    # The Monitor's Python side ran once, while capturing: one more step, recorded into the graph's
+    # buffers with one scan of every gradient and weight at the step and, at the end of backward, the
+    # witness of a few gradients' first values (the warm-up steps let their gradients go, so the
+    # gradients wait for the step: monitor/deferred.py).
     assert monitor.steps_seen == WARMUP + 1
     captured = monitor._records[-1]
-    assert captured.step == WARMUP and captured.stepped is True and len(captured.groups) == 2
+    assert captured.step == WARMUP and captured.stepped is True and len(captured.groups) == 1
+    assert captured.witness is not None
     assert [tag for _, tag, _ in captured.activations] == (["relu", "relu"] if monitor_options else [])
     assert swallowed(monitor) == [], "a scan failed while capturing and was kept as a note"
     params = list(model.parameters())
@@ -397,6 +402,8 @@ def test_a_captured_step_with_the_monitor_replays_like_eager(options: str) -> No
             if monitor_options:
                 assert block is not None, f"replay {k}: no histogram fields"
                 assert torch.equal(block.fields, torch.ops.zeroscan.stats_many_hist.default(tensors, None)[1])
+        witness = [params[Slot.at_row(row).param].grad.reshape(-1)[:64] for row in captured.witness.slots]
+        assert torch.equal(captured.witness.rows, torch.ops.zeroscan.stats_many.default(witness, None))
         # ... and hold what the eager Monitor recorded for the same step.
         twin_record = eager._records[-1]
         assert twin_record.step == WARMUP + k

@@ -410,13 +410,17 @@ def test_one_scan_per_step_and_no_readback(monkeypatch: pytest.MonkeyPatch) -> N
         opt.zero_grad()
         model(torch.randn(4, 6, generator=g)).sum().backward()
         opt.step()
-    # Per step: the 4 gradients when backward ends (a skipped step keeps those),
-    # then 4 gradients + 4 weights at optimizer.step().
+    # Per step: 4 gradients + 4 weights at optimizer.step(). When backward ends, the
+    # first step reads the 4 gradients (the Monitor has not yet seen the loop let
+    # them go: a skipped step would keep those); later steps read a witness there
+    # (monitor/deferred.py): the first 64 values of each gradient, here the whole of
+    # these small ones, kept apart from the step's rows.
     assert calls == [4, 8] * 12
     records = list(mon._records)
     assert len(records) == 5 and [r.step for r in records] == [7, 8, 9, 10, 11]
     for r in records:
-        assert [buffer.shape for _, buffer in r.groups] == [(4, 16), (8, 16)] and r.rows is None
+        assert [buffer.shape for _, buffer in r.groups] == [(8, 16)] and r.rows is None
+        assert r.witness is not None and r.witness.rows.shape == (4, 16)
         assert all(buffer.dtype == torch.int64 for _, buffer in r.groups)
     monkeypatch.setattr(monitor_py, "decode_records", real_decode)
     report = mon.report()

@@ -122,9 +122,11 @@ def check_ddp_nan_on_one_rank(rank: int, seed: int) -> Report:
 def check_ddp_healthy(rank: int, seed: int) -> Report:
     """DDP training with nothing wrong: no findings, and the global rows are
     this rank's own (replicas agree), as a Monitor without a group sees them.
-    After the first step (which builds the packing it reuses) the step path,
-    merge included, calls no op after which a CUDA host would wait for its
-    device (DeviceWaits: the CPU's stand-in for CUDA's sync debug mode)."""
+    After the first two steps (which build the packings it reuses: from the
+    second on, the gradients are read at the step only, one scan group
+    instead of two, see monitor/deferred.py) the step path, merge included,
+    calls no op after which a CUDA host would wait for its device
+    (DeviceWaits: the CPU's stand-in for CUDA's sync debug mode)."""
     model, ddp, opt = tanh_ddp(seed, 12, 24, 3)
     g = torch.Generator().manual_seed(seed + 1 + rank)
     across = Monitor(ddp, opt, process_group=dist.group.WORLD)
@@ -135,7 +137,7 @@ def check_ddp_healthy(rank: int, seed: int) -> Report:
             opt.zero_grad()
             nn.functional.mse_loss(ddp(x), x[:, :3].cos()).backward()
             opt.step()
-        assert step == 0 or waits.by_zeroscan() == [], f"step {step}: {waits.by_zeroscan()}"
+        assert step <= 1 or waits.by_zeroscan() == [], f"step {step}: {waits.by_zeroscan()}"
     across.close()
     alone.close()
     report, local = across.report(), alone.report()

@@ -176,6 +176,30 @@ def test_a_gradient_freed_after_backward_keeps_its_row_from_backward() -> None:
     assert not [f for f in report.findings if f.severity >= Severity.WARNING], str(report)
 
 
+def test_a_gradient_freed_before_its_read_at_the_step_is_left_out_with_a_note() -> None:
+    """Once the Monitor reads gradients at optimizer.step() only (from the
+    second step on here: monitor/deferred.py), a gradient freed between
+    backward and the step has nothing left to read there: it is left out
+    with the INFO note, where the first step keeps its row from backward."""
+    g = fresh_generator()
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = Monitor(model, opt)
+    step_past_freed_memory(opt)
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.randn(16, 4, generator=g)).square().mean().backward()
+        if step == 1:
+            model[0].weight.grad.untyped_storage().resize_(0)  # freed between backward and the step
+        opt.step()
+    report = monitor.report()
+    (note,) = [f for f in report.findings if f.cause == Cause.NOT_SCANNED]
+    assert (note.name, note.kind, note.severity) == ("0.weight", "grad", Severity.INFO)
+    assert "has no data to scan" in note.message
+    assert ("0.weight", "grad") not in {(t["name"], t["kind"]) for t in report.tensors}
+    assert not [f for f in report.findings if f.severity >= Severity.WARNING], str(report)
+
+
 # ---- report() read column-wise equals a plain loop over rows -------------------
 
 

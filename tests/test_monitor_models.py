@@ -234,18 +234,26 @@ def test_report_without_any_step_scans_what_is_there(g: torch.Generator) -> None
 # ---- 4. whole-model causes named once ----------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["clip_to_zero", "loss_times_zero"])
-def test_every_gradient_zero_is_one_finding(g: torch.Generator, how: str) -> None:
+@pytest.mark.parametrize("warm", [0, 2], ids=["first step", "gradients read at the step only"])
+@pytest.mark.parametrize("how", ["clip_to_zero", "loss_times_zero", "loss_times_zero_clipped"])
+def test_every_gradient_zero_is_one_finding(g: torch.Generator, how: str, warm: int) -> None:
+    """After `warm` ordinary steps the Monitor reads the gradients at the step
+    only, and what backward left is told by the witness it reads then
+    (monitor/deferred.py); at the first step, by its read of every gradient."""
     model = resnet18(num_classes=4)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    batch = images(g, classes=4)
     with Monitor(model, opt) as mon:
-        x, y = images(g, classes=4)()
-        opt.zero_grad()
-        loss = classify(model, x, y)
-        (loss * 0 if how == "loss_times_zero" else loss).backward()
-        if how == "clip_to_zero":
-            nn.utils.clip_grad_norm_(model.parameters(), max_norm=0)
-        opt.step()
+        for step in range(warm + 1):
+            x, y = batch()
+            opt.zero_grad()
+            loss = classify(model, x, y)
+            (loss * 0 if how.startswith("loss_times_zero") and step == warm else loss).backward()
+            if how == "clip_to_zero" and step == warm:
+                nn.utils.clip_grad_norm_(model.parameters(), max_norm=0)
+            if how == "loss_times_zero_clipped":  # changes the gradients in place after backward, by 1
+                nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+            opt.step()
     report = mon.report()
     zero = [f for f in report.findings if f.cause == "exact_zero"]
     assert len(zero) == 1 and zero[0].name == GLOBAL_NAME, str(report)

@@ -6,6 +6,7 @@ and a report made before anything ran says so once."""
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -56,10 +57,15 @@ def nan_in_backward(param: torch.Tensor | None, value: float = float("nan")) -> 
 SKIPPERS = {"guard": skip_by_guard, "own check": skip_by_own_check, "GradScaler": skip_by_scaler}
 
 
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["let go", "zeroed in place"])
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("skipper", SKIPPERS)
 @pytest.mark.parametrize("every", [1, 2])
-def test_every_skipped_step_shows_with_where_its_values_were(skipper: str, fused: bool, every: int) -> None:
+def test_every_skipped_step_shows_with_where_its_values_were(
+    skipper: str, fused: bool, every: int, set_to_none: bool
+) -> None:
+    """Whether the loop lets its gradients go (read after the reset) or
+    zeroes them in place (read when backward ends): monitor/deferred.py."""
     g = fresh_generator()
     model = make_model(g)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
@@ -73,7 +79,7 @@ def test_every_skipped_step_shows_with_where_its_values_were(skipper: str, fused
     planted = {step: names[k % len(names)] for k, step in enumerate(bad_steps)}
     monitor = Monitor(model, opt, every=every)
     for step, batch in enumerate(batches(g, steps)):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         loss = loss_of(model, batch)
         if skipper == "GradScaler":
             loss = opt.scaler.scale(loss)  # type: ignore[attr-defined]
@@ -111,6 +117,58 @@ def test_a_guard_skip_among_scaler_skips_is_told_apart() -> None:
     assert "step 2: 2.bias; step 5: 2.bias" in finding.message
     assert "at 1 of them optimizer.step() did not run" in finding.message
     assert "at 1 of them optimizer.step() ran and the weights stayed finite" in finding.message
+
+
+@pytest.mark.parametrize("zero_grad", ["before forward", "before backward"])
+def test_a_skipped_step_is_read_wherever_zero_grad_runs(zero_grad: str) -> None:
+    """The gradients of a step that optimizer.step() skipped are read once
+    the loop lets them go: at the next forward pass, or at the next backward
+    pass when zero_grad() runs between the two (monitor/deferred.py); the
+    Monitor holds them no longer than that."""
+    g = fresh_generator()
+    model = make_model(g)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = Monitor(model, opt)
+    held: list[weakref.ref[torch.Tensor]] = []
+    for step, batch in enumerate(batches(g, 6)):
+        if zero_grad == "before forward":
+            opt.zero_grad()
+        loss = loss_of(model, batch)
+        if zero_grad == "before backward":
+            opt.zero_grad()
+        with nan_in_backward(model[2].bias if step == 3 else None):
+            loss.backward()
+        if step == 4:
+            assert held and all(ref() is None for ref in held)  # read, and let go
+        if step == 3:  # the user's own check skips it; the Monitor holds its gradients
+            held = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+            continue
+        opt.step()
+    (finding,) = [f for f in monitor.report().findings if f.cause == Cause.SKIPPED_STEPS]
+    assert "step 3: 2.bias" in finding.message and "skipped at 1 of 6 monitored steps" in finding.message
+
+
+def test_a_loop_that_starts_zeroing_gradients_in_place_loses_one_skip() -> None:
+    """The blind spot of reading gradients at optimizer.step() (monitor/deferred.py):
+    the Monitor has seen the loop let go of its gradients, then the gradients of
+    a step that optimizer.step() skips are zeroed in place, and by the time it
+    learns the step was skipped, its NaN is gone: step 2 reads as a backward
+    pass with no step. From then on it reads them when backward ends as well,
+    and sees the next skip."""
+    g = fresh_generator()
+    model = make_model(g)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = Monitor(model, opt)
+    for step, batch in enumerate(batches(g, 6)):
+        opt.zero_grad(set_to_none=step < 3)
+        with nan_in_backward(model[2].bias if step in (2, 4) else None):
+            loss_of(model, batch).backward()
+        if step in (2, 4):
+            continue  # the user's own check skips it
+        opt.step()
+    (finding,) = [f for f in monitor.report().findings if f.cause == Cause.SKIPPED_STEPS]
+    assert "step 4: 2.bias" in finding.message and "step 2" not in finding.message, finding.message
+    assert "skipped at 1 of 5 monitored steps" in finding.message
 
 
 def test_a_step_that_poisoned_the_weights_is_not_called_skipped() -> None:

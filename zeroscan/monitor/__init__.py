@@ -16,17 +16,25 @@ and any clipping, before zero_grad(); `monitor.step(loss)` also lets the
 cause analysis start from the loss instead of the model's outputs.
 
 A step is opened when a backward pass through the model's outputs finishes
-(backward.py): its gradients are scanned then, so a step whose
-optimizer.step() never runs (GradScaler skips it on inf/NaN) is still
-recorded. Gradients reset after it with no step mean a skipped step;
-gradients left untouched until the next backward pass mean gradient
-accumulation, and the step goes on. A module or parameter assigned to the
-model later (a new head) is taken in at the next step (structure.py).
+(backward.py). Gradients reset after it with no step mean a skipped step
+(GradScaler skips one on inf/NaN), which is still recorded; gradients left
+untouched until the next backward pass mean gradient accumulation, and the
+step goes on. A module or parameter assigned to the model later (a new head)
+is taken in at the next step (structure.py).
 
-What one monitored step costs: two zeroscan stats_many calls per device, one
-over the gradients when backward ends and one over every gradient and
-weight at the optimizer step. Their int64 result buffers stay on the device
-in a bounded ring (`history` steps); nothing is read, so there is no host
+What one monitored step costs: each gradient and each weight is read once,
+in one zeroscan stats_many call per device at the optimizer step (after
+clipping and unscaling, however many backward passes accumulated the
+gradients). A skipped step's gradients, which no optimizer hook sees, are
+held (not copied) from the end of backward and read once the loop lets them
+go, at the model's next forward or backward pass. Until the Monitor has seen
+the loop let go of its gradients after a step (zero_grad() setting them to
+None), and in a loop that zeroes them in place, the gradients are also read
+when backward ends, as a skipped step then leaves nothing to read later;
+otherwise only a witness is read there, the first 64 values of at most 8
+gradients (deferred.py says what each rule sees). The int64 result
+buffers stay on the device in a bounded ring (`history` steps); nothing is
+read, so there is no host
 sync, until `report()` copies the ring once per device (the CPU's is read
 where it is) and judges it, column-wise with numpy (table.py, series.py):
 10k parameters x 64 steps take well under a second.

@@ -1,9 +1,10 @@
 """When a backward pass through the model ends, and what happened to the
 gradients after it.
 
-The Monitor records a step's gradients when backward completes, so that a
-step whose optimizer.step() never runs (GradScaler skips it when it finds
-inf/NaN) is still seen. `BackwardWatch` puts a pre-hook on the grad_fn of
+The Monitor opens a step when backward completes and keeps hold of its
+gradients (deferred.py says when it reads them), so that a step whose
+optimizer.step() never runs (GradScaler skips it when it finds inf/NaN) is
+still seen. `BackwardWatch` puts a pre-hook on the grad_fn of
 each output of a forward pass; the first of them to fire in a backward pass
 queues an autograd-engine callback, which runs when that backward pass has
 finished accumulating every .grad. The callback queues itself once more
@@ -15,18 +16,20 @@ all outputs one grad_fn) is what tells an output left out of the loss
 (cause analysis, causes.py).
 
 A `GradState` remembers, per parameter, which .grad tensor was there and
-its version counter (bumped by every in-place change: clipping, unscaling,
-zero_()), with no reference that would keep a freed gradient alive. Between
-two backward passes with no step, gradients left untouched mean gradient
-accumulation; gradients reset or changed mean the step ended without
-optimizer.step().
+its version counter (bumped by in-place changes such as clipping and
+zero_(); not by GradScaler's unscaling, nor by a write through .data), with
+no reference that would keep a freed gradient alive. Between two backward
+passes with no step, gradients left untouched mean gradient accumulation;
+gradients reset or changed mean the step ended without optimizer.step().
+After a step, whether they were zeroed in place or let go (`reset_kind`)
+tells the Monitor whether it may defer reading them (deferred.py).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -58,6 +61,22 @@ def same_grad(p: Param, was: tuple[weakref.ReferenceType[torch.Tensor], int] | N
 def grads_touched(params: list[Param], state: GradState) -> bool:
     """Whether any gradient was replaced, cleared or changed in place since `state`."""
     return not all(same_grad(p, was) for p, was in zip(params, state))
+
+
+def reset_kind(params: list[Param], state: GradState) -> Literal["in place", "let go"] | None:
+    """How the gradients that `state` remembers were touched since: "in
+    place" when one of them is still there, changed in place (zero_(), a
+    clipping, an accumulation); "let go" when every one touched is gone or
+    replaced (zero_grad() setting .grad to None); None when none was touched."""
+    kind: Literal["let go"] | None = None
+    for p, was in zip(params, state):
+        if was is None or same_grad(p, was):
+            continue
+        g = p.tensor.grad
+        if g is not None and g is was[0]():
+            return "in place"
+        kind = "let go"
+    return kind
 
 
 class BackwardWatch:

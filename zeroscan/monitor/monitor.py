@@ -24,8 +24,9 @@ from torch import nn
 
 from zeroscan.monitor import step_record
 from zeroscan.monitor.activations import ActivationScans, activation_modules, scannable
-from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched
+from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched, reset_kind
 from zeroscan.monitor.causes import CauseFinder, cleared_cause
+from zeroscan.monitor.deferred import Pending, ResetHabit, witness_of
 from zeroscan.monitor.graph import Root, output_roots
 from zeroscan.monitor.grad_histograms import check_histogram, free_earlier_fields, latest_histograms
 from zeroscan.monitor.hooks import Hooks, weak_hook
@@ -49,15 +50,26 @@ from zeroscan.verdicts import Cause
 
 class OpenStep(NamedTuple):
     """A step whose backward pass has finished and whose optimizer step has
-    not run yet: its scan (None when the step is not monitored) and the
-    gradients as backward left them."""
+    not run yet: its record (None when the step is not monitored), the
+    gradients as backward left them, and (deferred.py) the gradient tensors
+    held unread until the Monitor knows whether optimizer.step() takes them
+    (None: read when backward ended, or not monitored)."""
 
     record: StepRecord | None
     grads: GradState
+    pending: Pending | None = None
 
 
 class Monitor:
     """Watches a model's gradients, weights and (optionally) activations.
+
+    A monitored step reads every gradient once, as optimizer.step() takes it
+    (from its step pre-hook, or Monitor.step()), and every weight once, in
+    the same scan; a step that no optimizer step takes is read from the
+    gradients backward left, held until the loop lets them go. Until the
+    loop is seen letting its gradients go after a step, and in a loop that
+    zeroes them in place, the gradients are also read when backward ends
+    (deferred.py says what each rule then sees).
 
     model: the nn.Module whose parameters are scanned (named as in
         model.named_parameters(); tied parameters are scanned once).
@@ -142,6 +154,7 @@ class Monitor:
         self._auto = bool(auto and optimizer is not None)
         self._open: OpenStep | None = None
         self._open_touched = False
+        self._habit = ResetHabit()  # whether the gradients can wait for optimizer.step() (deferred.py)
         self._watch = BackwardWatch(weak_hook(self, "_backward_started"), weak_hook(self, "_backward_finished"))
         self._structure = StructureWatch(model)
         self._hooks.forward_pre(model, weak_hook(self, "_root_pre"))
@@ -179,6 +192,11 @@ class Monitor:
             if self._closed:
                 return
             self._closed = True
+            open_step = self._open
+            if open_step is not None and open_step.pending is not None:  # a closed Monitor holds no gradient
+                if self._ranks is None:  # a report() may still end the step; across ranks no step path will
+                    self._read_pending(open_step)
+                self._open = open_step._replace(pending=None)
             self._causes.close()
             self._finalizer()  # removes the hooks, once: it will not run again when the Monitor is freed
             self._structure.remove()
@@ -209,6 +227,10 @@ class Monitor:
         with self._turns.step:
             self._training_thread = threading.get_ident()
             self._watch.reset()
+            self._habit.observe(self._params)
+            open_step = self._open
+            if open_step is not None and open_step.pending is not None and grads_touched(self._params, open_step.grads):
+                self._read_pending(open_step)  # a step not taken, its gradients let go: freed as soon as read
             if self._trace is not None:
                 self._trace.forward_started()
             if self._monitored():
@@ -242,8 +264,12 @@ class Monitor:
         # Read now, before this pass accumulates into .grad: gradients left as the
         # last backward pass left them mean gradient accumulation (the step goes on).
         with self._turns.step:
+            self._habit.observe(self._params, last=True)
             open_step = self._open
             self._open_touched = open_step is not None and grads_touched(self._params, open_step.grads)
+            if self._open_touched:
+                assert open_step is not None
+                self._read_pending(open_step)  # before this pass writes gradients (into the same memory, maybe)
 
     def _backward_finished(self) -> None:
         with self._turns.step:
@@ -260,6 +286,7 @@ class Monitor:
                 self._end_step(open_step.record, stepped=False)
         self._close_trace()  # the passes since the last close are this step's
         record = None
+        pending = None
         if self._monitored():  # the gradients as backward left them: a skipped step keeps these
             record = StepRecord(self._count)
             record.stepped = None
@@ -275,9 +302,28 @@ class Monitor:
                     missing.append(p.index)
             if missing:
                 self._causes.backward_finished(missing)
-            self._scanner.scan_into(record, tensors, slots, self._params, self.histogram)
+            if self._habit.defer:  # read at optimizer.step(), or once the loop lets them go (deferred.py)
+                pending = Pending(tensors, slots)
+                if self._ranks is None:  # across ranks no row `before` is kept to read it
+                    record.witness = witness_of(tensors, slots)
+            else:
+                self._scanner.scan_into(record, tensors, slots, self._params, self.histogram)
             record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
-        self._open = OpenStep(record, grad_state(self._params))
+        self._open = OpenStep(record, grad_state(self._params), pending)
+
+    def _read_pending(self, open_step: OpenStep) -> None:
+        """The open step's gradients were touched with no optimizer step: its
+        record reads the gradients backward left, held since (deferred.py),
+        and the Monitor learns how the loop resets them."""
+        pending = open_step.pending
+        if pending is None or open_step.record is None:
+            return
+        kind = reset_kind(self._params, open_step.grads)
+        if kind is not None:  # zeroed in place: nothing of a later skip would be left to read
+            self._habit.learn(in_place=kind == "in place")
+        if self._open is open_step:
+            self._open = open_step._replace(pending=None)
+        self._scanner.scan_into(open_step.record, pending.tensors, pending.slots, self._params, self.histogram)
 
     # ---- stepping --------------------------------------------------------
 
@@ -314,6 +360,7 @@ class Monitor:
             self._scan(record, loss, None)
         if record is not None and self.optimizer is not None:  # the rates this step runs with
             record.lrs = step_lrs(self.optimizer)
+        self._habit.stepped(self._params)
         self._end_step(record, stepped=True)
 
     def _end_step(self, record: StepRecord | None, stepped: bool) -> None:
@@ -393,11 +440,14 @@ class Monitor:
             # follows at all. Judged as such: a skip only if its gradients hold inf/NaN.
             # Across ranks the step stays open (ending it merges it, a collective that
             # only the ranks calling report() would make): the next backward pass ends it.
+            self._read_pending(open_step)
             self._open = None
             self._end_step(open_step.record, stepped=False)
         recorded = list(self._records)
         self._decode(recorded)
         if not recorded:  # this rank's own scan: no merge was started for it
+            # An open step's gradients were read when backward ended: no step has been taken
+            # yet, so the Monitor does not know yet whether they may wait (deferred.py).
             now = self._open.record if self._open is not None and self._open.record is not None else None
             if now is not None:  # read a copy: the open step goes on, and its merge is read later
                 now = copy.copy(now)
@@ -487,12 +537,14 @@ class Monitor:
         requires_grad = tuple(p.tensor.requires_grad for p in params)
         for r in recorded:
             renumber(r, new_index, requires_grad)
+        self._habit.forget()
         if self._open is not None:
             old = {new_index[i]: was for i, was in enumerate(self._open.grads) if i in new_index}
             grads = [old[j] if j in old else now_state for j, now_state in enumerate(grad_state(params))]
             if self._open.record is not None:
                 renumber(self._open.record, new_index, requires_grad)
-            self._open = OpenStep(self._open.record, grads)
+            pending = self._open.pending
+            self._open = OpenStep(self._open.record, grads, None if pending is None else pending.renumbered(new_index))
         self._params = params
         self._causes.drop()
         self._causes = CauseFinder(self.model, params, self._hooks)

@@ -124,7 +124,7 @@ class StepRecord:
     __slots__ = (
         "step", "stepped", "groups", "fields", "requires_grad", "none_causes", "activations", "notes", "unscanned",
         "rows", "acts", "exchange", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared",
-        "zero_causes", "lrs", "born_ranks",
+        "zero_causes", "lrs", "born_ranks", "witness",
     )
 
     def __init__(self, step: int) -> None:
@@ -167,6 +167,9 @@ class StepRecord:
         # Across ranks, with trace_nonfinite: the least and greatest global rank whose
         # traced passes made a non-finite value since the previous monitored step.
         self.born_ranks: tuple[int, int] | None = None
+        # The first values of a few gradients, read when backward ended while the step's
+        # own read waits for optimizer.step() (deferred.py): decoded as rows `before` only.
+        self.witness: Scan | None = None
 
     def add(self, scans: list[Scan]) -> None:
         """Keeps the results of `scans`, later than those kept so far."""
@@ -296,6 +299,8 @@ def decode_records(records: list[StepRecord], *, own_rows: bool = True) -> None:
                     pending.append((r, "fields", k, block.fields))
             for k, (_, _, buf) in enumerate(r.activations):
                 pending.append((r, "act", k, buf))
+            if r.witness is not None and own_rows:
+                pending.append((r, "witness", 0, r.witness.rows))
     by_device: dict[torch.device, list[tuple[StepRecord, str, int, torch.Tensor]]] = {}
     for item in pending:
         by_device.setdefault(item[3].device, []).append(item)
@@ -327,6 +332,10 @@ def decode_records(records: list[StepRecord], *, own_rows: bool = True) -> None:
             acts.append(Activation(name, tag, output, unit))
         r.rows = RowTable(groups, blocks)
         r.fields = [None] * len(r.groups)  # the table holds them now: the device copies go
+        if r.witness is not None and own_rows:
+            rows = np.array(r.witness.slots, dtype=np.int64)
+            r.rows.witnessed(rows, host[(id(r), "witness", 0)])
+            r.witness = None
         r.acts = acts
         for i in r.cleared:  # gone before the step: not the step's gradients
             r.rows.clear(grad_row(i))
@@ -360,6 +369,8 @@ def renumber(r: StepRecord, new_index: dict[int, int], requires_grad: tuple[bool
         return slot(Slot.at_row(old)).row
 
     r.groups = [([row(s) for s in slots], buffer) for slots, buffer in r.groups]
+    if r.witness is not None:
+        r.witness = r.witness._replace(slots=[row(s) for s in r.witness.slots])
     if r.rows is not None:
         new_row = np.full(2 * (max(new_index, default=-1) + 1), -1, dtype=np.int64)
         for i, j in new_index.items():

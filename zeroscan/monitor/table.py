@@ -148,6 +148,20 @@ class RowTable:
         counts, _ = self.gather(rows, list(range(NUM_FIELDS))[NONFINITE])
         return counts.sum(axis=1) > 0
 
+    def witnessed(self, rows: np.ndarray, words: np.ndarray) -> None:
+        """Rows read of the first values of some gradients when backward ended
+        (monitor/deferred.py), int64 [K, 16] at Slot rows `rows` (-1: a
+        parameter gone): kept as those slots' rows `before` where they have no
+        other, and never as their rows."""
+        into = (rows >= 0) & (rows < self._before_group.size)
+        into[into] &= self._before_group[rows[into]] == ABSENT
+        if not into.any():
+            return
+        self._words.append(words)
+        self._blocks.append(None)
+        self._before_group[rows[into]] = len(self._words) - 1
+        self._before_pos[rows[into]] = np.flatnonzero(into).astype(np.int32)
+
     def clear(self, row: int) -> None:
         """Slot row `row` is not the step's: its row becomes the row `before`."""
         if 0 <= row < self._group.size and self._group[row] != ABSENT:
