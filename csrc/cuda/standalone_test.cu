@@ -537,16 +537,21 @@ struct Case {
   std::vector<int64_t> sizes, strides;
   Layout layout;
   double tol = -1.0;               // < 0: the dtype's eps
+  Mix mix = Mix::kNormal;
   Limits limits = {};              // limits_for the dtype and tol
   Partial want;
   double exact_mean = 0.0;  // of the finite values, from a compensated sum
   double mean_abs = 0.0;    // of the finite values
   bool is_f64 = false;
+  bool fast = false;  // its dtype has the fast path (fast_tally.cuh)
   std::vector<int64_t> want_fields;  // the reference histogram [fields of T]
 };
 
 // The state the emulated kernels share, like the device buffers of a call.
 struct EmulatedCall {
+  int64_t tiles_fast = 0;   // tiles the fast path scanned
+  int64_t tiles_again = 0;  // of which the Tally path scanned again
+  std::vector<int64_t> fast_by_row, again_by_row;  // the same per result row
   std::vector<Partial> partials;
   std::vector<int32_t> counters;
   std::vector<int64_t> out;
@@ -562,6 +567,7 @@ struct TypeOps {
   std::function<bool(Mix)> applies;
   std::function<void(Case&, Mix, Rng&, int64_t)> fill;  // storage elements
   std::function<void(Case&)> reference;
+  std::function<FastLimits(const Limits&)> fast_limits;
   std::function<void(const std::vector<ScanInput>&, const LaunchHeader&,
                      int64_t&, int)>
       launch;
@@ -598,6 +604,7 @@ void reference_of(Case& c) {
   const double tol = c.tol < 0 ? Tr::eps() : c.tol;
   c.limits = limits_for<T>(tiny, tol);  // what the kernels get
   c.is_f64 = std::is_same_v<T, double>;
+  c.fast = kHasFastPath<T>;
   const T* base = reinterpret_cast<const T*>(c.host.data()) + c.offset;
   Partial& w = c.want;
   w = Partial{};
@@ -700,13 +707,39 @@ void emulate_launch(const Batch& b, EmulatedCall& call) {
   const Limits lim = b.h.limits;
   const bool hist = b.h.hist != nullptr;
   std::vector<uint32_t> bins(hist ? Binning<T>::kFields : 0, 0u);
+  constexpr bool kFast = !kStrided && kHasFastPath<T>;
   for (int g = 0; g < b.h.num_tiles; ++g) {
     const TileSpan span = locate(b.h, b.t, g);
     const TensorTiles& t = b.t[span.tensor];
     Partial p = empty_partial();
-    for (int tid = 0; tid < kThreads; ++tid) {
-      combine(p, hist ? thread_partial<T, kStrided>(b, span, tid, lim,
-                                                   FieldBins<T>{bins.data(), 1u})
+    bool slow = true;
+    bool walked = false;  // the fast path counted the histogram fields
+    const FieldBins<T> fields{bins.data(), 1u};
+    if constexpr (kFast) {
+      if (b.h.fast.on) {
+        const T* first = static_cast<const T*>(t.data) + span.begin;
+        const TileCenter ctr = tile_center_serial<T>(first, span.end - span.begin);
+        if (fast_center_ok<T>(ctr)) {
+          TileSums sums;
+          for (int tid = 0; tid < kThreads; ++tid) {
+            combine_sums(sums, hist ? fast_thread_sums<T>(b, span, tid, ctr, fields)
+                                    : fast_thread_sums<T>(b, span, tid, ctr, NoFields{}));
+          }
+          walked = true;
+          slow = !fast_partial<T>(sums, ctr, span.end - span.begin, p);
+        }
+        if (slow) {
+          p = empty_partial();
+          ++call.tiles_again;
+          ++call.again_by_row[t.row];
+        }
+        ++call.tiles_fast;
+        ++call.fast_by_row[t.row];
+      }
+    }
+    for (int tid = 0; slow && tid < kThreads; ++tid) {
+      const FieldBins<T> counted = walked ? fields.muted() : fields;
+      combine(p, hist ? thread_partial<T, kStrided>(b, span, tid, lim, counted)
                       : thread_partial<T, kStrided>(b, span, tid, lim));
     }
     for (int tid = 0; hist && tid < kThreads; ++tid) {
@@ -753,6 +786,7 @@ TypeOps ops_of() {
     std::memcpy(c.host.data(), v.data(), n * sizeof(T));
   };
   o.reference = reference_of<T>;
+  o.fast_limits = fast_limits_for<T>;
   o.launch = launch_type<T>;
   o.emulate = emulate_type<T>;
   return o;
@@ -893,6 +927,7 @@ void check_slots_numbered(int64_t slot_cursor, int64_t total_tiles) {
 // fields [n, width] (width the most fields of the cases' types, as
 // new_histogram sizes them).
 struct CallResult {
+  std::vector<int64_t> fast_by_row, again_by_row;  // --emulate: fast-path tiles, and those summed again
   std::vector<int64_t> rows;
   std::vector<int64_t> hist;  // empty without a histogram
   int64_t width = 0;
@@ -934,6 +969,7 @@ CallResult run_call(const std::vector<TypeOps>& types, const std::vector<Case*>&
   for_each_launch(cases, on_device, [&](const Case& first, const std::vector<ScanInput>& inputs) {
     LaunchHeader h;
     h.limits = first.limits;
+    h.fast = types[first.type].fast_limits(first.limits);
     h.out = out;
     h.partials = partials;
     h.counters = counters;
@@ -969,6 +1005,8 @@ CallResult emulate_call(const std::vector<TypeOps>& types, const std::vector<Cas
   call.partials.resize(total_tiles);
   call.counters.assign(n, 0);
   call.hist.assign(n * width, 0);
+  call.fast_by_row.assign(n, 0);
+  call.again_by_row.assign(n, 0);
   int64_t slot_cursor = 0;
   const auto on_host = [](const Case& c) -> const void* {
     return c.host.data() + c.offset * c.elem_size;
@@ -976,21 +1014,35 @@ CallResult emulate_call(const std::vector<TypeOps>& types, const std::vector<Cas
   for_each_launch(cases, on_host, [&](const Case& first, const std::vector<ScanInput>& inputs) {
     LaunchHeader h;
     h.limits = first.limits;
+    h.fast = types[first.type].fast_limits(first.limits);
     h.hist = with_hist ? call.hist.data() : nullptr;
     h.hist_width = width;
     types[first.type].emulate(inputs, h, slot_cursor, call);
   });
   check_slots_numbered(slot_cursor, total_tiles);
+  std::printf("emulated call%s: %lld tiles on the fast path, %lld of them summed again by Tally\n",
+              with_hist ? " with histograms" : "", static_cast<long long>(call.tiles_fast),
+              static_cast<long long>(call.tiles_again));
   CallResult result;
   result.rows = std::move(call.out);
   result.hist = std::move(call.hist);
   result.width = width;
+  result.fast_by_row = std::move(call.fast_by_row);
+  result.again_by_row = std::move(call.again_by_row);
   return result;
 }
 
 // ---- Checks ------------------------------------------------------------------
 
 int failures = 0;
+
+// The largest errors of the fast path's moments seen so far: |m2 - want| /
+// want, and |mean - want| as a fraction of the bound's floor (2e-7 mean |x|
+// + 1e-6 std).
+struct Worst {
+  double m2 = 0.0, mean = 0.0;
+  std::string m2_case, mean_case;
+} worst_fast;
 
 void fail(const Case& c, const char* field, double got, double want) {
   if (++failures <= 40) {
@@ -1035,23 +1087,40 @@ void check_row(const Case& c, const int64_t* row) {
   // of slack.
   const double rtol = c.is_f64 ? 1e-10 : 1e-6;
   const double grid_slack = 256 * std::numeric_limits<double>::denorm_min();
+  // The fast path (float32, bfloat16, float16; fast_tally.cuh) sums float32's
+  // values with Kahan's compensation (within 2^-23 of the sum of |x|) and
+  // the 16-bit types' deviations from the tile's shift in float32 runs
+  // (within ~7 * 2^-24 of the sum of |x - shift|, under sqrt(2) times the
+  // standard deviation where the tile is kept): the README's bound for them,
+  // within rtol plus 2e-7 of the mean |x| plus 1e-6 of the standard deviation.
+  const double sd = want.finite() > 0 && std::isfinite(want.m2)
+                        ? std::sqrt(want.m2 / static_cast<double>(want.finite()))
+                        : 0.0;
+  const double floor = c.fast ? 2e-7 * c.mean_abs + 1e-6 * sd : 1e-12 * c.mean_abs;
   if (want.finite() > 0 &&
-      std::fabs(got.mean - c.exact_mean) >
-          rtol * std::fabs(c.exact_mean) + 1e-12 * c.mean_abs +
-              grid_slack) {
+      std::fabs(got.mean - c.exact_mean) > rtol * std::fabs(c.exact_mean) + floor + grid_slack) {
     fail(c, "mean", got.mean, c.exact_mean);
   }
-  // Every dtype is held to float64's m2 tolerance: the kernels widen each
-  // value exactly to double and sum it about the thread's shift in double,
-  // whatever the dtype.
+  // The Tally path widens each value exactly to double and sums it about the
+  // thread's shift in double: float64's tolerance for every dtype. The fast
+  // path (float32, bfloat16, float16) sums squares in float32 runs (see
+  // fast_tally.cuh): the README's bound, std within 1e-6, m2 within 2e-6.
   // The reference sums millions of squared deviations in one sequential
   // double sum, whose own rounding reaches ~1e-11 with integer extremes.
   // m2 is inf when it lies beyond the float64 range, and only then.
-  const double m2_rtol = 1e-9;
+  const double m2_rtol = c.fast ? 2e-6 : 1e-9;
   const bool m2_ok = std::isinf(want.m2) || std::isinf(got.m2)
                          ? got.m2 == want.m2
                          : std::fabs(got.m2 - want.m2) <= m2_rtol * want.m2 + 1e-300;
   if (!m2_ok) fail(c, "m2", got.m2, want.m2);
+  if (c.fast && want.finite() > 0 && std::isfinite(want.m2) && want.m2 > 0) {
+    const double e = std::fabs(got.m2 - want.m2) / want.m2;
+    if (e > worst_fast.m2) worst_fast = {e, worst_fast.mean, c.what, worst_fast.mean_case};
+  }
+  if (c.fast && want.finite() > 1 && c.mean_abs + sd > 0) {
+    const double e = std::fabs(got.mean - c.exact_mean) / (2e-7 * c.mean_abs + 1e-6 * sd);
+    if (e > worst_fast.mean) worst_fast = {worst_fast.m2, e, worst_fast.m2_case, c.what};
+  }
   // The mean of finite values is finite.
   if (want.finite() > 0 && !std::isfinite(got.mean)) fail(c, "mean", got.mean, c.exact_mean);
 }
@@ -1162,6 +1231,123 @@ void check_host_widening(int patterns) {
   compare_widening("host ", host, got);
 }
 
+// ---- The fast path's classes against Tally's ---------------------------------
+
+// The counts and key extremes of one element as the fast path finds them
+// (a tally of that element alone) and as Tally does. A bfloat16 beyond 2^121
+// is the fast path's to hand back (its square overflows), not to count.
+template <typename T>
+TileSums fast_sums_of(T x, const FastLimits& k) {
+  const TileCenter ctr = make_center(0.0f, 0.0f, 0.0f);
+  if constexpr (std::is_same_v<T, float>) {
+    FastTally<float> f;
+    f.add(x, k, ctr, 0);
+    f.end_group();
+    return f.finish(1);
+  } else {
+    FastTally16<T> f;
+    f.lone(x.bits, k, ctr);
+    f.end_group();
+    return f.finish(1);
+  }
+}
+
+// Every pattern of a 16-bit type, or for float32 every exponent with its
+// extreme and some random mantissas, against Tally, for several tols. Exits
+// with a message on the first mismatch; returns the patterns checked.
+template <typename T>
+int64_t check_fast_classes(Rng& rng) {
+  using F = Format<T>;
+  const double tiny = Traits<T>::tiny(), eps = Traits<T>::eps();
+  std::vector<double> tols = {eps, 0.0, tiny, tiny / 3, 1.0, 1e-3, 0.3};
+  for (int k = 0; k < 8; ++k) tols.push_back(std::ldexp(1.0 + rng.uniform(), static_cast<int>(rng.range(-30, 20))));
+  std::vector<uint32_t> patterns;
+  if constexpr (sizeof(T) == 2) {
+    for (uint32_t b = 0; b < (1u << 16); ++b) patterns.push_back(b);
+  } else {
+    for (uint32_t e = 0; e < 256; ++e) {
+      for (uint32_t m : {0u, 1u, 2u, 0x400000u, 0x7ffffeu, 0x7fffffu}) patterns.push_back(e << 23 | m);
+      for (int r = 0; r < 16; ++r) patterns.push_back(e << 23 | static_cast<uint32_t>(rng.bits() & 0x7fffff));
+    }
+    const size_t positive = patterns.size();
+    for (size_t i = 0; i < positive; ++i) patterns.push_back(patterns[i] | 0x80000000u);
+  }
+  int64_t checked = 0;
+  for (double tol : tols) {
+    const Limits lim = limits_for<T>(tiny, tol);
+    const FastLimits k = fast_limits_for<T>(lim);
+    if (!k.on) continue;  // such a tol takes the Tally path
+    for (uint32_t b : patterns) {
+      T x;
+      std::memcpy(&x, &b, sizeof(T));
+      const TileSums got = fast_sums_of(x, k);
+      Tally<T, uint32_t> want;
+      want.add(x, lim, 0.0);
+      const Partial w = want.finish(0.0);
+      const uint32_t key = static_cast<uint32_t>(F::key(x));
+      const bool huge = std::is_same_v<T, bf16_t> && key >= 0x7c00u && key < 0x7f80u;
+      if (huge) {
+        // Summed about a shift of 0 at scale 1 (a sample below 2^57): its
+        // square overflows, and fast_partial hands the tile to Tally.
+        if (std::isfinite(got.s2)) {
+          std::printf("FAIL fast classes %s %#x: a value beyond 2^121 not handed back\n", Traits<T>::name, b);
+          std::exit(1);
+        }
+        continue;
+      }
+      const int64_t g[7] = {static_cast<int64_t>(got.zeros), static_cast<int64_t>(got.at_most_sub) - static_cast<int64_t>(got.zeros),
+                            static_cast<int64_t>(got.at_most_tol) - static_cast<int64_t>(got.zeros), 1 - static_cast<int64_t>(got.non_nan),
+                            static_cast<int64_t>(got.non_nan) - static_cast<int64_t>(got.finite) - static_cast<int64_t>(got.neginf),
+                            static_cast<int64_t>(got.neginf), static_cast<int64_t>(got.negative)};
+      const int64_t wv[7] = {w.zeros, w.subnormal, w.near_zero, w.nan, w.posinf, w.neginf, w.negative};
+      const char* names[7] = {"zeros", "subnormal", "near_zero", "nan", "posinf", "neginf", "negative"};
+      for (int f = 0; f < 7; ++f) {
+        if (g[f] != wv[f]) {
+          std::printf("FAIL fast classes %s %#x tol %g: %s %lld, Tally %lld\n", Traits<T>::name, b, tol, names[f],
+                      static_cast<long long>(g[f]), static_cast<long long>(wv[f]));
+          std::exit(1);
+        }
+      }
+      const bool nonzero = w.numel - w.nan - w.zeros > 0;
+      if (w.nan == 0 && got.hi != key) {
+        std::printf("FAIL fast classes %s %#x: greatest key %#x\n", Traits<T>::name, b, got.hi);
+        std::exit(1);
+      }
+      // 16-bit: a lone key of 0x7bff and above is settled later (fast_partial).
+      const bool settled_later = sizeof(T) == 2 && key >= 0x7bffu;
+      if (w.nan == 0 && nonzero && !settled_later && got.lo != key) {
+        std::printf("FAIL fast classes %s %#x: least nonzero key %#x\n", Traits<T>::name, b, got.lo);
+        std::exit(1);
+      }
+      ++checked;
+    }
+  }
+  return checked;
+}
+
+// Per dtype and value mix, the fast path's tiles that Tally summed again
+// (a second pass over their memory): the mixes that stand for data users
+// have should need none.
+void report_again(const std::vector<TypeOps>& types, const std::vector<Case>& cases,
+                  const CallResult& call) {
+  std::printf("fast-path tiles summed again by Tally, by dtype and mix (again / fast):\n");
+  for (size_t t = 0; t < types.size(); ++t) {
+    std::string line;
+    for (int m = 0; m <= static_cast<int>(Mix::kOneHuge); ++m) {
+      int64_t fast = 0, again = 0;
+      for (size_t i = 0; i < cases.size(); ++i) {
+        if (cases[i].type != static_cast<int>(t) || static_cast<int>(cases[i].mix) != m) continue;
+        fast += call.fast_by_row[i];
+        again += call.again_by_row[i];
+      }
+      if (fast == 0) continue;
+      line += " " + std::string(mix_name(static_cast<Mix>(m))) + " " + std::to_string(again) + "/" +
+              std::to_string(fast);
+    }
+    if (!line.empty()) std::printf("  %s:%s\n", types[t].name, line.c_str());
+  }
+}
+
 int run(uint64_t seed, bool large, bool small, bool emulate) {
   std::printf("seed %llu%s\n", static_cast<unsigned long long>(seed),
               emulate ? " (emulating the kernels on the CPU)" : "");
@@ -1180,6 +1366,12 @@ int run(uint64_t seed, bool large, bool small, bool emulate) {
   }
 
   failures += check_table();
+  {
+    const int64_t checked =
+        check_fast_classes<float>(rng) + check_fast_classes<bf16_t>(rng) + check_fast_classes<f16_t>(rng);
+    std::printf("the fast path's classes and key extremes of %lld patterns x tols: those of Tally\n",
+                static_cast<long long>(checked));
+  }
 
   const std::vector<TypeOps> types = all_types();
   std::vector<Case> cases;
@@ -1218,6 +1410,7 @@ int run(uint64_t seed, bool large, bool small, bool emulate) {
       c.sizes = v.sizes;
       c.strides = v.strides;
       c.tol = tol;
+      c.mix = mix;
       types[t].fill(c, mix, rng, v.storage);
       c.layout = plan_layout(c.sizes.data(), c.strides.data(),
                              static_cast<int>(c.sizes.size()));
@@ -1277,6 +1470,10 @@ int run(uint64_t seed, bool large, bool small, bool emulate) {
     }
     std::printf("emulated kernels against the CPU reference: %d mismatches\n",
                 failures);
+    std::printf("fast path, largest errors: m2 %.3g of m2 (%s), mean %.3g of its floor (%s)\n",
+                worst_fast.m2, worst_fast.m2_case.c_str(), worst_fast.mean,
+                worst_fast.mean_case.c_str());
+    report_again(types, cases, plain);
     const CallResult with_hist = emulate_call(types, all, true);
     const int hist_bad = check_hist_call(cases, plain, with_hist, "emulated");
     std::printf("emulated histograms (width %lld) against the CPU reference, rows "
@@ -1304,6 +1501,9 @@ int run(uint64_t seed, bool large, bool small, bool emulate) {
   }
   const int reference_failures = failures;
   std::printf("against the CPU reference: %d mismatches\n", reference_failures);
+  std::printf("fast path, largest errors: m2 %.3g of m2 (%s), mean %.3g of its floor (%s)\n",
+              worst_fast.m2, worst_fast.m2_case.c_str(), worst_fast.mean,
+              worst_fast.mean_case.c_str());
 
   // 2. Bitwise identical alone, with a one-block grid, and when repeated.
   const CallResult one_block = run_call(types, all, 1);

@@ -46,6 +46,7 @@ void launch_as(const std::vector<ScanInput>& inputs, const Limits& limits,
                Call& call) {
   LaunchHeader h = call.common;
   h.limits = limits;
+  h.fast = fast_limits_for<T>(limits);
   auto grid = [&](int tiles) { return std::min(tiles, call.max_grid); };
   plan_launches(
       inputs.data(), static_cast<int64_t>(inputs.size()), sizeof(T), h,

@@ -17,6 +17,13 @@
 // the grid size, the device's SM count, the other tensors of a stats_many
 // call, or which block ran which tile.
 //
+// Within a tile, each thread reduces its share through a Tally (classify.h,
+// the CPU's branch-free classification) or, for contiguous float32, bfloat16
+// and float16 on sm_80 and later, through a FastTally (fast_tally.cuh),
+// which counts the same classes on the float pipes in at most 40 % of the
+// issue slots (benchmarks/sass_cost.py); a tile whose fast moments fall
+// short is walked again by the Tally (scan_tiles).
+//
 // stats_many_hist launches the same kernels compiled with kHist: each element
 // also adds 1 to its histogram field (csrc/histogram.h) in a per-block
 // shared-memory table, which the block adds to the tensor's int64 fields in
@@ -27,7 +34,8 @@
 // is compiled in.
 //
 // Tensors travel as kernel arguments (up to kContigCapacity contiguous, or
-// kStridedCapacity strided ones per launch, with int64 sizes), in the spirit
+// kStridedCapacity strided ones per launch, with int64 sizes; 32 KiB of
+// parameters since CUDA 12.1), in the spirit
 // of PyTorch's MultiTensorApply: a list of many tensors is a handful of
 // launches and no host-to-device copy, so it can be captured in a CUDA graph.
 #pragma once
@@ -43,6 +51,7 @@
 #include "../histogram.h"
 #include "../layout.h"
 #include "../stats_record.h"
+#include "fast_tally.cuh"
 
 namespace zeroscan {
 namespace cuda {
@@ -51,7 +60,7 @@ constexpr int kThreads = 256;  // per block
 constexpr int kUnroll = 4;     // 16-byte loads in flight per thread
 // A tile is at least this many bytes, so the per-tile block reduction is a
 // small fraction of the time spent streaming it in.
-constexpr int64_t kMinTileBytes = int64_t(256) << 10;
+constexpr int64_t kMinTileBytes = int64_t(512) << 10;
 // A tensor has at most this many tiles, which bounds the work of the block
 // that combines them.
 constexpr int64_t kMaxTiles = 8192;
@@ -59,8 +68,23 @@ constexpr int64_t kTileAlign = 1024;  // tiles start on 16-byte boundaries
 // Strided layouts with more (coalesced) dimensions than this are not walked
 // by the kernels; the launcher scans a contiguous copy of such a tensor.
 constexpr int kMaxStridedDims = 6;
-constexpr int kContigCapacity = 96;   // tensors per launch, contiguous
-constexpr int kStridedCapacity = 28;  // tensors per launch, strided
+// Tensors per launch. CUDA 12.1 raised the kernel parameter limit from
+// 4 KiB to 32,764 bytes (Volta and later): 2,000 small tensors are then
+// three launches, not twenty-one, each with many tensors' tiles at once.
+#if CUDART_VERSION >= 12010
+constexpr int kContigCapacity = 768;   // contiguous
+constexpr int kStridedCapacity = 224;  // strided
+constexpr size_t kMaxParamBytes = 32764;
+#else
+constexpr int kContigCapacity = 96;
+constexpr int kStridedCapacity = 28;
+constexpr size_t kMaxParamBytes = 4096;
+#endif
+// A tile holds at most this many positions, so that the walk counts within
+// it in 32 bits and the fast path's counts stay exact (float32 per block,
+// float16 per thread lane: 2^20 / kThreads / 2 = 2048). Tensors beyond
+// kMaxTiles * 2^20 elements get more than kMaxTiles tiles.
+constexpr int64_t kMaxTilePositions = int64_t(1) << 20;
 // Per-launch limit on tiles, far below int32 overflow.
 constexpr int64_t kMaxLaunchTiles = int64_t(1) << 30;
 
@@ -85,6 +109,7 @@ struct LaunchHeader {
   int32_t num_tiles = 0;
   int64_t slot_base = 0;  // tile k's partial goes to partials[slot_base + k]
   Limits limits = {};     // the key limits of the launch's dtype and tol
+  FastLimits fast = {};   // fast.on: FastTally counts them (fast_tally.cuh)
   int64_t* out = nullptr;         // [rows, kNumFields]
   Partial* partials = nullptr;    // [tiles of the whole call]; may be null
   int32_t* counters = nullptr;    // [rows], zeroed before the call; may be null
@@ -105,9 +130,8 @@ struct StridedBatch {
   StridedShape shape[kStridedCapacity];
 };
 
-// Kernel parameters are limited to 4 KiB on every toolkit and driver.
-static_assert(sizeof(ContigBatch) <= 4096, "ContigBatch exceeds 4 KiB");
-static_assert(sizeof(StridedBatch) <= 4096, "StridedBatch exceeds 4 KiB");
+static_assert(sizeof(ContigBatch) <= kMaxParamBytes, "ContigBatch exceeds the kernel parameter limit");
+static_assert(sizeof(StridedBatch) <= kMaxParamBytes, "StridedBatch exceeds the kernel parameter limit");
 
 // Each launches one kernel on `stream` and returns without synchronising;
 // the caller checks cudaGetLastError. `grid` may be any positive number.
@@ -139,7 +163,8 @@ inline int64_t tile_positions(int64_t numel, int64_t elem_size) {
   const int64_t by_bytes = kMinTileBytes / elem_size;
   const int64_t by_count = (numel + kMaxTiles - 1) / kMaxTiles;
   const int64_t t = by_bytes > by_count ? by_bytes : by_count;
-  return (t + kTileAlign - 1) / kTileAlign * kTileAlign;
+  const int64_t aligned = (t + kTileAlign - 1) / kTileAlign * kTileAlign;
+  return aligned < kMaxTilePositions ? aligned : kMaxTilePositions;
 }
 
 // An empty tensor still gets one (empty) tile, whose block writes its row.
@@ -250,10 +275,33 @@ void plan_launches(const ScanInput* inputs, int64_t n, int64_t elem_size,
 namespace zeroscan {
 namespace cuda {
 
+// Tensor data is read through the read-only path (__ldg) and nothing else
+// is: benchmarks/sass_cost.py finds the kernels' hot loops by these loads.
 // A 16-byte load of data nobody writes during the kernel.
 ZS_HDI uint4 load16(const uint4* p) {
 #if defined(__CUDA_ARCH__)
   return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
+// One element of type T, through the same path.
+template <typename T>
+ZS_HDI T load_element(const T* p) {
+#if defined(__CUDA_ARCH__)
+  using U = UnsignedOf<sizeof(T)>;
+  U bits;
+  if constexpr (sizeof(T) == 8) {
+    bits = __ldg(reinterpret_cast<const unsigned long long*>(p));
+  } else if constexpr (sizeof(T) == 4) {
+    bits = __ldg(reinterpret_cast<const unsigned int*>(p));
+  } else if constexpr (sizeof(T) == 2) {
+    bits = __ldg(reinterpret_cast<const unsigned short*>(p));
+  } else {
+    bits = __ldg(reinterpret_cast<const unsigned char*>(p));
+  }
+  return bit_cast_to<T>(bits);
 #else
   return *p;
 #endif
@@ -346,33 +394,38 @@ struct ThreadStats {
   ZS_HDI Partial finish() const { return tally.finish(shift); }
 };
 
-// V loaded 16-byte vectors of T, element by element.
-template <typename T, int V, typename Fields>
-ZS_HDI void scan_group(const uint4 (&v)[V], ThreadStats<T, Fields>& st,
-                       const Limits& lim) {
-  constexpr int kPer = 16 / static_cast<int>(sizeof(T));
-#pragma unroll
-  for (int u = 0; u < V; ++u) {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) st.add(element<T>(v[u], k), lim);
-  }
-}
+// A ThreadStats as walk_contiguous's sink: every element added in turn.
+template <typename T, typename Fields>
+struct TallySink {
+  ThreadStats<T, Fields>& st;
+  const Limits& lim;
 
-// 16-byte loads in flight per thread. Every element costs the same handful
-// of compares and two double adds whatever its type, and is folded in as soon
-// as it is extracted, so the loads in flight, not the elements, are what
-// occupy registers: the same for every type.
+  ZS_HDI void single(T x) { st.add(x, lim); }
+  ZS_HDI void vector(const uint4& v, int) {
+    constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) st.add(element<T>(v, k), lim);
+  }
+  ZS_HDI void end_group() {}
+};
+
+// 16-byte loads in flight per thread (a group). Every element is folded in
+// as soon as it is extracted, so the loads in flight, not the elements, are
+// what occupy registers. float32 takes 8: its fast path's loop instructions
+// then cost half as much per element, and its Tally path fits them too
+// (cuda_check.sh fails on any spill).
 template <typename T>
 constexpr int unroll_of() {
-  return kUnroll;
+  return std::is_same_v<T, float> ? 2 * kUnroll : kUnroll;
 }
 
-// This thread's share of positions [begin, end) of a contiguous tensor:
-// 16-byte vectors t, t + kThreads, ..., unroll_of<T>() of them in flight, and
-// the few unaligned elements at either end one per thread.
-template <typename T, typename Fields>
-ZS_HDI void scan_contiguous(const T* data, int64_t begin, int64_t end, int tid,
-                            ThreadStats<T, Fields>& st, const Limits& lim) {
+// This thread's share of positions [begin, end) of a contiguous tensor,
+// handed to `sink`: 16-byte vectors t, t + kThreads, ..., unroll_of<T>() of
+// them in flight (sink.vector(v, u), u the vector's place in its group,
+// then sink.end_group()), and the few unaligned elements at either end one
+// per thread (sink.single, then sink.end_group()).
+template <typename T, typename Sink>
+ZS_HDI void walk_contiguous(const T* data, int64_t begin, int64_t end, int tid, Sink& sink) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));
   const T* p = data + begin;
   const int64_t n = end - begin;
@@ -382,23 +435,47 @@ ZS_HDI void scan_contiguous(const T* data, int64_t begin, int64_t end, int tid,
   head = head < n ? head : n;
   const int64_t nvec = (n - head) / kPer;
   const int64_t tail = head + nvec * kPer;
+  const bool lone_head = tid < head, lone_tail = tid < n - tail;
+  if (lone_head) sink.single(load_element(p + tid));
+  if (lone_tail) sink.single(load_element(p + tail + tid));
+  if (lone_head || lone_tail) sink.end_group();
 
-  if (tid < head) st.add(p[tid], lim);
-  if (tid < n - tail) st.add(p[tail + tid], lim);
-
+  // Vectors tid, tid + kThreads, ... (a tile holds fewer than 2^31: the
+  // fast path counts them in 32 bits, which its loop is shorter for; the
+  // Tally path's register allocation is the one its 64-bit count gets)
   const uint4* vp = reinterpret_cast<const uint4*>(p + head);
   constexpr int U = unroll_of<T>();
-  int64_t i = tid;
-  for (; i + (U - 1) * kThreads < nvec; i += U * kThreads) {
+  using Index = std::conditional_t<kHasFastPath<T>, int32_t, int64_t>;
+  const Index nv = static_cast<Index>(nvec);
+  Index i = tid;
+  for (; i + (U - 1) * kThreads < nv; i += U * kThreads) {
     uint4 r[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) r[u] = load16(vp + i + u * kThreads);
-    scan_group<T>(r, st, lim);
+#pragma unroll
+    for (int u = 0; u < U; ++u) sink.vector(r[u], u);
+    sink.end_group();
   }
-  for (; i < nvec; i += kThreads) {
-    const uint4 r[1] = {load16(vp + i)};
-    scan_group<T>(r, st, lim);
+  for (; i < nv; i += kThreads) {
+    sink.vector(load16(vp + i), 0);
+    sink.end_group();
   }
+}
+
+// How many elements walk_contiguous hands thread `tid` of positions
+// [begin, end) starting at `data`.
+template <typename T>
+ZS_HDI uint32_t contiguous_share(const T* data, int64_t begin, int64_t end, int tid) {
+  constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+  const int64_t n = end - begin;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(data + begin);
+  int64_t head = static_cast<int64_t>((16 - (addr & 15)) & 15) / static_cast<int64_t>(sizeof(T));
+  head = head < n ? head : n;
+  const int64_t nvec = (n - head) / kPer;
+  const int64_t tail = head + nvec * kPer;
+  int64_t mine = (tid < head ? 1 : 0) + (tid < n - tail ? 1 : 0);
+  if (tid < nvec) mine += (nvec - tid + kThreads - 1) / kThreads * kPer;
+  return static_cast<uint32_t>(mine);
 }
 
 // This thread's share of positions [begin, end) of a strided layout:
@@ -424,7 +501,7 @@ ZS_HDI void scan_strided(const T* data, const StridedShape& shape,
     offset += index[d] * stride[d];
   }
   for (; pos < end; pos += kThreads) {
-    st.add(data[offset], lim);
+    st.add(load_element(data + offset), lim);
     int64_t carry = 0;
     offset = 0;
 #pragma unroll
@@ -496,7 +573,8 @@ ZS_HDI void scan_share(const Batch& b, const TileSpan& span, int tid,
     scan_strided<T>(data, b.shape[span.tensor], span.begin, span.end, tid, st,
                     lim);
   } else {
-    scan_contiguous<T>(data, span.begin, span.end, tid, st, lim);
+    TallySink<T, Fields> sink{st, lim};
+    walk_contiguous<T>(data, span.begin, span.end, tid, sink);
   }
 }
 
@@ -534,6 +612,191 @@ ZS_HDI Partial thread_partial(const Batch& b, const TileSpan& span, int tid,
   }
 }
 
+// ---- The fast path (fast_tally.cuh) -------------------------------------------
+
+// A FastTally as walk_contiguous's sink, each element's histogram field
+// counted into `fields` as ThreadStats does.
+template <typename T, typename Fields>
+struct FastSink;
+
+template <typename Fields>
+struct FastSink<float, Fields> {
+  FastTally<float> tally;
+  const FastLimits& k;
+  const TileCenter& ctr;
+  Fields fields;
+
+  ZS_HDI void single(float x) {
+    if constexpr (!std::is_same_v<Fields, NoFields>) fields.count(x);
+    tally.add(x, k, ctr, 0);
+  }
+  // Vectors 2r and 2r + 1 of a group square into run r.
+  ZS_HDI void vector(const uint4& v, int u) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) single_in(element<float>(v, e), u >> 1);
+  }
+  ZS_HDI void end_group() { tally.end_group(); }
+
+ private:
+  ZS_HDI void single_in(float x, int run) {
+    if constexpr (!std::is_same_v<Fields, NoFields>) fields.count(x);
+    tally.add(x, k, ctr, run);
+  }
+};
+
+// bfloat16 and float16: a vector is four words of two elements; a lone
+// element is a word with a NaN beside it (FastTally16::lone).
+template <typename T, typename Fields>
+struct FastSink {
+  FastTally16<T> tally;
+  const FastLimits& k;
+  const TileCenter& ctr;
+  Fields fields;
+
+  ZS_HDI void single(T x) {
+    if constexpr (!std::is_same_v<Fields, NoFields>) fields.count(x);
+    tally.lone(x.bits, k, ctr);
+  }
+  // Vector u of a group squares into run u (8 elements).
+  ZS_HDI void vector(const uint4& v, int u) {
+    if constexpr (!std::is_same_v<Fields, NoFields>) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) fields.count(element<T>(v, e));
+    }
+#pragma unroll
+    for (int w = 0; w < 4; w += 2) {
+      tally.word(word(v, w), k, ctr, u, 0);
+      tally.word(word(v, w + 1), k, ctr, u, 1);
+      tally.extremes();
+    }
+  }
+  ZS_HDI void end_group() { tally.end_group(); }
+};
+
+// Thread `tid`'s TileSums of contiguous launch tile `span` of batch `b`.
+template <typename T, typename Batch, typename Fields>
+ZS_HDI TileSums fast_thread_sums(const Batch& b, const TileSpan& span, int tid,
+                                 const TileCenter& ctr, Fields fields) {
+  const T* data = static_cast<const T*>(b.t[span.tensor].data);
+  FastSink<T, Fields> sink{{}, b.h.fast, ctr, fields};
+  walk_contiguous<T>(data, span.begin, span.end, tid, sink);
+  return sink.tally.finish(contiguous_share<T>(data, span.begin, span.end, tid));
+}
+
+// The sample of a tile's center: its first kCenterSamples values as floats,
+// x_lane for lane < n, finite ones summed in the tree of a warp's
+// __shfl_down reduction (lane i takes lane i + o, o = 16, 8, 4, 2, 1), so
+// the device (tile_center, one lane each) and the emulation
+// (tile_center_of, a loop) add in the same order.
+template <typename T>
+ZS_HDI float sample_value(const T* p, int64_t n, int lane) {
+  return lane < n ? static_cast<float>(Format<T>::value(load_element(p + lane))) : 0.0f;
+}
+
+template <typename T>
+ZS_HDI TileCenter center_of(float sum, float count, float largest) {
+  return make_center(sum, count, largest);
+}
+
+// tile_center's twin for one thread of execution (standalone_test
+// --emulate): the same values added in the same tree.
+template <typename T>
+ZS_HDI TileCenter tile_center_serial(const T* p, int64_t n) {
+  float sum[32], count[32], largest[32];
+  for (int lane = 0; lane < 32; ++lane) {
+    const float x = sample_value(p, n, lane);
+    const bool keep = lane < n && fabsf(x) < __builtin_huge_valf();
+    sum[lane] = keep ? x : 0.0f;
+    count[lane] = keep ? 1.0f : 0.0f;
+    largest[lane] = keep ? fabsf(x) : 0.0f;
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    for (int i = 0; i < o; ++i) {
+      sum[i] = add_rn(sum[i], sum[i + o]);
+      count[i] = add_rn(count[i], count[i + o]);
+      largest[i] = max_f(largest[i], largest[i + o]);
+    }
+  }
+  return center_of<T>(sum[0], count[0], largest[0]);
+}
+
+// The block's TileSums, in thread 0: each warp's counts and key extremes in
+// one REDUX each (a count c < 2^23 enters as the bits of c + 2^23, whose sum
+// over 32 lanes is 32 * 0x4b000000 + sum c modulo 2^32), its sums of moments
+// in a __shfl_down tree, and the warps in order by thread 0: a fixed order,
+// so the result does not depend on timing.
+struct WarpSums {
+  uint32_t counts[7];
+  uint32_t lo, hi;
+  double s1, s2;
+};
+
+ZS_DEV uint32_t warp_count(float c) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_add_sync(0xffffffffu, __float_as_uint(add_rn(c, 0x1p23f))) - 0x60000000u;
+#else
+  return 0;  // unreachable: kHasFastPath is false below sm_80
+#endif
+}
+
+ZS_DEV TileSums block_sums(const TileSums& s, WarpSums (&warps)[kThreads / 32]) {
+  const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
+  const float counts[7] = {s.zeros, s.at_most_sub, s.at_most_tol, s.finite,
+                           s.non_nan, s.negative, s.neginf};
+  WarpSums w;
+#pragma unroll
+  for (int k = 0; k < 7; ++k) w.counts[k] = warp_count(counts[k]);
+#if __CUDA_ARCH__ >= 800
+  w.lo = __reduce_min_sync(0xffffffffu, s.lo);
+  w.hi = __reduce_max_sync(0xffffffffu, s.hi);
+#endif
+  w.s1 = s.s1;
+  w.s2 = s.s2;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    w.s1 += __shfl_down_sync(0xffffffffu, w.s1, o);
+    w.s2 += __shfl_down_sync(0xffffffffu, w.s2, o);
+  }
+  if (lane == 0) warps[warp] = w;
+  __syncthreads();
+  TileSums out;
+  if (threadIdx.x == 0) {
+    uint32_t total[7] = {};
+    for (int k = 0; k < kThreads / 32; ++k) {
+      const WarpSums& v = warps[k];
+      for (int c = 0; c < 7; ++c) total[c] += v.counts[c];
+      out.lo = v.lo < out.lo ? v.lo : out.lo;
+      out.hi = v.hi > out.hi ? v.hi : out.hi;
+      out.s1 += v.s1;
+      out.s2 += v.s2;
+    }
+    out.zeros = static_cast<float>(total[0]);
+    out.at_most_sub = static_cast<float>(total[1]);
+    out.at_most_tol = static_cast<float>(total[2]);
+    out.finite = static_cast<float>(total[3]);
+    out.non_nan = static_cast<float>(total[4]);
+    out.negative = static_cast<float>(total[5]);
+    out.neginf = static_cast<float>(total[6]);
+  }
+  return out;
+}
+
+// Lane 0 of the calling warp gets the center of the tile of n values at p.
+template <typename T>
+ZS_DEV TileCenter tile_center(const T* p, int64_t n) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const float x = sample_value(p, n, lane);
+  const bool keep = lane < n && fabsf(x) < __builtin_huge_valf();
+  float sum = keep ? x : 0.0f, count = keep ? 1.0f : 0.0f, largest = keep ? fabsf(x) : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    sum = add_rn(sum, __shfl_down_sync(0xffffffffu, sum, o));
+    count = add_rn(count, __shfl_down_sync(0xffffffffu, count, o));
+    largest = max_f(largest, __shfl_down_sync(0xffffffffu, largest, o));
+  }
+  return center_of<T>(sum, count, largest);
+}
+
 // A block's histogram table: Binning<T>::kFields uint32 counters in shared
 // memory (float64's 2048 take 8 KiB). Declared here rather than in the
 // kernel so that the kernels without kHist do not allocate it.
@@ -568,14 +831,53 @@ ZS_HDI void flush_bins(const LaunchHeader& h, const TensorTiles& t,
   }
 }
 
+// Launch tile `span`'s Partial (in thread 0) by the fast path when the
+// launch has it on, else, or when its moments fall short (fast_partial), by
+// the Tally path, whose walk then counts no histogram field again.
+template <typename T, typename Batch, typename Fields, typename Temp>
+ZS_DEV Partial fast_tile_partial(const Batch& b, const TileSpan& span, int tid, const Limits& lim,
+                                 const Fields& fields, Temp& temp, TileCenter& center, bool& again) {
+  using Reduce = cub::BlockReduce<Partial, kThreads>;
+  Partial p;
+  bool walked = false;  // block-uniform
+  if (b.h.fast.on) {
+    if (tid < 32) {
+      const T* first = static_cast<const T*>(b.t[span.tensor].data) + span.begin;
+      const TileCenter c = tile_center<T>(first, span.end - span.begin);
+      if (tid == 0) center = c;
+    }
+    __syncthreads();
+    const TileCenter ctr = center;
+    if (fast_center_ok<T>(ctr)) {
+      const TileSums sums = block_sums(fast_thread_sums<T>(b, span, tid, ctr, fields), temp.warps);
+      if (tid == 0) again = !fast_partial<T>(sums, ctr, span.end - span.begin, p);
+      __syncthreads();  // `again` is read, `temp` is free
+      if (!again) return p;
+      walked = true;
+    }
+  }
+  const Fields counted = walked ? fields.muted() : fields;
+  return Reduce(temp.partial).Reduce(thread_partial<T, false>(b, span, tid, lim, counted), CombineOp());
+}
+
 // Grid-stride loop over the launch's tiles. See the file comment. kHist:
 // count every element's histogram field too (h.hist is then not null).
+// Contiguous float32, bfloat16 and float16 tiles take the fast path
+// (fast_tally.cuh) when the launch's h.fast.on; a tile whose fast moments
+// fall short (fast_partial) is walked again by the Tally path, its
+// histogram fields muted (the fast walk counted them).
 template <typename T, bool kStrided, bool kHist, typename Batch>
 __device__ __forceinline__ void scan_tiles(const Batch& b) {
   using Reduce = cub::BlockReduce<Partial, kThreads>;
   using Fields = std::conditional_t<kHist, FieldBins<T>, NoFields>;
-  __shared__ typename Reduce::TempStorage temp;
+  constexpr bool kFast = !kStrided && kHasFastPath<T>;
+  __shared__ union {
+    typename Reduce::TempStorage partial;
+    WarpSums warps[kThreads / 32];
+  } temp;
   __shared__ bool last_tile_done;
+  __shared__ TileCenter center;
+  __shared__ bool again;
 
   const LaunchHeader& h = b.h;
   const Limits lim = h.limits;
@@ -592,8 +894,13 @@ __device__ __forceinline__ void scan_tiles(const Batch& b) {
     const TensorTiles& t = b.t[span.tensor];
     const int tiles = span.tiles;
 
-    Partial p = Reduce(temp).Reduce(
-        thread_partial<T, kStrided>(b, span, tid, lim, fields), CombineOp());
+    Partial p;
+    if constexpr (kFast) {
+      p = fast_tile_partial<T>(b, span, tid, lim, fields, temp, center, again);
+    } else {
+      p = Reduce(temp.partial).Reduce(thread_partial<T, kStrided>(b, span, tid, lim, fields),
+                                      CombineOp());
+    }
     if constexpr (kHist) {
       __syncthreads();  // every thread's counts are in the table
       flush_bins<T>(h, t, fields.bins, tid);
@@ -622,7 +929,7 @@ __device__ __forceinline__ void scan_tiles(const Batch& b) {
         for (int k = tid; k < tiles; k += kThreads) {
           combine(q, load_partial(slots + k));
         }
-        q = Reduce(temp).Reduce(q, CombineOp());
+        q = Reduce(temp.partial).Reduce(q, CombineOp());
         if (tid == 0) {
           repeat(q, t.repeat);
           store(q, row);
@@ -633,8 +940,15 @@ __device__ __forceinline__ void scan_tiles(const Batch& b) {
   }
 }
 
+// The fast path's kernels ask for two blocks per SM (at most 128 registers
+// a thread): its accumulators and eight 16-byte loads in flight fit without
+// spilling. The Tally path's, and the histogram's (whose shared-memory
+// counts add to the registers), are left to ptxas (0: no minimum).
 template <typename T, bool kHist>
-__global__ void __launch_bounds__(kThreads)
+constexpr int kContigMinBlocksPerSm = kHasFastPath<T> && !kHist ? 2 : 0;
+
+template <typename T, bool kHist>
+__global__ void __launch_bounds__(kThreads, kContigMinBlocksPerSm<T, kHist>)
     scan_contig_kernel(const __grid_constant__ ContigBatch b) {
   scan_tiles<T, false, kHist>(b);
 }
