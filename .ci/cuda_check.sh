@@ -10,6 +10,11 @@
 #    program says so, then runs its --emulate mode, which executes the
 #    kernels' per-thread code on the CPU against the same reference
 #    (ZEROSCAN_CUDA_EMULATE=0 skips that).
+# 4. Costs the contiguous scan statically (benchmarks/sass_cost.py): issue
+#    slots per element read off the SASS, weighted by pipe, and fails when
+#    float32, bfloat16 or float16 is over its budget. nvdisasm comes from the
+#    toolkit or, when missing, the PyPI wheel nvidia-cuda-nvdisasm
+#    (ZEROSCAN_SASS_COST=0 skips the stage).
 #
 # Environment: NVCC (default: $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc,
 # or nvcc on PATH), BUILD_DIR (default build/cuda_check), JOBS (default nproc),
@@ -119,5 +124,19 @@ else
     echo "== running the kernels' per-thread code on the CPU (--emulate)"
     "$BUILD_DIR/standalone_test" --emulate
   fi
+fi
+
+if [[ "${ZEROSCAN_SASS_COST:-1}" != "0" ]]; then
+  echo "== static cost of the scan (benchmarks/sass_cost.py)"
+  PY=python3
+  [[ -x .venv/bin/python ]] && PY=.venv/bin/python
+  if ! "$PY" -c 'import sys; sys.path.insert(0, "benchmarks"); import sass_cost; sass_cost.find_tool("nvdisasm", "NVDISASM")' \
+       >/dev/null 2>&1; then
+    echo "   nvdisasm not found: installing the nvidia-cuda-nvdisasm wheel"
+    "$PY" -m pip install --quiet 'nvidia-cuda-nvdisasm>=13,<14'
+  fi
+  export NVCC
+  "$PY" benchmarks/sass_cost.py --self-test
+  "$PY" benchmarks/sass_cost.py --check
 fi
 echo "cuda_check: OK"
