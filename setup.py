@@ -52,7 +52,7 @@ LINK = ["-fopenmp", "-lstdc++"]
 
 def extension():
     cxx = ["-O3", "-fopenmp", "-ffp-contract=fast"]
-    sources = ["csrc/zeroscan.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    sources = ["csrc/zeroscan.cpp", "csrc/tensor_meta.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     if not build_cuda():
         return CppExtension(
             "zeroscan._C",

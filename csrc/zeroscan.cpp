@@ -4,12 +4,17 @@
 #include <Python.h>
 #include <torch/library.h>
 
+namespace zeroscan {
+extern PyMethodDef kPythonMethods[];  // tensor_meta.cpp
+}
+
 extern "C" {
 // `import zeroscan._C` loads this shared library, which runs the
-// registrations below; the module itself holds nothing.
+// registrations below; the module itself holds only tensor_metas, a helper of
+// stats_many that is not an operator (it reads Python objects).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, zeroscan::kPythonMethods};
   return PyModule_Create(&module_def);
 }
 }

@@ -99,14 +99,39 @@ def test_the_call_keeps_no_python_object_per_tensor() -> None:
     assert many - few <= 20, f"{few} blocks kept for 50 tensors, {many} for 2,000"
 
 
-def test_each_stats_takes_its_tensors_metadata_and_the_batch_then_lets_go() -> None:
-    xs = [torch.zeros(3, 2, dtype=torch.bfloat16), torch.ones(4, dtype=torch.int8).t(), torch.randn(2, 1, 5)]
-    batch = zeroscan.stats_many(xs)
-    kept = [weakref.ref(x) for x in xs]
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("histogram", [False, True])
+def test_the_batch_keeps_no_tensor_and_reports_each_as_it_was_called(device: str, histogram: bool) -> None:
+    # A batch kept in a log must not keep a model's gradients alive, and a
+    # tensor changed in place after the call keeps the dtype and shape it was
+    # scanned with.
+    shapes = [(3, 2), (), (0,), (2, 1, 5), (1, 1, 1, 1, 7), (4,)]
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.float64, torch.int8, torch.float32]
+    xs = [torch.randn(shape).to(device, dtype) for shape, dtype in zip(shapes, dtypes)]
+    xs[-1] = torch.nn.Parameter(xs[-1])  # a tensor subclass
+    xs.append(torch.randn(4, 6, device=device).t())  # a strided view
     want = [(x.dtype, x.shape, x.device) for x in xs]
-    xs.clear()  # the caller's list reused: the batch holds its own
-    assert [(s.dtype, s.shape, s.device) for s in batch[:2]] == want[:2]
-    assert (batch[2].dtype, batch[2].shape, batch[2].device) == want[2]
+    references = [zeroscan.reference_stats(x) for x in xs]
+    batch = zeroscan.stats_many(xs, histogram=histogram)
+    kept = [weakref.ref(x) for x in xs]
+    xs[0].resize_(7)  # changed in place before its Stats is made
+    xs.clear()
     gc.collect()
-    assert [ref() for ref in kept] == [None] * 3  # every Stats made: the tensors are let go
-    assert [s.numel for s in batch] == [6, 4, 10]
+    assert [ref() for ref in kept] == [None] * len(kept)
+    assert [(s.dtype, s.shape, s.device) for s in batch] == want
+    assert [s.numel for s in batch] == [r["numel"] for r in references]
+    assert [s.negative for s in batch] == [r["negative"] for r in references]
+
+
+def test_the_native_metadata_reader_declines_what_it_cannot_read() -> None:
+    # The native reader declines anything but plain tensors; the Python
+    # reader then takes the metadata, with the same results.
+    import zeroscan._C
+
+    xs = [torch.randn(3), torch.randn(2, 2)]
+    assert zeroscan._C.tensor_metas([xs[0], object()]) is None
+    dtypes, words = zeroscan._C.tensor_metas(xs)
+    assert dtypes == [torch.float32, torch.float32]
+    assert len(words) == 8 * (3 + 3)  # 3 offsets, then 3, 2, 2
+    with pytest.raises(TypeError, match="xs must be a list, got tuple"):
+        zeroscan._C.tensor_metas(tuple(xs))

@@ -37,6 +37,8 @@ from typing import Generic, TypeVar, overload
 import numpy
 import torch
 
+import zeroscan._C
+
 from zeroscan.histogram import Histogram
 from zeroscan.ops import check_tensor, check_tol, refused, require_readable
 from zeroscan.result_row import COUNT_FIELDS, Column, Row, host_array, row_from_words
@@ -326,10 +328,9 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None, his
     per device, so reading any one field copies each device's buffer once.
     Never a collective: DTensors are refused, as by stats().
 
-    The call makes no Python object per tensor: each Stats is made when first
-    indexed, and takes its tensor's dtype and shape then. So the batch holds
-    the tensors until each of its Stats is made, and a tensor whose shape is
-    changed in place before that (resize_, `.data =`) gives its new shape.
+    The call makes no Python object per tensor: the tensors' dtypes and
+    shapes are read natively at the call, and each Stats is made from them
+    when first indexed. The batch keeps no tensor alive.
     """
     return scan_many("zeroscan.stats_many", tensors, tol=tol, histogram=histogram)
 
@@ -341,9 +342,7 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use zeroscan.stats(x)")
     tol = check_tol(op, tol)
     check_flag(op, "histogram", histogram)
-    # A copy (one C-level pass, no Python object per tensor): the batch reads
-    # the tensors later, and the caller may reuse its list meanwhile.
-    xs = list(tensors)
+    xs = tensors if isinstance(tensors, list) else list(tensors)
     if not xs:
         return StatsBatch([])
     scan = _scan_with_histogram if histogram else _scan_rows
@@ -357,10 +356,13 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
     except (RuntimeError, TypeError, ValueError):
         readout = None
     if readout is not None and not readout.buffer.is_meta:  # meta inputs reach the fake kernel
-        # No tensor's metadata is read here: a dtype and shape cost ~150 ns a
-        # tensor, plus the garbage collections their tuples set off, and over
-        # 2,000 small tensors that alone took several times a GPU's scan of
-        # one flat tensor of the same bytes (benchmarks/bench_many_small.py).
+        # No Python object per tensor here: a dtype and shape read in Python
+        # cost ~150 ns a tensor, plus the garbage collections their tuples set
+        # off, and over 2,000 small tensors that alone took several times a
+        # GPU's scan of one flat tensor of the same bytes
+        # (benchmarks/bench_many_small.py). They are read natively now, and
+        # each Stats is made from them when first indexed; the batch keeps no
+        # tensor.
         return StatsBatch.lazy(len(xs), _stats_of_rows(readout, xs, tol))
     xs = [require_readable(op, f"tensors[{i}]", x) for i, x in enumerate(xs)]
     items: list[Stats | None] = [None] * len(xs)
@@ -376,12 +378,21 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
 
 
 def _stats_of_rows(readout: Readout, xs: list[torch.Tensor], tol: float | None) -> Callable[[int], Stats]:
-    """What makes the Stats of row i of one native call over xs."""
+    """What makes the Stats of row i of one native call over xs, from the
+    tensors' dtypes and shapes as they are now; it holds no tensor."""
     device = readout.buffer.device
+    native = zeroscan._C.tensor_metas(xs)
+    if native is None:  # not every item a plain tensor with concrete sizes
+        metas = [(x.dtype, x.shape, device) for x in xs]
+        return lambda row: Stats(readout, row, metas[row], tol)
+    dtypes, words = native
+    dims = numpy.frombuffer(words, dtype="<i8")  # n + 1 offsets, then every tensor's sizes
+    n = len(dtypes)
 
     def make(row: int) -> Stats:
-        x = xs[row]
-        return Stats(readout, row, (x.dtype, x.shape, device), tol)
+        begin, end = int(dims[row]), int(dims[row + 1])
+        shape = torch.Size(dims[n + 1 + begin : n + 1 + end].tolist())
+        return Stats(readout, row, (dtypes[row], shape, device), tol)
 
     return make
 

@@ -1,0 +1,78 @@
+// zeroscan._C.tensor_metas: the dtype and shape of every tensor of a list,
+// read in C++ so that stats_many's Python work does not grow per tensor.
+//
+// stats_many's batch makes each Stats when first indexed; its dtype and shape
+// must still be those of the tensor at the call, and the batch must not hold
+// the tensors (a kept batch would keep a model's gradients alive). Reading
+// them in Python costs ~150 ns a tensor (a torch.Size and a tuple each, and
+// the garbage collections they set off); here it is a few ns a dimension,
+// into one bytes object and one list of the dtype singletons.
+#include <Python.h>
+
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zeroscan {
+namespace {
+
+// tensor_metas(xs: list) -> (list[torch.dtype], bytes) | None
+//
+// bytes: little-endian int64 words, n + 1 offsets into the dimensions that
+// follow them (tensor i's sizes are dims[offsets[i]:offsets[i + 1]]).
+// None when an item is not a plain tensor with concrete sizes (a symbolic
+// one, say): the caller then reads the metadata in Python.
+PyObject* tensor_metas(PyObject* /*module*/, PyObject* xs) {
+  if (!PyList_Check(xs)) {
+    PyErr_Format(PyExc_TypeError, "tensor_metas: xs must be a list, got %s", Py_TYPE(xs)->tp_name);
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(xs);
+  std::vector<int64_t> words(static_cast<size_t>(n) + 1);
+  std::vector<at::ScalarType> dtypes(static_cast<size_t>(n));
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = PyList_GET_ITEM(xs, i);
+      if (!THPVariable_CheckExact(item) && !THPVariable_Check(item)) Py_RETURN_NONE;
+      const at::Tensor& t = THPVariable_Unpack(item);
+      if (!t.defined() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) Py_RETURN_NONE;
+      words[static_cast<size_t>(i)] = static_cast<int64_t>(words.size()) - n - 1;
+      for (const int64_t d : t.sizes()) words.push_back(d);
+      dtypes[static_cast<size_t>(i)] = t.scalar_type();
+    }
+  } catch (const std::exception&) {
+    Py_RETURN_NONE;
+  }
+  words[static_cast<size_t>(n)] = static_cast<int64_t>(words.size()) - n - 1;
+
+  PyObject* types = PyList_New(n);
+  if (types == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(dtypes[static_cast<size_t>(i)]));
+    Py_INCREF(dtype);
+    PyList_SET_ITEM(types, i, dtype);
+  }
+  PyObject* dims = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(words.data()),
+                                             static_cast<Py_ssize_t>(words.size() * sizeof(int64_t)));
+  if (dims == nullptr) {
+    Py_DECREF(types);
+    return nullptr;
+  }
+  PyObject* result = PyTuple_Pack(2, types, dims);
+  Py_DECREF(types);
+  Py_DECREF(dims);
+  return result;
+}
+
+}  // namespace
+
+PyMethodDef kPythonMethods[] = {
+    {"tensor_metas", tensor_metas, METH_O,
+     "tensor_metas(xs: list) -> (list[torch.dtype], bytes) | None: every tensor's dtype, and "
+     "its sizes as int64 words (n + 1 offsets, then the dimensions)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace zeroscan
