@@ -145,7 +145,10 @@ enum class Mix {
   kOneHuge,         // ordinary values and, first, one of +-0.9 * sqrt(largest):
                     // for float64 its square alone nearly fills the range, and
                     // the sums of squares about it (its thread's shift) overflow
+  kMixedExponents,  // +-2^u, u uniform over [-24, 24] clipped to the normal
+                    // range: every run of squares spans many binades
 };
+constexpr Mix kLastMix = Mix::kMixedExponents;
 
 const char* mix_name(Mix m) {
   switch (m) {
@@ -163,6 +166,7 @@ const char* mix_name(Mix m) {
     case Mix::kNearMax: return "near_max";
     case Mix::kConstantHuge: return "constant_huge";
     case Mix::kOneHuge: return "one_huge";
+    case Mix::kMixedExponents: return "mixed_exponents";
   }
   return "?";
 }
@@ -369,6 +373,7 @@ bool mix_applies(Mix mix) {
     case Mix::kNearMax:
     case Mix::kConstantHuge:
     case Mix::kOneHuge:
+    case Mix::kMixedExponents:
       return is_float_type<T>();
     case Mix::kBits:
       return is_float_type<T>() && sizeof(T) <= 4;
@@ -435,6 +440,13 @@ std::vector<T> make_values(int64_t n, Mix mix, Rng& rng) {
           out[i] = i == 0 ? Tr::from((rng.uniform() < 0.5 ? -0.9 : 0.9) * std::sqrt(top))
                           : normal_value();
           continue;
+        case Mix::kMixedExponents: {
+          const double lo = std::max(-24.0, std::log2(Tr::tiny()));
+          const double hi = std::min(24.0, std::log2(top) - 1.0);
+          const double v = std::exp2(lo + (hi - lo) * rng.uniform());
+          out[i] = Tr::from(rng.uniform() < 0.5 ? -v : v);
+          continue;
+        }
         case Mix::kBits:
           out[i] = Tr::from_bits(rng.bits());
           continue;
@@ -1333,7 +1345,7 @@ void report_again(const std::vector<TypeOps>& types, const std::vector<Case>& ca
   std::printf("fast-path tiles summed again by Tally, by dtype and mix (again / fast):\n");
   for (size_t t = 0; t < types.size(); ++t) {
     std::string line;
-    for (int m = 0; m <= static_cast<int>(Mix::kOneHuge); ++m) {
+    for (int m = 0; m <= static_cast<int>(kLastMix); ++m) {
       int64_t fast = 0, again = 0;
       for (size_t i = 0; i < cases.size(); ++i) {
         if (cases[i].type != static_cast<int>(t) || static_cast<int>(cases[i].mix) != m) continue;
@@ -1389,14 +1401,14 @@ int run(uint64_t seed, bool large, bool small, bool emulate) {
                   Mix::kHalfZeros,   Mix::kMostlyZeros,  Mix::kAllZeros,
                   Mix::kAllSubnormal, Mix::kSomeSubnormal, Mix::kSomeNonfinite,
                   Mix::kOutliers,    Mix::kNearMax,      Mix::kConstantHuge,
-                  Mix::kOneHuge};
+                  Mix::kOneHuge,     Mix::kMixedExponents};
   struct Big {
     int64_t n;
     std::vector<Mix> mixes;
   };
   const std::vector<Big> big_sizes = {
       {1000003, {Mix::kNormal, Mix::kSpecials, Mix::kSomeNonfinite, Mix::kOutliers,
-                 Mix::kNearMax, Mix::kOneHuge}},
+                 Mix::kNearMax, Mix::kOneHuge, Mix::kMixedExponents}},
       {int64_t(1) << 20, {Mix::kHalfZeros, Mix::kSomeSubnormal}},
       {5000000, {Mix::kNormal, Mix::kMostlyZeros}}};
   for (int t = 0; t < static_cast<int>(types.size()); ++t) {
