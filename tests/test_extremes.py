@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import zeroscan
+from checklist import Checklist
 from helpers import DEVICES, assert_matches_reference, fresh_generator
 from zeroscan.distributed import combine_rows
 from zeroscan.result_row import row_from_words
@@ -77,24 +78,29 @@ def on(values: torch.Tensor, dtype: torch.dtype, device: str, strided: bool) -> 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("layout", list(OUTLIER_LAYOUTS))
 @pytest.mark.parametrize("dtype", list(OFFSETS), ids=str)
-def test_planted_outliers(dtype: torch.dtype, layout: str, strided: bool, device: str) -> None:
+def test_planted_outliers(dtype: torch.dtype, strided: bool, device: str) -> None:
+    """Each of OUTLIER_LAYOUTS in one case (checklist.py)."""
     g = fresh_generator()
-    x = on(planted(dtype, layout, g), dtype, device, strided)
-    assert_matches_reference(zeroscan.stats(x), x)
+    with Checklist() as checks:
+        for layout in OUTLIER_LAYOUTS:
+            with checks.case(layout):
+                x = on(planted(dtype, layout, g), dtype, device, strided)
+                assert_matches_reference(zeroscan.stats(x), x)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("near", [1.0, 1.5, 1.7, 1.8, 3.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
-def test_shift_a_few_spreads_off(dtype: torch.dtype, near: float, device: str) -> None:
+def test_shift_a_few_spreads_off(dtype: torch.dtype, device: str) -> None:
     """First values `near` spreads off the offset: around the sqrt(3) spreads
     from which a chunk is summed again about its own mean, and below it,
     where the first sums stand."""
     g = fresh_generator()
-    x = on(planted(dtype, "every_chunk_start", g, near=near), dtype, device, False)
-    assert_matches_reference(zeroscan.stats(x), x)
+    with Checklist() as checks:
+        for near in [1.0, 1.5, 1.7, 1.8, 3.0]:
+            with checks.case(f"near={near}"):
+                x = on(planted(dtype, "every_chunk_start", g, near=near), dtype, device, False)
+                assert_matches_reference(zeroscan.stats(x), x)
 
 
 @pytest.mark.slow  # a fresh process per cap
@@ -181,23 +187,26 @@ HUGE_CASES = [
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("n", [300, N])
 @pytest.mark.parametrize("case", HUGE_CASES)
-def test_float64_near_the_top_of_its_range(case: str, n: int, strided: bool, device: str) -> None:
+def test_float64_near_the_top_of_its_range(case: str, device: str) -> None:
+    """Both sizes, contiguous and strided, in one case (checklist.py)."""
     g = fresh_generator()
-    x = on(huge_values(case, n, g), torch.float64, device, strided)
-    s = zeroscan.stats(x)
-    reference = zeroscan.reference_stats(x.cpu())
-    # Counts and min/max |x| exactly; the mean within 1e-10 of itself or
-    # 1e-12 of mean |x|; std, norm and sum likewise, inf exactly when the
-    # reference's is (std and norm: when sum((x - mean)^2) overflows).
-    assert_matches_reference(s, x)
-    assert math.isfinite(s.mean)
-    constant = reference["std"] == 0.0
-    assert s.std > 0.0 or constant, f"std {s.std} of non-constant data"
-    assert not math.isnan(s.std) and not math.isnan(s.norm) and s.norm > 0.0
-    assert math.isinf(s.std) == math.isinf(reference["std"])
+    with Checklist() as checks:
+        for n in [300, N]:
+            for strided in [False, True]:
+                with checks.case(f"n={n} {'strided' if strided else 'contiguous'}"):
+                    x = on(huge_values(case, n, g), torch.float64, device, strided)
+                    s = zeroscan.stats(x)
+                    reference = zeroscan.reference_stats(x.cpu())
+                    # Counts and min/max |x| exactly; the mean within 1e-10 of itself or
+                    # 1e-12 of mean |x|; std, norm and sum likewise, inf exactly when the
+                    # reference's is (std and norm: when sum((x - mean)^2) overflows).
+                    assert_matches_reference(s, x)
+                    assert math.isfinite(s.mean)
+                    constant = reference["std"] == 0.0
+                    assert s.std > 0.0 or constant, f"std {s.std} of non-constant data"
+                    assert not math.isnan(s.std) and not math.isnan(s.norm) and s.norm > 0.0
+                    assert math.isinf(s.std) == math.isinf(reference["std"])
 
 
 def test_the_issues_float64_examples() -> None:

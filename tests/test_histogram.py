@@ -17,6 +17,7 @@ from zeroscan.histogram import Histogram, field_bins, layout_of, reference_histo
 from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
 from zeroscan.testing import distributions_for, make_distribution
 
+from checklist import Checklist
 from helpers import DEVICES, fresh_generator, make_values
 
 ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES
@@ -69,24 +70,31 @@ def layouts(x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@pytest.mark.parametrize("n", SIZES)
-def test_matches_reference_on_mixed_values(device: str, dtype: torch.dtype, n: int) -> None:
-    x = make_values(n, dtype, fresh_generator(), every=40).to(device)
-    for name, view in layouts(x).items():
-        s = zeroscan.stats(view, histogram=True)
-        assert_same_histogram(s.histogram, view.cpu())
-        assert_same_fields(view)
+def test_matches_reference_on_mixed_values(device: str, dtype: torch.dtype) -> None:
+    """Every size and layout in one case (checklist.py)."""
+    g = fresh_generator()
+    with Checklist() as checks:
+        for n in SIZES:
+            x = make_values(n, dtype, g, every=40).to(device)
+            for name, view in layouts(x).items():
+                with checks.case(f"n={n} {name}"):
+                    s = zeroscan.stats(view, histogram=True)
+                    assert_same_histogram(s.histogram, view.cpu())
+                    assert_same_fields(view)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@pytest.mark.parametrize("n", [20_003, 200_003])  # several vector blocks; several 64K-element chunks
-def test_matches_reference_on_every_distribution(device: str, dtype: torch.dtype, n: int) -> None:
+def test_matches_reference_on_every_distribution(device: str, dtype: torch.dtype) -> None:
+    """Both sizes in one case (checklist.py)."""
     g = fresh_generator()
-    for name in distributions_for(dtype):
-        x = make_distribution(name, n, dtype, g).to(device)
-        assert_same_histogram(zeroscan.stats(x, histogram=True).histogram, x.cpu())
-        assert_same_fields(x)
+    with Checklist() as checks:
+        for n in [20_003, 200_003]:  # several vector blocks; several 64K-element chunks
+            for name in distributions_for(dtype):
+                with checks.case(f"{name} n={n}"):
+                    x = make_distribution(name, n, dtype, g).to(device)
+                    assert_same_histogram(zeroscan.stats(x, histogram=True).histogram, x.cpu())
+                    assert_same_fields(x)
 
 
 @pytest.mark.parametrize("device", DEVICES)

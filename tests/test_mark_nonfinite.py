@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checklist import Checklist
 from helpers import ALL_DTYPES, DEVICES, FLOAT_DTYPES, INT_DTYPES, fresh_generator, make_values
 from zeroscan.testing import distributions_for, make_distribution, special_bits
 
@@ -212,63 +213,72 @@ def expected_flags(kinds: int, slot: int = 2, size: int = 4) -> list[int]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("n", "case"), SIZED_CASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_matches_reference(dtype: torch.dtype, layout: str, n: int, case: str, device: str) -> None:
+def test_matches_reference(dtype: torch.dtype, layout: str, device: str) -> None:
+    """Every (size, case) of SIZED_CASES in one case (checklist.py)."""
     g = fresh_generator()
-    base = make_distribution("randn", n, dtype, g)
-    want = planted(base, in_layout(base, layout), case, g)
-    base = base.to(device)
-    x = in_layout(base, layout)  # built on the device: Tensor.to would make a view contiguous
-    assert x.is_contiguous() == (layout == "contiguous")  # the layout under test is what it says
-    before = bits_of(base).clone()
-    flags = run_one(x)
-    assert reference(x) == want  # the planting reached x (and only what was planted is non-finite)
-    assert flags.tolist() == expected_flags(want), f"{case}: got {flags.tolist()}, want kinds {want} in slot 2"
-    assert torch.equal(bits_of(base), before)  # x is read, never written
+    with Checklist() as checks:
+        for n, case in SIZED_CASES:
+            with checks.case(f"n={n} {case}"):
+                base = make_distribution("randn", n, dtype, g)
+                want = planted(base, in_layout(base, layout), case, g)
+                base = base.to(device)
+                x = in_layout(base, layout)  # built on the device: Tensor.to would make a view contiguous
+                assert x.is_contiguous() == (layout == "contiguous")  # the layout under test is what it says
+                before = bits_of(base).clone()
+                flags = run_one(x)
+                assert reference(x) == want  # the planting reached x (and only what was planted is non-finite)
+                assert flags.tolist() == expected_flags(want), f"got {flags.tolist()}, want kinds {want} in slot 2"
+                assert torch.equal(bits_of(base), before)  # x is read, never written
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_zero_dim_and_empty(dtype: torch.dtype, case: str, device: str) -> None:
+def test_zero_dim_and_empty(dtype: torch.dtype, device: str) -> None:
+    """Each of CASES planted in a 0-d view, in one case (checklist.py)."""
     g = fresh_generator()
-    base = make_distribution("randn", 5, dtype, g)
-    at = int(torch.randint(0, 5, (), generator=g))
-    want = planted(base, base[at], case, g)  # a 0-d view at a storage offset
-    base = base.to(device)
-    scalar = base[at]
-    assert scalar.dim() == 0 and scalar.storage_offset() == at
-    assert reference(scalar) == want
-    assert run_one(scalar).tolist() == expected_flags(want)
-    for empty in [base[3:3], base[:0].reshape(0, 4), base.reshape(5, 1)[:, :0].t()]:
-        assert empty.numel() == 0
-        assert run_one(empty).tolist() == [0, 0, 0, 0]
-    # A non-finite value right beside an empty view is not in it.
-    bits_of(base).fill_(pattern(dtype, math.nan))
-    assert reference(base) == NAN
-    assert run_one(base[2:2]).tolist() == [0, 0, 0, 0]
+    with Checklist() as checks:
+        for case in CASES:
+            with checks.case(case):
+                base = make_distribution("randn", 5, dtype, g)
+                at = int(torch.randint(0, 5, (), generator=g))
+                want = planted(base, base[at], case, g)  # a 0-d view at a storage offset
+                base = base.to(device)
+                scalar = base[at]
+                assert scalar.dim() == 0 and scalar.storage_offset() == at
+                assert reference(scalar) == want
+                assert run_one(scalar).tolist() == expected_flags(want)
+                for empty in [base[3:3], base[:0].reshape(0, 4), base.reshape(5, 1)[:, :0].t()]:
+                    assert empty.numel() == 0
+                    assert run_one(empty).tolist() == [0, 0, 0, 0]
+                # A non-finite value right beside an empty view is not in it.
+                bits_of(base).fill_(pattern(dtype, math.nan))
+                assert reference(base) == NAN
+                assert run_one(base[2:2]).tolist() == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("n", [1, 300, 70_001])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-def test_distributions(dtype: torch.dtype, n: int, device: str) -> None:
+def test_distributions(dtype: torch.dtype, device: str) -> None:
     """Every distribution of zeroscan.testing that exists for dtype (zeros,
-    subnormals, a large mean, a few or many specials), contiguous and sliced."""
+    subnormals, a large mean, a few or many specials), contiguous and sliced,
+    of each size (checklist.py)."""
     g = fresh_generator()
-    for name in distributions_for(dtype):
-        values = make_distribution(name, n, dtype, g).to(device)
-        for x in [values, values[::2]]:
-            want = reference(x)
-            if name.startswith("nonfinite") and x is values and n >= 3:
-                # Every kind present (three specials at least, spread evenly).
-                assert want == (NAN if dtype in NO_INF else INF | NAN), (name, want)
-            elif not name.startswith("nonfinite"):
-                assert want == 0, (name, want)
-            got = run_one(x).tolist()
-            assert got == expected_flags(want), f"{name} n={x.numel()}: got {got}, want kinds {want}"
+    with Checklist() as checks:
+        for n in [1, 300, 70_001]:
+            for name in distributions_for(dtype):
+                with checks.case(f"{name} n={n}"):
+                    values = make_distribution(name, n, dtype, g).to(device)
+                    for x in [values, values[::2]]:
+                        want = reference(x)
+                        if name.startswith("nonfinite") and x is values and n >= 3:
+                            # Every kind present (three specials at least, spread evenly).
+                            assert want == (NAN if dtype in NO_INF else INF | NAN), (name, want)
+                        elif not name.startswith("nonfinite"):
+                            assert want == 0, (name, want)
+                        got = run_one(x).tolist()
+                        assert got == expected_flags(want), f"{name} n={x.numel()}: got {got}, want kinds {want}"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zeroscan
+from checklist import Checklist
 from helpers import (
     ALL_DTYPES,
     DEVICES,
@@ -58,19 +59,22 @@ def in_layout(values: torch.Tensor, layout: str) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("specials", ["dense", "sparse", "none"])
-def test_matches_reference(specials: str, n: int, dtype: torch.dtype, layout: str, device: str) -> None:
+def test_matches_reference(dtype: torch.dtype, layout: str, device: str) -> None:
+    """Every size, with dense, sparse or no special values, in one case (checklist.py)."""
     g = fresh_generator()
-    every = {"dense": 50, "sparse": 20_000, "none": 1}[specials]
-    values = make_values(n, dtype, g, specials=specials != "none", every=every)
-    x = in_layout(values.to(device), layout)  # built on the device: Tensor.to would make a view contiguous
-    if n >= STRIDED_FROM.get(layout, math.inf):
-        assert not x.is_contiguous()  # the layout under test really is strided
-    s = zeroscan.stats(x)
-    assert s.buffer.device == x.device and s.buffer.dtype == torch.int64
-    assert s.numel == x.numel()
-    assert_matches_reference(s, x, same_as_cpu=True)
+    with Checklist() as checks:
+        for specials, every in [("dense", 50), ("sparse", 20_000), ("none", 1)]:
+            for n in SIZES:
+                with checks.case(f"{specials} n={n}"):
+                    values = make_values(n, dtype, g, specials=specials != "none", every=every)
+                    # Built on the device: Tensor.to would make a view contiguous.
+                    x = in_layout(values.to(device), layout)
+                    if n >= STRIDED_FROM.get(layout, math.inf):
+                        assert not x.is_contiguous()  # the layout under test really is strided
+                    s = zeroscan.stats(x)
+                    assert s.buffer.device == x.device and s.buffer.dtype == torch.int64
+                    assert s.numel == x.numel()
+                    assert_matches_reference(s, x, same_as_cpu=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -200,11 +204,14 @@ def test_reading_a_field_copies_once() -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("magnitude", [1e4, 1e19, 1e25, 1e36])
-def test_large_magnitudes_do_not_overflow(magnitude: float, dtype: torch.dtype, device: str) -> None:
+def test_large_magnitudes_do_not_overflow(dtype: torch.dtype, device: str) -> None:
     g = fresh_generator()
     finite_max = torch.finfo(dtype).max
-    x = (torch.randn(100_003, generator=g, dtype=torch.float64) * min(magnitude, finite_max / 8)).to(dtype).to(device)
-    s = zeroscan.stats(x)
-    assert_matches_reference(s, x)
-    assert math.isfinite(s.std) and math.isfinite(s.norm)
+    with Checklist() as checks:
+        for magnitude in [1e4, 1e19, 1e25, 1e36]:
+            with checks.case(f"magnitude {magnitude:g}"):
+                x = torch.randn(100_003, generator=g, dtype=torch.float64) * min(magnitude, finite_max / 8)
+                x = x.to(dtype).to(device)
+                s = zeroscan.stats(x)
+                assert_matches_reference(s, x)
+                assert math.isfinite(s.std) and math.isfinite(s.norm)
