@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zeroscan
+from checklist import Checklist
 from helpers import ALL_DTYPES, assert_matches_reference, fresh_generator, make_values, stats_of_row
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -43,30 +44,54 @@ def gpu_layout(values: torch.Tensor, layout: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", GPU_LAYOUTS)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@pytest.mark.parametrize("specials", ["dense", "sparse", "none"])
-@pytest.mark.parametrize("n", [300, 70_001])
-def test_gpu_layouts_match_cpu_and_reference(n: int, specials: str, dtype: torch.dtype, layout: str) -> None:
+def test_gpu_layouts_match_cpu_and_reference(dtype: torch.dtype, layout: str) -> None:
+    """Both sizes, with dense, sparse or no special values, in one case (checklist.py)."""
     g = fresh_generator()
-    every = {"dense": 50, "sparse": 20_000, "none": 1}[specials]
-    values = make_values(n, dtype, g, specials=specials != "none", every=every).cuda()
-    x = gpu_layout(values, layout)
-    if layout in ("six_dims", "eight_dims") and n >= 70_000:
-        assert not x.is_contiguous()  # the layout under test really is strided on the GPU
-    s = zeroscan.stats(x)
-    assert s.buffer.device == x.device and s.buffer.dtype == torch.int64
-    assert_matches_reference(s, x, same_as_cpu=True)
+    with Checklist() as checks:
+        for specials, every in [("dense", 50), ("sparse", 20_000), ("none", 1)]:
+            for n in [300, 70_001]:
+                with checks.case(f"{specials} n={n}"):
+                    values = make_values(n, dtype, g, specials=specials != "none", every=every).cuda()
+                    x = gpu_layout(values, layout)
+                    if layout in ("six_dims", "eight_dims") and n >= 70_000:
+                        assert not x.is_contiguous()  # the layout under test really is strided on the GPU
+                    s = zeroscan.stats(x)
+                    assert s.buffer.device == x.device and s.buffer.dtype == torch.int64
+                    assert_matches_reference(s, x, same_as_cpu=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float64, torch.int8])
-@pytest.mark.parametrize("n", [65_535, 65_536, 65_537, 3_000_017, (1 << 24) + 5])
-def test_multi_tile_sizes(n: int, dtype: torch.dtype) -> None:
-    # Around and well above the smallest tile: several blocks per tensor and
-    # the last-block combine.
+TILE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float64, torch.int8]
+# A tile is max(512 KiB, numel / 8192 positions), at most 2^20 positions
+# (kMinTileBytes, kMaxTiles and kMaxTilePositions in csrc/cuda/stats_cuda.cuh).
+ONE_TILE_BYTES = 512 << 10
+# 2^24 + 5 elements: float64's 257 tiles are more than the 256 threads of the
+# block that combines them take in one pass (float32 has 129). Its reference
+# takes seconds of CPU time: two dtypes.
+MANY_TILES = (1 << 24) + 5
+
+
+def around_one_tile(dtype: torch.dtype) -> list[int]:
+    """One position either side of the dtype's smallest tile, and well above it
+    (3,000,017: several tiles in every dtype)."""
+    tile = ONE_TILE_BYTES // dtype.itemsize
+    return [tile - 1, tile, tile + 1, 3_000_017]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "dtype"),
+    [pytest.param(around_one_tile(dtype), dtype, id=f"{dtype}-around_one_tile") for dtype in TILE_DTYPES]
+    + [pytest.param([MANY_TILES], dtype, id=f"{dtype}-{MANY_TILES}") for dtype in (torch.float32, torch.float64)],
+)
+def test_multi_tile_sizes(sizes: list[int], dtype: torch.dtype) -> None:
+    # Several blocks per tensor and the last-block combine.
     g = fresh_generator()
-    x = make_values(n, dtype, g, every=5_000).cuda()
-    s = zeroscan.stats(x)
-    assert_matches_reference(s, x, same_as_cpu=True)
-    assert torch.equal(zeroscan.stats(x).buffer, s.buffer)  # bitwise repeatable
+    with Checklist() as checks:
+        for n in sizes:
+            with checks.case(f"n={n}"):
+                x = make_values(n, dtype, g, every=5_000).cuda()
+                s = zeroscan.stats(x)
+                assert_matches_reference(s, x, same_as_cpu=True)
+                assert torch.equal(zeroscan.stats(x).buffer, s.buffer)  # bitwise repeatable
 
 
 def test_runs_on_the_current_stream() -> None:
