@@ -16,6 +16,7 @@ from torch import nn
 
 import zeroscan
 import zeroscan.distributed
+from checklist import Checklist
 from helpers import DEVICES, assert_matches_reference, ended, fresh_generator, make_values, run_python
 from zeroscan import reference_stats
 from zeroscan.result_row import decode
@@ -402,13 +403,15 @@ def test_refusals_stay_one_line_when_torch_shows_cpp_stack_traces() -> None:
         assert "\n" not in message.strip(), (name, message[:300])
 
 
-# --- each native refusal in a process of its own ----------------------------------
+# --- each native refusal in a fresh process ---------------------------------------
 # A native refusal whose message holds a number ("xs[1]", "65 dimensions")
 # killed the whole process with SIGSEGV on the H200, CPU tensors too: that
 # build of the extension held a static copy of libstdc++ (see setup.py), and
 # formatting a number in it crashed. In pytest's own process such a crash ends
-# the session without a report, so each refusal runs here in a fresh
-# interpreter, on every device, and must end in its one-line error.
+# the session without a report, so the refusals run here in a fresh
+# interpreter, one per device (a CUDA context and torch's import are seconds
+# each), and each must end in its one-line error. A call that crashes the
+# interpreter is named, and the calls after it run in the next one.
 class Refusal(NamedTuple):
     call: str  # evaluated with ok (float32 [2]), bad (uint16), deep (65 dimensions) and flags on the device
     message: str  # the whole error, a regex; it names the call, the argument and what it was given
@@ -456,43 +459,59 @@ REFUSALS = {
     ),
 }
 
-# argv: the device and the call. Prints the error it raised as JSON (null if none).
+# argv: the device, then the calls. Prints, as each call ends, a line
+# "refusal <i> <json>": the error call i raised (null if none).
 REFUSE = """
     import json, sys
     import torch, zeroscan
     from zeroscan.stats import stats_many_mapped
 
-    device, call = sys.argv[1], sys.argv[2]
+    device, calls = sys.argv[1], sys.argv[2:]
     ok = torch.ones(2, device=device)
     bad = torch.zeros(4, dtype=torch.uint8, device=device).view(torch.uint16)
     deep = torch.zeros([1] * 65, device=device)
     flags = torch.zeros(1, dtype=torch.int32, device=device)
-    try:
-        eval(call)
-    except Exception as e:
-        print(json.dumps({"type": type(e).__name__, "message": str(e)}))
-    else:
-        print(json.dumps(None))
+    for i, call in enumerate(calls):
+        try:
+            eval(call)
+        except Exception as e:
+            error = {"type": type(e).__name__, "message": str(e)}
+        else:
+            error = None
+        print(f"refusal {i} {json.dumps(error)}", flush=True)
 """
 
-CUDA_ONLY_WITH_A_GPU = DEVICES[1].marks  # as every CUDA case: collected everywhere, skipped without a GPU
+
+def refusals_in_fresh_processes(device: str, calls: list[str]) -> list[dict[str, str] | None | str]:
+    """What each call raised, the calls run in turn in a fresh interpreter:
+    the error ({"type", "message"}), None if it raised none, or (a str) how
+    the interpreter ended if the call crashed it; the calls after a crash run
+    in the next interpreter."""
+    outcomes: list[dict[str, str] | None | str] = []
+    while len(outcomes) < len(calls):
+        left = calls[len(outcomes) :]
+        proc = run_python(REFUSE, device, *left, timeout=120)
+        done = [line.split(" ", 2) for line in proc.stdout.splitlines() if line.startswith("refusal ")]
+        assert [int(i) for _, i, _ in done] == list(range(len(done))), proc.stdout[-2000:]
+        outcomes += [json.loads(error) for _, _, error in done]
+        if proc.returncode == 0:
+            assert len(done) == len(left), f"{len(done)} of {len(left)} calls ran: {ended(proc)}"
+        else:
+            assert len(done) < len(left), f"every call ran, then the interpreter ended: {ended(proc)}"
+            outcomes.append(f"{left[len(done)]} on {device} crashed the interpreter: {ended(proc)}")
+    return outcomes
 
 
-@pytest.mark.slow  # a process per case
-@pytest.mark.parametrize(
-    ("kind", "device"),
-    [
-        pytest.param(kind, device, marks=CUDA_ONLY_WITH_A_GPU if device == "cuda" else ())
-        for kind, refusal in REFUSALS.items()
-        for device in refusal.devices
-    ],
-)
-def test_native_refusal_in_a_fresh_process(kind: str, device: str) -> None:
-    refusal = REFUSALS[kind]
-    proc = run_python(REFUSE, device, refusal.call, timeout=120)
-    assert proc.returncode == 0, f"{refusal.call} on {device}: {ended(proc)}"
-    error = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert error is not None, f"{refusal.call} on {device} was not refused"
-    message = error["message"]
-    assert error["type"] == "RuntimeError" and "\n" not in message, (error["type"], message)
-    assert re.fullmatch(refusal.message, message), f"{message!r} does not match {refusal.message!r}"
+@pytest.mark.slow  # a fresh interpreter per device
+@pytest.mark.parametrize("device", DEVICES)
+def test_native_refusal_in_a_fresh_process(device: str) -> None:
+    refusals = {kind: refusal for kind, refusal in REFUSALS.items() if device in refusal.devices}
+    outcomes = refusals_in_fresh_processes(device, [refusal.call for refusal in refusals.values()])
+    with Checklist() as checks:
+        for (kind, refusal), error in zip(refusals.items(), outcomes, strict=True):
+            with checks.case(kind):
+                assert not isinstance(error, str), error
+                assert error is not None, f"{refusal.call} on {device} was not refused"
+                message = error["message"]
+                assert error["type"] == "RuntimeError" and "\n" not in message, (error["type"], message)
+                assert re.fullmatch(refusal.message, message), f"{message!r} does not match {refusal.message!r}"
