@@ -21,11 +21,12 @@
 #          debugger), memcheck on that standalone test, bench (the
 #          bandwidth table at 1 GB for float32 and bfloat16, every
 #          distribution, host syncs per call, CUDA-graph replay), then the
-#          CUDA tests of $CALL1_TESTS until the deadline.
+#          CUDA tests of $CALL1_TESTS (all of them) until the deadline.
 #   call2  (DEADLINE_S=210; timeout_s=240): bench's stats_many rows (7B
 #          shapes, 2,000 small tensors) and the Monitor on a 1B training
 #          step, racecheck+nccl (the standalone test --small; test_nccl.py on
-#          a one-GPU NCCL world), then the CUDA tests of $CALL2_TESTS.
+#          a one-GPU NCCL world), then the CUDA tests of $CALL2_TESTS
+#          (test_cuda.py's again).
 #          If call1 found a bug, call2 is call1 again after the fix.
 # call1 leaves $OUT/build.tgz (the extension, its sources' digest and the
 # standalone test): unpacked into the working tree and carried (carry:
@@ -77,11 +78,19 @@ TESTS_K="${TESTS_K:-}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=(env build+kernels tests memcheck racecheck nccl bench)
-# The CUDA tests, split between the calls, the most telling first (every
-# test_*.py with a "cuda" case; test_nccl.py is the nccl stage).
+# The CUDA tests, the most telling first: call1 runs all of them (every
+# test_*.py with a "cuda" case but test_nccl.py, the nccl stage, and
+# test_gpu_job.py, which runs on the CPU). They were ~3,360 cases; the small
+# inputs of one dtype and device are now checked in one case (tests/checklist.py),
+# ~470 cases, and each pytest-xdist worker takes its share of the cores for
+# torch's threads (tests/conftest.py). Estimated, not yet timed on a GPU, at
+# ~50 s on 4 workers (each case its CPU-side time plus 0.1 s) of a ~250 s budget.
+# call2 runs test_cuda.py's GPU-only checks (streams, syncs, graphs, tiles)
+# again, on another machine.
 CALL1_TESTS="tests/test_cuda.py tests/test_stats.py tests/test_diagnosis.py tests/test_errors.py
-  tests/test_mapped_scan.py tests/test_cuda_monitor.py tests/test_compile.py tests/test_stats_many.py tests/test_monitor.py"
-CALL2_TESTS="tests/test_distributions.py tests/test_extremes.py tests/test_histogram.py"
+  tests/test_mapped_scan.py tests/test_cuda_monitor.py tests/test_compile.py tests/test_stats_many.py tests/test_monitor.py
+  tests/test_mark_nonfinite.py tests/test_distributions.py tests/test_extremes.py tests/test_histogram.py"
+CALL2_TESTS="tests/test_cuda.py"
 case "${STAGES[*]}" in
   call1)
     STAGES=(env build+kernels backtrace:90 memcheck:90 bench tests)

@@ -223,8 +223,9 @@ def test_scan_buffers_replay_in_a_cuda_graph() -> None:
             assert_matches_reference(stats_of_row(row, x), x)
 
 
+# "cuda" in the name: the GPU job (benchmarks/gpu_check.sh) selects -k cuda.
 @needs_cuda
-def test_reduce_overhead_mode_matches_eager() -> None:
+def test_cuda_reduce_overhead_mode_matches_eager() -> None:
     g = fresh_generator()
     compiled = torch.compile(zeroscan.scan_buffers, mode="reduce-overhead", fullgraph=True)
     for _ in range(4):  # the first calls record the CUDA graph, later ones replay it

@@ -187,3 +187,50 @@ def test_gpu_check_shows_where_a_test_crashed(tmp_path: Path) -> None:
     assert summary_rows(tmp_path / "out")["backtrace"] == "FAILED (exit 1)"
     fine = run_script("bash", "benchmarks/gpu_check.sh", "backtrace", env={**env, "BACKTRACE_TESTS": f"{probe}::test_fine"})
     assert fine.returncode == 0 and summary_rows(tmp_path / "out")["backtrace"] == "ok"
+
+
+# Prints each collected test that is skipped here for want of a GPU (a skipif
+# whose condition holds and whose reason names CUDA or a GPU), and whether -k
+# selected it.
+GPU_PROBE = """
+import re
+
+def needs_gpu(item):
+    return any(
+        m.args and m.args[0] is True and re.search(r"cuda|gpu", str(m.kwargs.get("reason", "")), re.I)
+        for m in item.iter_markers("skipif")
+    )
+
+def pytest_deselected(items):
+    for item in items:
+        if needs_gpu(item):
+            print("needs-gpu deselected", item.nodeid)
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        if needs_gpu(item):
+            print("needs-gpu selected", item.nodeid)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tells the GPU tests by their skip for want of a GPU")
+def test_call1_runs_every_test_that_needs_a_gpu(tmp_path: Path) -> None:
+    """gpu_check.sh's call1 runs `-k cuda` over $CALL1_TESTS: every test that
+    needs a GPU must have "cuda" in its id and its file in that list (or be
+    test_nccl.py's, the nccl stage's)."""
+    (tmp_path / "gpu_probe.py").write_text(GPU_PROBE)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    done = run_script(
+        sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p", "gpu_probe", "-k", "cuda", "tests",
+        env={"PYTHONPATH": path}, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = [line.split(" ", 2)[1:] for line in done.stdout.splitlines() if line.startswith("needs-gpu ")]
+    assert any(how == "selected" for how, _ in found)  # the probe saw the CUDA cases
+    left_out = [node for how, node in found if how == "deselected"]
+    assert not left_out, f"need a GPU, without 'cuda' in their ids: {left_out}"
+    call1 = re.search(r'^CALL1_TESTS="([^"]*)"', (BENCHMARKS / "gpu_check.sh").read_text(), re.M)
+    assert call1 is not None
+    files = {node.split("::")[0] for _, node in found} - {"tests/test_nccl.py"}
+    missing = sorted(files - set(call1.group(1).split()))
+    assert not missing, f"hold tests that need a GPU, not in gpu_check.sh's CALL1_TESTS: {missing}"

@@ -566,8 +566,9 @@ def test_sparse_refused(device: str) -> None:
     assert flags.cpu().tolist() == [0, 0]
 
 
+# "cuda" in the name: the GPU job (benchmarks/gpu_check.sh) selects -k cuda.
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to put a tensor on another device")
-def test_other_device_refused() -> None:
+def test_other_device_refused_with_cuda() -> None:
     nan = torch.tensor([math.nan])
     on_cuda = nan.cuda()
     cuda_flags = torch.zeros(2, dtype=torch.int32, device="cuda")

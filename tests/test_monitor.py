@@ -553,8 +553,9 @@ def test_mixed_dtypes_devices_and_sparse_grads(device: str) -> None:
     assert serious(report) == [], str(report)
 
 
+# "cuda" in the name: the GPU job (benchmarks/gpu_check.sh) selects -k cuda.
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
-def test_one_scan_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_scan_per_device_cpu_and_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     devices: list[str] = []
     real = monitor_records.native_many
     monkeypatch.setattr(monitor_records, "native_many", lambda ts: devices.append(str(ts[0].device)) or real(ts))
