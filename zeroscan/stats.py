@@ -381,8 +381,10 @@ def _stats_of_rows(readout: Readout, xs: list[torch.Tensor], tol: float | None) 
     """What makes the Stats of row i of one native call over xs, from the
     tensors' dtypes and shapes as they are now; it holds no tensor."""
     device = readout.buffer.device
-    native = zeroscan._C.tensor_metas(xs)
-    if native is None:  # not every item a plain tensor with concrete sizes
+    # torch.compile cannot trace the native reader (a C function of Python
+    # objects); under it the metadata is read in Python, and traced away.
+    native = None if torch.compiler.is_compiling() else zeroscan._C.tensor_metas(xs)
+    if native is None:  # compiling, or not every item a plain tensor with concrete sizes
         metas = [(x.dtype, x.shape, device) for x in xs]
         return lambda row: Stats(readout, row, metas[row], tol)
     dtypes, words = native
