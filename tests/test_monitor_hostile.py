@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-import zeroscan.monitor.monitor as monitor_module
+import zeroscan.monitor.compose as compose_module
 import zeroscan.monitor.rules as rules_module
 import zeroscan.monitor.steps as steps_module
 from helpers import fresh_generator
@@ -319,8 +319,8 @@ def plain_report(monitor: Monitor) -> dict[str, Any]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rules_module, "Series", NaiveSeries)
         patch.setattr(steps_module, "nonfinite_grads", naive_nonfinite_grads)
-        patch.setattr(monitor_module, "tensor_rows", naive_tensor_rows)
-        patch.setattr(monitor_module, "history", naive_history)
+        patch.setattr(compose_module, "tensor_rows", naive_tensor_rows)
+        patch.setattr(compose_module, "history", naive_history)
         return monitor.report().to_dict()
 
 

@@ -54,7 +54,7 @@ import torch
 
 from zeroscan.monitor import step_record
 from zeroscan.monitor.backward import GradState, grad_state, reset_kind
-from zeroscan.monitor.step_record import Param, Scan, Slot
+from zeroscan.monitor.step_record import Param, Scan, Slot, StepRecord
 from zeroscan.ops import is_dtensor, scannable_form
 
 WITNESSES = 8  # gradients whose first values are read when backward ends, at most
@@ -73,6 +73,18 @@ class Pending(NamedTuple):
         kept = [(t, Slot.grad(new_index[Slot.at_row(r).param]).row) for t, r in zip(self.tensors, self.slots)
                 if Slot.at_row(r).param in new_index]
         return Pending([t for t, _ in kept], [r for _, r in kept])
+
+
+class OpenStep(NamedTuple):
+    """A step whose backward pass has finished and whose optimizer step has
+    not run yet: its record (None when the step is not monitored), the
+    gradients as backward left them, and the gradient tensors held unread
+    until the Monitor knows whether optimizer.step() takes them (None: read
+    when backward ended, or not monitored)."""
+
+    record: StepRecord | None
+    grads: GradState
+    pending: Pending | None = None
 
 
 class ResetHabit:

@@ -4,8 +4,9 @@ What is measured lives elsewhere: the scan is zeroscan's native stats_many
 (step_record.py), run over a step's tensors by scanner.py, the activation scans
 are activations.py, what is read of the optimizer is optimizer.py, why a
 gradient is None is causes.py, what the records mean is rules.py, the
-exchange across ranks is ranks.py, and where a NaN was born is
-nonfinite_trace.py (recording) and nonfinite_origin.py (reading).
+exchange across ranks is ranks.py, where a NaN was born is
+nonfinite_trace.py (recording) and nonfinite_origin.py (reading), and the
+report is put together by compose.py.
 """
 
 from __future__ import annotations
@@ -14,50 +15,32 @@ import copy
 import threading
 import weakref
 from collections import deque
-from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zeroscan.monitor import step_record
 from zeroscan.monitor.activations import ActivationScans, activation_modules, scannable
-from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched, reset_kind
+from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched, present_grads, reset_kind
 from zeroscan.monitor.causes import CauseFinder, cleared_cause
-from zeroscan.monitor.deferred import Pending, ResetHabit, witness_of
+from zeroscan.monitor.deferred import OpenStep, Pending, ResetHabit, witness_of
 from zeroscan.monitor.graph import Root, output_roots
-from zeroscan.monitor.grad_histograms import check_histogram, free_earlier_fields, latest_histograms
+from zeroscan.monitor.compose import compose_report
+from zeroscan.monitor.grad_histograms import check_histogram, free_earlier_fields
 from zeroscan.monitor.hooks import Hooks, weak_hook
-from zeroscan.monitor.nonfinite_origin import origin_finding, pointer
 from zeroscan.monitor.nonfinite_trace import NonfiniteTrace
-
-MAX_TRACED_STEPS = 1024  # with every > 1, steps the trace keeps at most (about 14 KiB each)
-from zeroscan.monitor.optimizer import optimizer_view, step_lrs
+from zeroscan.monitor.optimizer import step_lrs
 from zeroscan.monitor.ranks import RankExchange, check_group
 from zeroscan.monitor.step_record import StepRecord, decode_records, grad_row, renumber, weight_row
 from zeroscan.monitor.report import Report, Thresholds
-from zeroscan.monitor.rules import judge
 from zeroscan.monitor.scanner import Scanner
-from zeroscan.monitor.series import COUNT_COLUMNS, history, tensor_rows
-from zeroscan.monitor.steps import history_records, judged_records
 from zeroscan.monitor.structure import StructureWatch
 from zeroscan.monitor.turns import Turns
-from zeroscan.monitor.unregistered import unregistered_state
-from zeroscan.verdicts import Cause
 
 
-class OpenStep(NamedTuple):
-    """A step whose backward pass has finished and whose optimizer step has
-    not run yet: its record (None when the step is not monitored), the
-    gradients as backward left them, and (deferred.py) the gradient tensors
-    held unread until the Monitor knows whether optimizer.step() takes them
-    (None: read when backward ended, or not monitored)."""
-
-    record: StepRecord | None
-    grads: GradState
-    pending: Pending | None = None
+MAX_TRACED_STEPS = 1024  # with every > 1, steps the trace keeps at most (about 14 KiB each)
 
 
 class Monitor:
@@ -290,17 +273,8 @@ class Monitor:
         if self._monitored():  # the gradients as backward left them: a skipped step keeps these
             record = StepRecord(self._count)
             record.stepped = None
-            tensors: list[torch.Tensor] = []
-            slots: list[int] = []
-            missing: list[int] = []  # require grad, have none: the engine says why while it can
-            for p in self._params:
-                g = p.tensor.grad
-                if g is not None:
-                    tensors.append(g)
-                    slots.append(grad_row(p.index))
-                elif p.tensor.requires_grad:
-                    missing.append(p.index)
-            if missing:
+            tensors, slots, missing = present_grads(self._params)
+            if missing:  # require grad, have none: the engine says why while it can
                 self._causes.backward_finished(missing)
             if self._habit.defer:  # read at optimizer.step(), or once the loop lets them go (deferred.py)
                 pending = Pending(tensors, slots)
@@ -457,26 +431,8 @@ class Monitor:
                 self._scan(now, None, None, collective=False)
             decode_records([now])
             recorded = [now]
-        latest = judged_records(self._params, recorded)[-1]
-        self._explain_zeros(latest)
-        optimizer = optimizer_view(self.optimizer, self._params)
-        model_findings = unregistered_state(self.model)
-        origin, pointing = None, ""
-        if self._trace is not None:
-            found, origin = origin_finding(self._params, recorded, list(self._trace.steps))
-            model_findings += [found] if found is not None else []
-            pointing = pointer(origin, found)
-        findings = judge(self._params, recorded, self.thresholds, optimizer, model_findings)
-        if pointing:
-            findings = [
-                replace(f, message=f.message + pointing) if f.cause in (Cause.NONFINITE, Cause.SKIPPED_STEPS) else f
-                for f in findings
-            ]
-        shown = history_records(self._params, recorded)
-        return Report(
-            latest.step, findings, tensor_rows(self._params, latest), history(self._params, shown),
-            latest_histograms(self._params, latest), origin.to_dict() if origin is not None else None,
-        )
+        traced = list(self._trace.steps) if self._trace is not None else None
+        return compose_report(self._params, recorded, self.thresholds, self.optimizer, self.model, traced, self._causes)
 
     def _close_trace(self) -> None:
         """Ends the trace's segment as this step's, and hooks a changed model
@@ -489,17 +445,6 @@ class Monitor:
         if self._retrace or trace.stale:
             self._retrace = False
             trace.attach(self.model, self._params)
-
-    def _explain_zeros(self, record: StepRecord) -> None:
-        """Why the gradients of `record` (the step the report judges) that are
-        exactly zero everywhere are so, where the cause analysis can tell."""
-        record.zero_causes = {}
-        if record.rows is None:
-            return
-        counts, present = record.rows.gather(2 * np.arange(len(self._params)), COUNT_COLUMNS)  # numel, zeros
-        zero = np.flatnonzero(present & (counts[:, 0] > 0) & (counts[:, 1] == counts[:, 0])).tolist()
-        if zero:
-            record.zero_causes = self._causes.explain_zeros(zero)
 
     def _decode(self, recorded: list[StepRecord]) -> None:
         """Reads the records back: this rank's rows, or the global rows across ranks."""

@@ -1,0 +1,72 @@
+"""A report from decoded step records: the findings, the latest step's
+rows, the history and where a NaN was born, put together.
+
+The Monitor decides when a report is made and which records it judges
+(monitor.py); what each record means is rules.py and steps.py; this module
+only assembles their answers into one Report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+from torch import nn
+
+from zeroscan.monitor.causes import CauseFinder
+from zeroscan.monitor.grad_histograms import latest_histograms
+from zeroscan.monitor.nonfinite_origin import origin_finding, pointer
+from zeroscan.monitor.nonfinite_trace import StepTrace
+from zeroscan.monitor.optimizer import optimizer_view
+from zeroscan.monitor.report import Report, Thresholds
+from zeroscan.monitor.rules import judge
+from zeroscan.monitor.series import COUNT_COLUMNS, history, tensor_rows
+from zeroscan.monitor.step_record import Param, StepRecord
+from zeroscan.monitor.steps import history_records, judged_records
+from zeroscan.monitor.unregistered import unregistered_state
+from zeroscan.verdicts import Cause
+
+
+def compose_report(
+    params: list[Param],
+    recorded: list[StepRecord],
+    thresholds: Thresholds,
+    optimizer: torch.optim.Optimizer | None,
+    model: nn.Module,
+    traced: list[StepTrace] | None,
+    causes: CauseFinder,
+) -> Report:
+    """The Report of decoded `recorded` (oldest first, at least one), judged
+    against `thresholds`; `traced`: the NaN trace's steps, None without one."""
+    latest = judged_records(params, recorded)[-1]
+    explain_zeros(params, latest, causes)
+    model_findings = unregistered_state(model)
+    origin, pointing = None, ""
+    if traced is not None:
+        found, origin = origin_finding(params, recorded, traced)
+        model_findings += [found] if found is not None else []
+        pointing = pointer(origin, found)
+    findings = judge(params, recorded, thresholds, optimizer_view(optimizer, params), model_findings)
+    if pointing:
+        findings = [
+            replace(f, message=f.message + pointing) if f.cause in (Cause.NONFINITE, Cause.SKIPPED_STEPS) else f
+            for f in findings
+        ]
+    shown = history_records(params, recorded)
+    return Report(
+        latest.step, findings, tensor_rows(params, latest), history(params, shown),
+        latest_histograms(params, latest), origin.to_dict() if origin is not None else None,
+    )
+
+
+def explain_zeros(params: list[Param], record: StepRecord, causes: CauseFinder) -> None:
+    """Why the gradients of `record` (the step the report judges) that are
+    exactly zero everywhere are so, where the cause analysis can tell."""
+    record.zero_causes = {}
+    if record.rows is None:
+        return
+    counts, present = record.rows.gather(2 * np.arange(len(params)), COUNT_COLUMNS)  # numel, zeros
+    zero = np.flatnonzero(present & (counts[:, 0] > 0) & (counts[:, 1] == counts[:, 0])).tolist()
+    if zero:
+        record.zero_causes = causes.explain_zeros(zero)
