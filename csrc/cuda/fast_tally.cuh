@@ -474,6 +474,21 @@ ZS_FHD uint32_t h2_abs(uint32_t a) {
   return a & 0x7fff7fffu;
 #endif
 }
+#if !defined(__CUDA_ARCH__)
+// max.f16x2 / min.f16x2 on the host: lane by lane, the lane `pick_b(a, b)`
+// chooses; a NaN lane loses to any number, two NaNs give the canonical NaN.
+template <typename PickB>
+inline uint32_t h2_pick(uint32_t a, uint32_t b, PickB pick_b) {
+  auto one = [&](uint16_t x, uint16_t y) -> uint16_t {
+    const float fx = __half2float(bit_cast_to<__half>(x)), fy = __half2float(bit_cast_to<__half>(y));
+    if (fx != fx) return fy != fy ? 0x7fff : y;
+    if (fy != fy) return x;
+    return pick_b(fx, fy) ? y : x;
+  };
+  return one(static_cast<uint16_t>(a), static_cast<uint16_t>(b)) |
+         (static_cast<uint32_t>(one(static_cast<uint16_t>(a >> 16), static_cast<uint16_t>(b >> 16))) << 16);
+}
+#endif
 // The larger lane by lane; a NaN lane loses to any number.
 ZS_FHD uint32_t h2_max(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__)
@@ -481,14 +496,7 @@ ZS_FHD uint32_t h2_max(uint32_t a, uint32_t b) {
   asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 #else
-  auto one = [](uint16_t x, uint16_t y) -> uint16_t {
-    const float fx = __half2float(bit_cast_to<__half>(x)), fy = __half2float(bit_cast_to<__half>(y));
-    if (fx != fx) return fy != fy ? 0x7fff : y;
-    if (fy != fy) return x;
-    return fy > fx ? y : x;
-  };
-  return one(static_cast<uint16_t>(a), static_cast<uint16_t>(b)) |
-         (static_cast<uint32_t>(one(static_cast<uint16_t>(a >> 16), static_cast<uint16_t>(b >> 16))) << 16);
+  return h2_pick(a, b, [](float x, float y) { return y > x; });
 #endif
 }
 // The smaller lane by lane; a NaN lane loses to any number.
@@ -498,14 +506,7 @@ ZS_FHD uint32_t h2_min(uint32_t a, uint32_t b) {
   asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 #else
-  auto one = [](uint16_t x, uint16_t y) -> uint16_t {
-    const float fx = __half2float(bit_cast_to<__half>(x)), fy = __half2float(bit_cast_to<__half>(y));
-    if (fx != fx) return fy != fy ? 0x7fff : y;
-    if (fy != fy) return x;
-    return fy < fx ? y : x;
-  };
-  return one(static_cast<uint16_t>(a), static_cast<uint16_t>(b)) |
-         (static_cast<uint32_t>(one(static_cast<uint16_t>(a >> 16), static_cast<uint16_t>(b >> 16))) << 16);
+  return h2_pick(a, b, [](float x, float y) { return y < x; });
 #endif
 }
 // A count pair's two lanes as one float (each lane an integer below 2^11).

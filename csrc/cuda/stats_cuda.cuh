@@ -626,10 +626,7 @@ struct FastSink<float, Fields> {
   const TileCenter& ctr;
   Fields fields;
 
-  ZS_HDI void single(float x) {
-    if constexpr (!std::is_same_v<Fields, NoFields>) fields.count(x);
-    tally.add(x, k, ctr, 0);
-  }
+  ZS_HDI void single(float x) { single_in(x, 0); }
   // Vectors 2r and 2r + 1 of a group square into run r.
   ZS_HDI void vector(const uint4& v, int u) {
 #pragma unroll
