@@ -36,7 +36,7 @@ PyObject* tensor_metas(PyObject* /*module*/, PyObject* xs) {
   try {
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* item = PyList_GET_ITEM(xs, i);
-      if (!THPVariable_CheckExact(item) && !THPVariable_Check(item)) Py_RETURN_NONE;
+      if (!THPVariable_Check(item)) Py_RETURN_NONE;
       const at::Tensor& t = THPVariable_Unpack(item);
       if (!t.defined() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) Py_RETURN_NONE;
       words[static_cast<size_t>(i)] = static_cast<int64_t>(words.size()) - n - 1;

@@ -38,7 +38,6 @@ import numpy
 import torch
 
 import zeroscan._C
-
 from zeroscan.histogram import Histogram
 from zeroscan.ops import check_tensor, check_tol, refused, require_readable
 from zeroscan.result_row import COUNT_FIELDS, Column, Row, host_array, row_from_words
@@ -240,16 +239,13 @@ class StatsBatch(Sequence[Stats]):
     def __init__(self, items: list[Stats]) -> None:
         self._items: list[Stats | None] = list(items)
         self._make: Callable[[int], Stats] | None = None
-        self._unmade = 0
 
     @classmethod
     def lazy(cls, n: int, make: Callable[[int], Stats]) -> StatsBatch:
-        """A batch of n whose i-th Stats is make(i), made on first access;
-        make is dropped (and what it holds let go) once all n are made."""
+        """A batch of n whose i-th Stats is make(i), made on first access."""
         batch = cls([])
         batch._items = [None] * n
         batch._make = make
-        batch._unmade = n
         return batch
 
     def _get(self, i: int) -> Stats:
@@ -257,9 +253,6 @@ class StatsBatch(Sequence[Stats]):
         if item is None:
             assert self._make is not None
             item = self._items[i] = self._make(i)
-            self._unmade -= 1
-            if self._unmade == 0:
-                self._make = None
         return item
 
     def __len__(self) -> int:

@@ -424,17 +424,28 @@ constexpr int unroll_of() {
 // them in flight (sink.vector(v, u), u the vector's place in its group,
 // then sink.end_group()), and the few unaligned elements at either end one
 // per thread (sink.single, then sink.end_group()).
-template <typename T, typename Sink>
-ZS_HDI void walk_contiguous(const T* data, int64_t begin, int64_t end, int tid, Sink& sink) {
+// Positions [0, n) from p as walk_contiguous splits them: `head` lone
+// elements up to the first 16-byte boundary, `nvec` whole vectors, and the
+// lone elements from `tail` on.
+struct ContiguousSplit {
+  int64_t head, nvec, tail;
+};
+
+template <typename T>
+ZS_HDI ContiguousSplit split_contiguous(const T* p, int64_t n) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));
-  const T* p = data + begin;
-  const int64_t n = end - begin;
   const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  int64_t head = static_cast<int64_t>((16 - (addr & 15)) & 15) /
-                 static_cast<int64_t>(sizeof(T));
+  int64_t head = static_cast<int64_t>((16 - (addr & 15)) & 15) / static_cast<int64_t>(sizeof(T));
   head = head < n ? head : n;
   const int64_t nvec = (n - head) / kPer;
-  const int64_t tail = head + nvec * kPer;
+  return {head, nvec, head + nvec * kPer};
+}
+
+template <typename T, typename Sink>
+ZS_HDI void walk_contiguous(const T* data, int64_t begin, int64_t end, int tid, Sink& sink) {
+  const T* p = data + begin;
+  const int64_t n = end - begin;
+  const auto [head, nvec, tail] = split_contiguous(p, n);
   const bool lone_head = tid < head, lone_tail = tid < n - tail;
   if (lone_head) sink.single(load_element(p + tid));
   if (lone_tail) sink.single(load_element(p + tail + tid));
@@ -468,11 +479,7 @@ template <typename T>
 ZS_HDI uint32_t contiguous_share(const T* data, int64_t begin, int64_t end, int tid) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));
   const int64_t n = end - begin;
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(data + begin);
-  int64_t head = static_cast<int64_t>((16 - (addr & 15)) & 15) / static_cast<int64_t>(sizeof(T));
-  head = head < n ? head : n;
-  const int64_t nvec = (n - head) / kPer;
-  const int64_t tail = head + nvec * kPer;
+  const auto [head, nvec, tail] = split_contiguous(data + begin, n);
   int64_t mine = (tid < head ? 1 : 0) + (tid < n - tail ? 1 : 0);
   if (tid < nvec) mine += (nvec - tid + kThreads - 1) / kThreads * kPer;
   return static_cast<uint32_t>(mine);
@@ -680,41 +687,36 @@ ZS_HDI TileSums fast_thread_sums(const Batch& b, const TileSpan& span, int tid,
   return sink.tally.finish(contiguous_share<T>(data, span.begin, span.end, tid));
 }
 
-// The sample of a tile's center: its first kCenterSamples values as floats,
-// x_lane for lane < n, finite ones summed in the tree of a warp's
+// The sample of a tile's center: its first 32 values as floats, value
+// `lane` for lane < n, the finite ones summed in the tree of a warp's
 // __shfl_down reduction (lane i takes lane i + o, o = 16, 8, 4, 2, 1), so
 // the device (tile_center, one lane each) and the emulation
-// (tile_center_of, a loop) add in the same order.
-template <typename T>
-ZS_HDI float sample_value(const T* p, int64_t n, int lane) {
-  return lane < n ? static_cast<float>(Format<T>::value(load_element(p + lane))) : 0.0f;
-}
+// (tile_center_serial, a loop) add in the same order.
+struct CenterSample {
+  float sum, count, largest;
+};
 
 template <typename T>
-ZS_HDI TileCenter center_of(float sum, float count, float largest) {
-  return make_center(sum, count, largest);
+ZS_HDI CenterSample center_sample(const T* p, int64_t n, int lane) {
+  const float x = lane < n ? static_cast<float>(Format<T>::value(load_element(p + lane))) : 0.0f;
+  const bool keep = lane < n && fabsf(x) < __builtin_huge_valf();
+  return {keep ? x : 0.0f, keep ? 1.0f : 0.0f, keep ? fabsf(x) : 0.0f};
+}
+
+ZS_HDI CenterSample fold_samples(const CenterSample& a, const CenterSample& b) {
+  return {add_rn(a.sum, b.sum), add_rn(a.count, b.count), max_f(a.largest, b.largest)};
 }
 
 // tile_center's twin for one thread of execution (standalone_test
 // --emulate): the same values added in the same tree.
 template <typename T>
 ZS_HDI TileCenter tile_center_serial(const T* p, int64_t n) {
-  float sum[32], count[32], largest[32];
-  for (int lane = 0; lane < 32; ++lane) {
-    const float x = sample_value(p, n, lane);
-    const bool keep = lane < n && fabsf(x) < __builtin_huge_valf();
-    sum[lane] = keep ? x : 0.0f;
-    count[lane] = keep ? 1.0f : 0.0f;
-    largest[lane] = keep ? fabsf(x) : 0.0f;
-  }
+  CenterSample lanes[32];
+  for (int lane = 0; lane < 32; ++lane) lanes[lane] = center_sample(p, n, lane);
   for (int o = 16; o > 0; o /= 2) {
-    for (int i = 0; i < o; ++i) {
-      sum[i] = add_rn(sum[i], sum[i + o]);
-      count[i] = add_rn(count[i], count[i + o]);
-      largest[i] = max_f(largest[i], largest[i + o]);
-    }
+    for (int i = 0; i < o; ++i) lanes[i] = fold_samples(lanes[i], lanes[i + o]);
   }
-  return center_of<T>(sum[0], count[0], largest[0]);
+  return make_center(lanes[0].sum, lanes[0].count, lanes[0].largest);
 }
 
 // The block's TileSums, in thread 0: each warp's counts and key extremes in
@@ -781,17 +783,14 @@ ZS_DEV TileSums block_sums(const TileSums& s, WarpSums (&warps)[kThreads / 32]) 
 // Lane 0 of the calling warp gets the center of the tile of n values at p.
 template <typename T>
 ZS_DEV TileCenter tile_center(const T* p, int64_t n) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  const float x = sample_value(p, n, lane);
-  const bool keep = lane < n && fabsf(x) < __builtin_huge_valf();
-  float sum = keep ? x : 0.0f, count = keep ? 1.0f : 0.0f, largest = keep ? fabsf(x) : 0.0f;
+  CenterSample s = center_sample(p, n, static_cast<int>(threadIdx.x & 31));
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) {
-    sum = add_rn(sum, __shfl_down_sync(0xffffffffu, sum, o));
-    count = add_rn(count, __shfl_down_sync(0xffffffffu, count, o));
-    largest = max_f(largest, __shfl_down_sync(0xffffffffu, largest, o));
+    const CenterSample other = {__shfl_down_sync(0xffffffffu, s.sum, o), __shfl_down_sync(0xffffffffu, s.count, o),
+                                __shfl_down_sync(0xffffffffu, s.largest, o)};
+    s = fold_samples(s, other);
   }
-  return center_of<T>(sum, count, largest);
+  return make_center(s.sum, s.count, s.largest);
 }
 
 // A block's histogram table: Binning<T>::kFields uint32 counters in shared
