@@ -12,7 +12,7 @@
 #    (ZEROSCAN_CUDA_EMULATE=0 skips that).
 # 4. Costs the contiguous scan statically (benchmarks/sass_cost.py): issue
 #    slots per element read off the SASS, weighted by pipe, and fails when
-#    float32, bfloat16 or float16 is over its budget. nvdisasm comes from the
+#    float32, bfloat16, float16 or a float8 type is over its budget. nvdisasm comes from the
 #    toolkit or, when missing, the PyPI wheel nvidia-cuda-nvdisasm
 #    (ZEROSCAN_SASS_COST=0 skips the stage).
 #

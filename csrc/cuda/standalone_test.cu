@@ -727,7 +727,18 @@ void emulate_launch(const Batch& b, EmulatedCall& call) {
     bool slow = true;
     bool walked = false;  // the fast path counted the histogram fields
     const FieldBins<T> fields{bins.data(), 1u};
-    if constexpr (kFast) {
+    if constexpr (kByteTable<T>) {
+      std::vector<uint32_t> table(kByteValues * kTableLanes, 0u);
+      for (int tid = 0; tid < kThreads; ++tid) {
+        ByteSink<T> sink{table.data(), static_cast<uint32_t>(tid & 31) * 4u};
+        walk_share<T, kStrided>(b, span, tid, sink);
+      }
+      for (int v = 0; v < kByteValues; ++v) {
+        combine(p, hist ? value_partial<T>(table.data(), v, lim, fields)
+                        : value_partial<T>(table.data(), v, lim, NoFields{}));
+      }
+      slow = false;
+    } else if constexpr (kFast) {
       if (b.h.fast.on) {
         const T* first = static_cast<const T*>(t.data) + span.begin;
         const TileCenter ctr = tile_center_serial<T>(first, span.end - span.begin);

@@ -22,7 +22,9 @@
 // and float16 on sm_80 and later, through a FastTally (fast_tally.cuh),
 // which counts the same classes on the float pipes in at most 40 % of the
 // issue slots (benchmarks/sass_cost.py); a tile whose fast moments fall
-// short is walked again by the Tally (scan_tiles).
+// short is walked again by the Tally (scan_tiles). The one-byte types
+// (float8, bool, uint8, int8) count how often each of their 256 values
+// occurs in a shared table, and classify each value once per tile (ByteSink).
 //
 // stats_many_hist launches the same kernels compiled with kHist: each element
 // also adds 1 to its histogram field (csrc/histogram.h) in a per-block
@@ -340,6 +342,8 @@ ZS_HDI T element(const uint4& v, int k) {
 struct NoFields {
   template <typename T>
   ZS_HDI void count(T) const {}
+  template <typename T>
+  ZS_HDI void count_n(T, uint32_t) const {}
   ZS_HDI NoFields muted() const { return *this; }
 };
 
@@ -360,6 +364,15 @@ struct FieldBins {
     atomicAdd(bins + f, weight);
 #else
     bins[f] += weight;
+#endif
+  }
+  // n elements of value x (the one-byte types' value table, ByteSink).
+  ZS_HDI void count_n(T x, uint32_t n) const {
+    const int f = Binning<T>::field(Format<T>::key(x));
+#if defined(__CUDA_ARCH__)
+    atomicAdd(bins + f, n * weight);
+#else
+    bins[f] += n * weight;
 #endif
   }
   ZS_HDI FieldBins muted() const { return FieldBins{bins, 0u}; }
@@ -485,13 +498,13 @@ ZS_HDI uint32_t contiguous_share(const T* data, int64_t begin, int64_t end, int 
   return static_cast<uint32_t>(mine);
 }
 
-// This thread's share of positions [begin, end) of a strided layout:
-// positions begin + t, begin + t + kThreads, ...; the multi-index advances by
-// the mixed-radix digits of kThreads, so the loop divides nothing.
-template <typename T, typename Fields>
-ZS_HDI void scan_strided(const T* data, const StridedShape& shape,
-                         int64_t begin, int64_t end, int tid,
-                         ThreadStats<T, Fields>& st, const Limits& lim) {
+// This thread's share of positions [begin, end) of a strided layout,
+// handed to `sink` one element at a time (sink.single): positions
+// begin + t, begin + t + kThreads, ...; the multi-index advances by the
+// mixed-radix digits of kThreads, so the loop divides nothing.
+template <typename T, typename Sink>
+ZS_HDI void walk_strided(const T* data, const StridedShape& shape,
+                         int64_t begin, int64_t end, int tid, Sink& sink) {
   int64_t pos = begin + tid;
   if (pos >= end) return;
   int64_t size[kMaxStridedDims], stride[kMaxStridedDims];
@@ -508,7 +521,7 @@ ZS_HDI void scan_strided(const T* data, const StridedShape& shape,
     offset += index[d] * stride[d];
   }
   for (; pos < end; pos += kThreads) {
-    st.add(load_element(data + offset), lim);
+    sink.single(load_element(data + offset));
     int64_t carry = 0;
     offset = 0;
 #pragma unroll
@@ -571,18 +584,23 @@ ZS_HDI TileSpan locate(const LaunchHeader& h, const TensorTiles* t, int g) {
   return s;
 }
 
-// Thread `tid`'s share of launch tile `span` of batch `b`, added to `st`.
+// Thread `tid`'s share of launch tile `span` of batch `b`, handed to `sink`.
+template <typename T, bool kStrided, typename Batch, typename Sink>
+ZS_HDI void walk_share(const Batch& b, const TileSpan& span, int tid, Sink& sink) {
+  const T* data = static_cast<const T*>(b.t[span.tensor].data);
+  if constexpr (kStrided) {
+    walk_strided<T>(data, b.shape[span.tensor], span.begin, span.end, tid, sink);
+  } else {
+    walk_contiguous<T>(data, span.begin, span.end, tid, sink);
+  }
+}
+
+// The same, added to `st`.
 template <typename T, bool kStrided, typename Batch, typename Fields>
 ZS_HDI void scan_share(const Batch& b, const TileSpan& span, int tid,
                        ThreadStats<T, Fields>& st, const Limits& lim) {
-  const T* data = static_cast<const T*>(b.t[span.tensor].data);
-  if constexpr (kStrided) {
-    scan_strided<T>(data, b.shape[span.tensor], span.begin, span.end, tid, st,
-                    lim);
-  } else {
-    TallySink<T, Fields> sink{st, lim};
-    walk_contiguous<T>(data, span.begin, span.end, tid, sink);
-  }
+  TallySink<T, Fields> sink{st, lim};
+  walk_share<T, kStrided>(b, span, tid, sink);
 }
 
 // Thread `tid`'s partial of launch tile `span` of batch `b`, its elements
@@ -717,6 +735,80 @@ ZS_HDI TileCenter tile_center_serial(const T* p, int64_t n) {
     for (int i = 0; i < o; ++i) lanes[i] = fold_samples(lanes[i], lanes[i + o]);
   }
   return make_center(lanes[0].sum, lanes[0].count, lanes[0].largest);
+}
+
+// ---- One-byte types: a table of values ------------------------------------------
+
+// A one-byte dtype (float8_e4m3fn, float8_e5m2, bool, uint8, int8) has 256
+// values, so a tile is scanned by counting how often each occurs: one shared
+// atomic per element, into the block's table, whose row of a value has a
+// counter per lane of a warp (no two lanes of a warp ever share a counter or
+// a bank). At the end of the tile thread v reads value v's row and makes the
+// Partial of value v taken that many times, by the Tally (classify.h's own
+// classification, one element) and `repeat`; the block reduction combines
+// the 256. Counts and extremes are exact and the moments are those of the
+// exact counts, so no tile goes to the Tally walk again.
+constexpr int kByteValues = 256;
+constexpr int kTableLanes = 32;
+
+template <typename T>
+constexpr bool kByteTable = sizeof(T) == 1;
+
+// Where value v's counter for `lane` sits in the table, in bytes:
+// [kByteValues][kTableLanes] uint32.
+ZS_HDI uint32_t table_offset(uint32_t v, uint32_t lane4) { return (v << 7) | lane4; }
+
+// walk_contiguous's and walk_strided's sink: each element's value counted.
+template <typename T>
+struct ByteSink {
+  uint32_t* table;  // [kByteValues * kTableLanes]
+  uint32_t lane4;   // the thread's lane times 4
+
+  ZS_HDI void single(T x) { bump(bit_cast_to<uint8_t>(x)); }
+  ZS_HDI void vector(const uint4& v, int) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t bits = word(v, w);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) bump((bits >> (8 * k)) & 0xffu);
+    }
+  }
+  ZS_HDI void end_group() {}
+
+ private:
+  ZS_HDI void bump(uint32_t value) const {
+    uint32_t* c = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(table) + table_offset(value, lane4));
+#if defined(__CUDA_ARCH__)
+    atomicAdd(c, 1u);
+#else
+    *c += 1u;
+#endif
+  }
+};
+
+// The Partial of value v's count in `table` (read and zeroed for the next
+// tile), each of those elements' histogram fields counted into `fields`.
+// Thread v reads the lanes' counters in a rotated order, so that the 32
+// threads of a warp read 32 different banks at a time.
+template <typename T, typename Fields>
+ZS_HDI Partial value_partial(uint32_t* table, int v, const Limits& lim, const Fields& fields) {
+  uint32_t n = 0;
+  uint32_t* row = table + v * kTableLanes;
+#pragma unroll 8
+  for (int l = 0; l < kTableLanes; ++l) {
+    const int at = (l + v) & (kTableLanes - 1);
+    n += row[at];
+    row[at] = 0;
+  }
+  if (n == 0) return empty_partial();
+  const T x = bit_cast_to<T>(static_cast<uint8_t>(v));
+  fields.count_n(x, n);
+  Tally<T, uint32_t> one;
+  const double value = static_cast<double>(Format<T>::value(x));
+  one.add(x, lim, value);
+  Partial p = one.finish(value);
+  repeat(p, n);
+  return p;
 }
 
 // The block's TileSums, in thread 0: each warp's counts and key extremes in
@@ -856,6 +948,27 @@ ZS_DEV Partial fast_tile_partial(const Batch& b, const TileSpan& span, int tid, 
   return Reduce(temp.partial).Reduce(thread_partial<T, false>(b, span, tid, lim, counted), CombineOp());
 }
 
+// The one-byte types' table: [kByteValues][kTableLanes] uint32 (32 KiB) in
+// shared memory, zero between tiles. Declared here rather than in the kernel
+// so that only their kernels allocate it.
+ZS_DEV uint32_t* value_table() {
+  __shared__ uint32_t table[kByteValues * kTableLanes];
+  return table;
+}
+
+// Launch tile `span`'s Partial (in thread 0) from the counts of its values.
+template <typename T, bool kStrided, typename Batch, typename Fields, typename Temp>
+ZS_DEV Partial table_tile_partial(const Batch& b, const TileSpan& span, int tid, const Limits& lim,
+                                  const Fields& fields, Temp& temp) {
+  static_assert(kThreads == kByteValues, "one thread per value");
+  using Reduce = cub::BlockReduce<Partial, kThreads>;
+  uint32_t* table = value_table();
+  ByteSink<T> sink{table, static_cast<uint32_t>(tid & 31) * 4u};
+  walk_share<T, kStrided>(b, span, tid, sink);
+  __syncthreads();  // every element is counted
+  return Reduce(temp.partial).Reduce(value_partial<T>(table, tid, lim, fields), CombineOp());
+}
+
 // Grid-stride loop over the launch's tiles. See the file comment. kHist:
 // count every element's histogram field too (h.hist is then not null).
 // Contiguous float32, bfloat16 and float16 tiles take the fast path
@@ -883,15 +996,21 @@ __device__ __forceinline__ void scan_tiles(const Batch& b) {
   if constexpr (kHist) {
     fields = FieldBins<T>{block_bins<T>(), 1u};
     for (int f = tid; f < Binning<T>::kFields; f += kThreads) fields.bins[f] = 0;
-    __syncthreads();  // zeroed before any thread counts
   }
+  if constexpr (kByteTable<T>) {
+    uint32_t* table = value_table();
+    for (int i = tid; i < kByteValues * kTableLanes; i += kThreads) table[i] = 0;
+  }
+  __syncthreads();  // zeroed before any thread counts
   for (int g = blockIdx.x; g < h.num_tiles; g += gridDim.x) {
     const TileSpan span = locate(h, b.t, g);
     const TensorTiles& t = b.t[span.tensor];
     const int tiles = span.tiles;
 
     Partial p;
-    if constexpr (kFast) {
+    if constexpr (kByteTable<T>) {
+      p = table_tile_partial<T, kStrided>(b, span, tid, lim, fields, temp);
+    } else if constexpr (kFast) {
       p = fast_tile_partial<T>(b, span, tid, lim, fields, temp, center, again);
     } else {
       p = Reduce(temp.partial).Reduce(thread_partial<T, kStrided>(b, span, tid, lim, fields),
