@@ -332,11 +332,15 @@ ZS_FHD void combine_sums(TileSums& a, const TileSums& b) {
 // Runs of squares longer than this lose more than ~7 float32 roundings.
 constexpr int kRun = 8;
 
-template <typename T>
+// kByFields: the kernel also counts every element's histogram field, whose
+// field 0 (zeros and subnormals) and top field (infinities and NaN) hold the
+// at_most_sub and non-finite counts: the tally leaves those two out, and
+// settle_by_fields puts the block's in from the table.
+template <typename T, bool kByFields = false>
 struct FastTally;
 
-template <>
-struct FastTally<float> {
+template <bool kByFields>
+struct FastTally<float, kByFields> {
   // Counts, exact in float32 (a thread sees fewer than 2^24 elements per tile).
   float zeros = 0.0f, at_most_sub = 0.0f, at_most_tol = 0.0f, finite = 0.0f, inf = 0.0f,
         neginf = 0.0f, negative = 0.0f;
@@ -352,7 +356,9 @@ struct FastTally<float> {
     const float t = mul_rn(x, 0x1p24f);  // |x| < 2^-149 * 2^24: the subnormal grid made normal
     const float is_zero = fma_sat(fabsf(t), -0x1p125f, 1.0f);
     zeros = add_rn(zeros, is_zero);
-    at_most_sub = add_rn(at_most_sub, fma_sat(fabsf(t), -0x1p125f, 0x1p23f));  // |x| < 2^-126
+    if constexpr (!kByFields) {
+      at_most_sub = add_rn(at_most_sub, fma_sat(fabsf(t), -0x1p125f, 0x1p23f));  // |x| < 2^-126
+    }
     at_most_tol = add_rn(at_most_tol, fma_sat(fabsf(t), k.tol_a, k.tol_b));
     negative = add_rn(negative, mul_sat(t, -0x1p125f));      // x < 0, -inf included
     inf = add_rn(inf, add_sat(ax, -kFloatMax));               // |x| = inf
@@ -362,7 +368,7 @@ struct FastTally<float> {
     // A non-finite x enters the sums as the shift: d = 0, and fast_partial
     // takes its count times the shift off the sum of x.
     const bool is_finite = ax < __builtin_huge_valf();
-    finite = is_finite ? add_rn(finite, 1.0f) : finite;
+    if constexpr (!kByFields) finite = is_finite ? add_rn(finite, 1.0f) : finite;
     const float y = is_finite ? x : ctr.shift;
     kahan_add(s, c, y);
     const float d = fma_rn(y, ctr.scale, ctr.nshift);
@@ -381,15 +387,17 @@ struct FastTally<float> {
     t.at_most_sub = at_most_sub;
     t.at_most_tol = at_most_tol;
     t.finite = finite;
-    t.non_nan = add_rn(finite, inf);
+    t.non_nan = add_rn(finite, inf);  // kByFields: the infinities alone
     t.negative = negative;
     t.neginf = neginf;
-    if (finite > zeros) {
+    if constexpr (kByFields) {
+      t.lo = bit_cast_to<uint32_t>(lo);  // settled for the block (settle_by_fields)
+    } else if (finite > zeros) {
       t.lo = bit_cast_to<uint32_t>(lo);  // a finite nonzero |x| is at most lo's kFloatMax
     } else if (inf > 0.0f) {
       t.lo = 0x7f800000u;  // only infinities are nonzero
     }
-    t.hi = t.non_nan > 0.0f ? bit_cast_to<uint32_t>(hi) : 0u;
+    t.hi = bit_cast_to<uint32_t>(hi);  // 0 while no value but NaN came by
     t.s1 = static_cast<double>(s) - static_cast<double>(c);
     t.s2 = static_cast<double>(q) - static_cast<double>(qc);
     return t;
@@ -540,7 +548,7 @@ constexpr uint16_t kHNeg2p14 = 0xf400; // -2^14
 // The extremes are float16 max / min of |R| (NaN lanes lose) and of |R|
 // with zeros as 65504 (an ambiguous least key 0x7bff that fast_partial
 // settles from the counts).
-template <typename S>
+template <typename S, bool kByFields = false>
 struct FastTally16 {
   static constexpr bool kBf16 = std::is_same_v<S, bf16_t>;
   // float16 count pairs (per lane below 2^11: the tiling bounds a thread's
@@ -561,7 +569,9 @@ struct FastTally16 {
     const uint32_t is_zero = h2_fma_sat(at, pair(kHNeg2p14), pair(kH1));
     zeros = h2_add(zeros, is_zero);
     // key <= sub_max: bfloat16 0x7f (T = 127 * 2^-14), float16 0x3ff (1023 * 2^-14).
-    at_most_sub = h2_add(at_most_sub, h2_fma_sat(at, pair(kHNeg2p14), pair(kBf16 ? 0x5800 : 0x6400)));
+    if constexpr (!kByFields) {
+      at_most_sub = h2_add(at_most_sub, h2_fma_sat(at, pair(kHNeg2p14), pair(kBf16 ? 0x5800 : 0x6400)));
+    }
     at_most_tol = h2_add(at_most_tol, h2_fma_sat(at, pair(static_cast<uint16_t>(k.tol_ab)),
                                                  pair(static_cast<uint16_t>(k.tol_ab >> 16))));
     negative = h2_add(negative, h2_mul_sat(t, pair(kHNeg2p14)));
@@ -571,12 +581,14 @@ struct FastTally16 {
       const uint32_t sv = h2_mul(w ^ 0x7fff7fffu, pair(kH1024));
       finite_view = sv;  // |S| > 127 * 2^-14 or NaN: bfloat16's finite values
       const uint32_t as = h2_abs(sv);
-      c4 = h2_add(c4, h2_fma_sat(as, pair(kHNeg2p14), pair(0x5800)));  // key >= 0x7f80: |S| <= 127 * 2^-14
+      if constexpr (!kByFields) {
+        c4 = h2_add(c4, h2_fma_sat(as, pair(kHNeg2p14), pair(0x5800)));  // key >= 0x7f80: |S| <= 127 * 2^-14
+      }
       c5 = h2_add(c5, h2_fma_sat(as, pair(kHNeg2p14), pair(0x57f0)));  // key >= 0x7f81: |S| <= 126 * 2^-14
       const uint32_t off = h2_abs(h2_add(sv, pair(0x1ff0)));            // S + 127 * 2^-14: 0 for -inf alone
       c6 = h2_add(c6, h2_fma_sat(off, pair(kHNeg2p14), pair(kH1)));
     } else {
-      c4 = h2_add(c4, h2_fma_sat(ar, 0u, pair(kH1)));                 // finite
+      if constexpr (!kByFields) c4 = h2_add(c4, h2_fma_sat(ar, 0u, pair(kH1)));  // finite
       c5 = h2_add(c5, h2_fma_sat(ar, pair(kH1), pair(kH1)));          // not NaN
       c6 = h2_add(c6, h2_fma_sat(w, pair(0xbc00), pair(0xfbff)));     // -inf: sat(-x - 65504)
     }
@@ -592,13 +604,20 @@ struct FastTally16 {
     low = h2_min(low, h2_min(nonzero[0], nonzero[1]));
   }
 
-  // A word with one element of the tile (`lane` 0 or 1) beside a NaN pad.
-  ZS_FHD void lone(uint16_t bits, const FastLimits& k, const TileCenter& ctr) {
-    const uint16_t nan = kBf16 ? 0x7fc0 : 0x7e00;
-    word(bits | (static_cast<uint32_t>(nan) << 16), k, ctr, 0, 0);
+  // A word of two elements of the tile, without a partner word.
+  ZS_FHD void one_word(uint32_t w, const FastLimits& k, const TileCenter& ctr) {
+    word(w, k, ctr, 0, 0);
     raw[1] = raw[0];
     nonzero[1] = nonzero[0];
     extremes();
+  }
+
+  // A word with one element of the tile in lane `lane` (0 or 1) beside a
+  // NaN pad. Callers alternate the lanes, so that neither lane of a count
+  // pair counts more than half a thread's elements, rounded up.
+  ZS_FHD void lone(uint16_t bits, int lane, const FastLimits& k, const TileCenter& ctr) {
+    const uint32_t nan = kBf16 ? 0x7fc0u : 0x7e00u;
+    one_word(lane == 0 ? bits | (nan << 16) : nan | (static_cast<uint32_t>(bits) << 16), k, ctr);
     pads = add_rn(pads, 1.0f);
   }
 
@@ -617,22 +636,24 @@ struct FastTally16 {
     t.at_most_tol = h2_total(at_most_tol);
     t.negative = h2_total(negative);
     t.neginf = h2_total(c6);
-    float inf = 0.0f;
+    float inf = 0.0f;  // bfloat16's (kByFields: settle_by_fields's)
     if constexpr (kBf16) {
       const float lanes = add_rn(static_cast<float>(elements), pads);
-      const float nonfinite = h2_total(c4), nan = h2_total(c5);
-      t.finite = add_rn(lanes, -nonfinite);
+      const float nan = h2_total(c5);
       t.non_nan = add_rn(lanes, -nan);
       t.negative = add_rn(t.negative, t.neginf);  // T saw -inf as float16 NaN
-      inf = add_rn(nonfinite, -nan);
+      if constexpr (!kByFields) {
+        const float nonfinite = h2_total(c4);
+        t.finite = add_rn(lanes, -nonfinite);
+        inf = add_rn(nonfinite, -nan);
+      }
     } else {
-      t.finite = h2_total(c4);
+      t.finite = h2_total(c4);  // kByFields: 0, settled for the block
       t.non_nan = h2_total(c5);
-      inf = add_rn(t.non_nan, -t.finite);
     }
-    const uint32_t inf_key = kBf16 ? 0x7f80u : 0x7c00u;
+    // float16's infinity is its largest |R|; bfloat16's is a NaN there.
     const uint32_t top_lo = top & 0xffffu, top_hi = top >> 16;
-    t.hi = inf > 0.0f ? inf_key : (top_lo > top_hi ? top_lo : top_hi);
+    t.hi = kBf16 && inf > 0.0f ? 0x7f80u : (top_lo > top_hi ? top_lo : top_hi);
     // Lanes below 0x7bff are exact least keys; 0x7bff and above (65504,
     // inf: no nonzero lane below 0x7bff) are settled by fast_partial.
     const uint32_t low_lo = low & 0xffffu, low_hi = low >> 16;
@@ -710,6 +731,23 @@ struct FastTally16 {
 #endif
   }
 };
+
+// A block's TileSums from FastTally<T, true>, completed from its histogram:
+// `low_field` elements in field 0 (zeros and subnormals: at_most_sub, as
+// tiny is the smallest normal) and `top_field` in the all-ones exponent
+// field (infinities and NaN) of `positions`. All counts are exact floats.
+template <typename T>
+ZS_FHD void settle_by_fields(TileSums& s, float low_field, float top_field, float positions) {
+  s.at_most_sub = low_field;
+  s.finite = add_rn(positions, -top_field);
+  if constexpr (std::is_same_v<T, float>) {
+    const float inf = s.non_nan;  // the threads' non_nan held their infinities
+    s.non_nan = add_rn(s.finite, inf);
+    if (!(s.finite > s.zeros)) s.lo = inf > 0.0f ? 0x7f800000u : ~0u;
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    if (s.non_nan > s.finite) s.hi = 0x7f80u;  // an infinity
+  }
+}
 
 // ---- A tile's partial --------------------------------------------------------
 

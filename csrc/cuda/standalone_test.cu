@@ -718,15 +718,15 @@ template <typename T, bool kStrided, typename Batch>
 void emulate_launch(const Batch& b, EmulatedCall& call) {
   const Limits lim = b.h.limits;
   const bool hist = b.h.hist != nullptr;
-  std::vector<uint32_t> bins(hist ? Binning<T>::kFields : 0, 0u);
-  constexpr bool kFast = !kStrided && kHasFastPath<T>;
+  constexpr bool kFast = kHasFastPath<T>;
+  using Bins = std::conditional_t<kFast, LaneBins<T>, FieldBins<T>>;  // as scan_tiles
+  std::vector<uint32_t> bins(hist ? Bins::kWords : 0, 0u);
   for (int g = 0; g < b.h.num_tiles; ++g) {
     const TileSpan span = locate(b.h, b.t, g);
     const TensorTiles& t = b.t[span.tensor];
     Partial p = empty_partial();
     bool slow = true;
     bool walked = false;  // the fast path counted the histogram fields
-    const FieldBins<T> fields{bins.data(), 1u};
     if constexpr (kByteTable<T>) {
       std::vector<uint32_t> table(kByteValues * kTableLanes, 0u);
       for (int tid = 0; tid < kThreads; ++tid) {
@@ -734,19 +734,28 @@ void emulate_launch(const Batch& b, EmulatedCall& call) {
         walk_share<T, kStrided>(b, span, tid, sink);
       }
       for (int v = 0; v < kByteValues; ++v) {
-        combine(p, hist ? value_partial<T>(table.data(), v, lim, fields)
+        combine(p, hist ? value_partial<T>(table.data(), v, lim, Bins::make(bins.data(), v))
                         : value_partial<T>(table.data(), v, lim, NoFields{}));
       }
       slow = false;
     } else if constexpr (kFast) {
       if (b.h.fast.on) {
-        const T* first = static_cast<const T*>(t.data) + span.begin;
-        const TileCenter ctr = tile_center_serial<T>(first, span.end - span.begin);
+        const TileCenter ctr = tile_center_serial<T, kStrided>(b, span);
         if (fast_center_ok<T>(ctr)) {
           TileSums sums;
           for (int tid = 0; tid < kThreads; ++tid) {
-            combine_sums(sums, hist ? fast_thread_sums<T>(b, span, tid, ctr, fields)
-                                    : fast_thread_sums<T>(b, span, tid, ctr, NoFields{}));
+            combine_sums(sums, hist ? fast_thread_sums<T, kStrided>(b, span, tid, ctr, Bins::make(bins.data(), tid))
+                                    : fast_thread_sums<T, kStrided>(b, span, tid, ctr, NoFields{}));
+          }
+          if (hist) {  // settle_from_table's sums, lane by lane
+            const Bins table = Bins::make(bins.data(), 0);
+            uint32_t low = 0, top = 0;
+            for (int lane = 0; lane < 32; ++lane) {
+              low += table.share(0, lane);
+              top += table.share(Binning<T>::kFields - 1, lane);
+            }
+            settle_by_fields<T>(sums, static_cast<float>(low), static_cast<float>(top),
+                                static_cast<float>(span.end - span.begin));
           }
           walked = true;
           slow = !fast_partial<T>(sums, ctr, span.end - span.begin, p);
@@ -761,12 +770,13 @@ void emulate_launch(const Batch& b, EmulatedCall& call) {
       }
     }
     for (int tid = 0; slow && tid < kThreads; ++tid) {
-      const FieldBins<T> counted = walked ? fields.muted() : fields;
+      const Bins fields = Bins::make(bins.data(), tid);
+      const Bins counted = walked ? fields.muted() : fields;
       combine(p, hist ? thread_partial<T, kStrided>(b, span, tid, lim, counted)
                       : thread_partial<T, kStrided>(b, span, tid, lim));
     }
     for (int tid = 0; hist && tid < kThreads; ++tid) {
-      flush_bins<T>(b.h, t, bins.data(), tid);
+      Bins::make(bins.data(), tid).flush(b.h, t, tid);
     }
     int64_t* row = call.out.data() + static_cast<int64_t>(t.row) * kNumFields;
     if (span.tiles == 1) {
@@ -875,6 +885,14 @@ std::vector<View> views_for(int64_t n, bool big) {
   if (n >= 5) {
     const int64_t rows = n / 5;
     v.push_back({"short_rows", rows * 5, 1 % (rows * 5), {rows, 3}, {5, 1}});
+  }
+  // Rows with gaps after them: a strided walk's groups of 32 positions a
+  // lane cross rows (100) or stay in one for a while (1500).
+  for (const int64_t row : {int64_t(100), int64_t(1500)}) {
+    if (n >= 2 * row) {
+      const int64_t rows = n / row;
+      v.push_back({"rows_of_" + std::to_string(row), rows * (row + 7), 2, {rows, row}, {row + 7, 1}});
+    }
   }
   if (n >= 8) {
     const int64_t m = n / 8;
@@ -1259,8 +1277,9 @@ void check_host_widening(int patterns) {
 // The counts and key extremes of one element as the fast path finds them
 // (a tally of that element alone) and as Tally does. A bfloat16 beyond 2^121
 // is the fast path's to hand back (its square overflows), not to count.
+// A 16-bit element sits in lane `lane` of its word.
 template <typename T>
-TileSums fast_sums_of(T x, const FastLimits& k) {
+TileSums fast_sums_of(T x, int lane, const FastLimits& k) {
   const TileCenter ctr = make_center(0.0f, 0.0f, 0.0f);
   if constexpr (std::is_same_v<T, float>) {
     FastTally<float> f;
@@ -1269,7 +1288,7 @@ TileSums fast_sums_of(T x, const FastLimits& k) {
     return f.finish(1);
   } else {
     FastTally16<T> f;
-    f.lone(x.bits, k, ctr);
+    f.lone(x.bits, lane, k, ctr);
     f.end_group();
     return f.finish(1);
   }
@@ -1296,14 +1315,16 @@ int64_t check_fast_classes(Rng& rng) {
     for (size_t i = 0; i < positive; ++i) patterns.push_back(patterns[i] | 0x80000000u);
   }
   int64_t checked = 0;
+  uint32_t flip = 0;  // the lane of pattern b is (b + flip) & 1: both lanes over the tols
   for (double tol : tols) {
+    ++flip;
     const Limits lim = limits_for<T>(tiny, tol);
     const FastLimits k = fast_limits_for<T>(lim);
     if (!k.on) continue;  // such a tol takes the Tally path
     for (uint32_t b : patterns) {
       T x;
       std::memcpy(&x, &b, sizeof(T));
-      const TileSums got = fast_sums_of(x, k);
+      const TileSums got = fast_sums_of(x, static_cast<int>((b + flip) & 1u), k);
       Tally<T, uint32_t> want;
       want.add(x, lim, 0.0);
       const Partial w = want.finish(0.0);

@@ -354,29 +354,117 @@ struct NoFields {
 // float64 thread's second, downscaled walk of its share (thread_partial),
 // whose elements were counted on the first.
 template <typename T>
+ZS_HDI void flush_bins(const LaunchHeader& h, const TensorTiles& t, uint32_t* bins, int tid);
+#if defined(__CUDA_ARCH__)
+template <typename Bins>
+__device__ uint32_t* block_bins();
+#endif
+
+template <typename T>
 struct FieldBins {
-  uint32_t* bins;  // [Binning<T>::kFields]
+  using Type = T;
+  static constexpr int kWords = Binning<T>::kFields;
+  uint32_t* bins;  // [kWords]
   uint32_t weight;
 
-  ZS_HDI void count(T x) const {
-    const int f = Binning<T>::field(Format<T>::key(x));
-#if defined(__CUDA_ARCH__)
-    atomicAdd(bins + f, weight);
-#else
-    bins[f] += weight;
-#endif
-  }
+  ZS_HDI static FieldBins make(uint32_t* table, int) { return FieldBins{table, 1u}; }
+
+  ZS_HDI void count(T x) const { add(Binning<T>::field(Format<T>::key(x)), weight); }
   // n elements of value x (the one-byte types' value table, ByteSink).
-  ZS_HDI void count_n(T x, uint32_t n) const {
-    const int f = Binning<T>::field(Format<T>::key(x));
+  ZS_HDI void count_n(T x, uint32_t n) const { add(Binning<T>::field(Format<T>::key(x)), n * weight); }
+  ZS_HDI FieldBins muted() const { return FieldBins{bins, 0u}; }
+  // Adds the block's table to the tensor's fields (see flush_bins).
+  ZS_HDI void flush(const LaunchHeader& h, const TensorTiles& t, int tid) const { flush_bins<T>(h, t, bins, tid); }
+
+ private:
+  // A shared-memory reduction: the table is the block's (a generic atomic
+  // would cost an address-space check per element).
+  ZS_HDI void add(int f, uint32_t n) const {
 #if defined(__CUDA_ARCH__)
-    atomicAdd(bins + f, n * weight);
+    const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(bins + f));
+    asm volatile("red.shared.add.u32 [%0], %1;" : : "r"(at), "r"(n));
 #else
-    bins[f] += n * weight;
+    bins[f] += n;
 #endif
   }
-  ZS_HDI FieldBins muted() const { return FieldBins{bins, 0u}; }
 };
+
+// The fast path's histogram table (float32, bfloat16, float16): each
+// field's counter split over the 32 lanes of a warp ([field][lane] uint32, a
+// field every kStride bytes), so that the lanes of a warp never share a
+// counter or a bank however alike their values (a tile of zeros counts all
+// of them in field 0), and so that a field's byte offset is the element's
+// exponent bits masked where they lie (kMask): one LOP3 an element, two for
+// a 16-bit word's high element. flush adds the lanes up.
+template <typename T>
+struct LaneBins {
+  using Type = T;
+  // float32's exponent (in its high half) and bfloat16's sit at bit 7,
+  // float16's at bit 10.
+  static constexpr uint32_t kStride = std::is_same_v<T, f16_t> ? 1024u : 128u;
+  static constexpr uint32_t kMask = (Binning<T>::kFields - 1) * kStride;
+  static constexpr int kWords = static_cast<int>(Binning<T>::kFields * kStride / 4);  // 32 KiB
+  uint32_t* bins;   // [kWords]: the block's table (block_bins)
+  uint32_t lane4;   // the thread's lane times 4
+  uint32_t weight;
+
+  ZS_HDI static LaneBins make(uint32_t* table, int tid) {
+    return LaneBins{table, static_cast<uint32_t>(tid & 31) * 4u, 1u};
+  }
+  ZS_HDI void count(T x) const { at(static_cast<uint32_t>(Binning<T>::field(Format<T>::key(x))) * kStride); }
+  // A float32 by its bits; a word of two 16-bit elements.
+  ZS_HDI void count_bits32(uint32_t bits) const { at((bits >> 16) & kMask); }
+  ZS_HDI void count_word16(uint32_t w) const {
+    at(w & kMask);
+    at((w >> 16) & kMask);
+  }
+  ZS_HDI LaneBins muted() const { return LaneBins{bins, lane4, 0u}; }
+
+  // Field f's count, lane `lane`'s share.
+  ZS_HDI uint32_t share(int f, int lane) const { return bins[f * static_cast<int>(kStride / 4) + lane]; }
+
+  // Adds the block's table, lanes summed, to the tensor's fields, row t.row
+  // of h.hist, times the tensor's repeat, and zeroes it for the next tile;
+  // as flush_bins, for tid = 0..kThreads-1. Thread f reads the lanes of
+  // field f in a rotated order: the threads of a warp read different banks.
+  ZS_HDI void flush(const LaunchHeader& h, const TensorTiles& t, int tid) const {
+    int64_t* out = h.hist + static_cast<int64_t>(t.row) * h.hist_width;
+    for (int f = tid; f < Binning<T>::kFields; f += kThreads) {
+      uint32_t* row = bins + f * static_cast<int>(kStride / 4);
+      uint32_t c = 0;
+      for (int l = 0; l < 32; ++l) {
+        const int at = (l + f) & 31;
+        c += row[at];
+        row[at] = 0;
+      }
+      if (c != 0) {
+        const unsigned long long add = static_cast<unsigned long long>(c) * static_cast<unsigned long long>(t.repeat);
+#if defined(__CUDA_ARCH__)
+        atomicAdd(reinterpret_cast<unsigned long long*>(out + f), add);
+#else
+        out[f] += static_cast<int64_t>(add);
+#endif
+      }
+    }
+  }
+
+ private:
+  // The table's address is read off its symbol (block_bins), not `bins`:
+  // a constant, which the shared-memory instruction adds for free.
+  ZS_HDI void at(uint32_t field_offset) const {
+#if defined(__CUDA_ARCH__)
+    const uint32_t table = static_cast<uint32_t>(__cvta_generic_to_shared(block_bins<LaneBins>()));
+    asm volatile("red.shared.add.u32 [%0], %1;" : : "r"(table + (field_offset | lane4)), "r"(weight));
+#else
+    *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(bins) + (field_offset | lane4)) += weight;
+#endif
+  }
+};
+
+// Whether a fast-path kernel counts histogram fields (then its FastTally
+// leaves at_most_sub and the non-finite count to them: settle_by_fields).
+template <typename Fields>
+constexpr bool kByFields = !std::is_same_v<Fields, NoFields>;
 
 // One thread's statistics: a Tally (classify.h) that every element goes
 // through, the same branch-free classification the CPU uses, and the shift
@@ -420,6 +508,7 @@ struct TallySink {
     for (int k = 0; k < kPer; ++k) st.add(element<T>(v, k), lim);
   }
   ZS_HDI void end_group() {}
+  ZS_HDI void end_singles() {}
 };
 
 // 16-byte loads in flight per thread (a group). Every element is folded in
@@ -432,11 +521,6 @@ constexpr int unroll_of() {
   return std::is_same_v<T, float> ? 2 * kUnroll : kUnroll;
 }
 
-// This thread's share of positions [begin, end) of a contiguous tensor,
-// handed to `sink`: 16-byte vectors t, t + kThreads, ..., unroll_of<T>() of
-// them in flight (sink.vector(v, u), u the vector's place in its group,
-// then sink.end_group()), and the few unaligned elements at either end one
-// per thread (sink.single, then sink.end_group()).
 // Positions [0, n) from p as walk_contiguous splits them: `head` lone
 // elements up to the first 16-byte boundary, `nvec` whole vectors, and the
 // lone elements from `tail` on.
@@ -454,6 +538,11 @@ ZS_HDI ContiguousSplit split_contiguous(const T* p, int64_t n) {
   return {head, nvec, head + nvec * kPer};
 }
 
+// This thread's share of positions [begin, end) of a contiguous tensor,
+// handed to `sink`: 16-byte vectors t, t + kThreads, ..., unroll_of<T>() of
+// them in flight (sink.vector(v, u), u the vector's place in its group,
+// then sink.end_group()), and the few unaligned elements at either end one
+// per thread (sink.single, then sink.end_singles()).
 template <typename T, typename Sink>
 ZS_HDI void walk_contiguous(const T* data, int64_t begin, int64_t end, int tid, Sink& sink) {
   const T* p = data + begin;
@@ -462,7 +551,7 @@ ZS_HDI void walk_contiguous(const T* data, int64_t begin, int64_t end, int tid, 
   const bool lone_head = tid < head, lone_tail = tid < n - tail;
   if (lone_head) sink.single(load_element(p + tid));
   if (lone_tail) sink.single(load_element(p + tail + tid));
-  if (lone_head || lone_tail) sink.end_group();
+  if (lone_head || lone_tail) sink.end_singles();
 
   // Vectors tid, tid + kThreads, ... (a tile holds fewer than 2^31: the
   // fast path counts them in 32 bits, which its loop is shorter for; the
@@ -498,40 +587,171 @@ ZS_HDI uint32_t contiguous_share(const T* data, int64_t begin, int64_t end, int 
   return static_cast<uint32_t>(mine);
 }
 
-// This thread's share of positions [begin, end) of a strided layout,
-// handed to `sink` one element at a time (sink.single): positions
-// begin + t, begin + t + kThreads, ...; the multi-index advances by the
-// mixed-radix digits of kThreads, so the loop divides nothing.
+// ---- The strided walk --------------------------------------------------------
+
+// A strided tile is split into one chunk of consecutive positions per warp;
+// lane l of a warp takes positions l, l + 32, l + 64, ... of its chunk, so a
+// warp reads 32 neighbouring positions at a time (coalesced where the
+// innermost stride is small), and a lane stays in one row of the innermost
+// dimension for as long as that row lasts.
+constexpr int kWarps = kThreads / 32;
+
+struct LaneSpan {
+  int64_t first;  // the lane's first position
+  int64_t count;  // how many positions it takes
+};
+
+ZS_HDI LaneSpan lane_span(int64_t begin, int64_t end, int tid) {
+  const int64_t chunk = ((end - begin + kWarps - 1) / kWarps + 31) / 32 * 32;
+  const int64_t chunk_begin = begin + (tid >> 5) * chunk;
+  const int64_t chunk_end = chunk_begin + chunk < end ? chunk_begin + chunk : end;
+  const int64_t first = chunk_begin + (tid & 31);
+  return {first, first < chunk_end ? (chunk_end - first + 31) / 32 : 0};
+}
+
+// Position `pos` of a strided layout: its innermost index and outer digits.
+template <typename T>
+struct StridedCursor {
+  const StridedShape& shape;
+  const char* data;                // position 0
+  int64_t i0;                      // index in the innermost dimension
+  int64_t digit[kMaxStridedDims];  // digit[d], d >= 1: index in dimension d
+  int64_t step;                    // bytes from a position to the one 32 on, in a row
+  const char* at;                  // the element's address
+
+  ZS_HDI StridedCursor(const T* base, const StridedShape& s, int64_t pos)
+      : shape(s), data(reinterpret_cast<const char*>(base)) {
+    i0 = pos % s.sizes[0];
+    int64_t rest = pos / s.sizes[0];
+    digit[0] = 0;
+#pragma unroll
+    for (int d = 1; d < kMaxStridedDims; ++d) {
+      digit[d] = rest % s.sizes[d];
+      rest /= s.sizes[d];
+    }
+    step = 32 * s.strides[0] * static_cast<int64_t>(sizeof(T));
+    locate();
+  }
+
+  // k positions of this lane on (32 k positions of the layout).
+  ZS_HDI void advance(int64_t k) {
+    i0 += 32 * k;
+    at += k * step;
+    if (i0 >= shape.sizes[0]) next_row();
+  }
+
+  // i0 ran past its row: carry whole rows into the outer digits (a row has
+  // at least 2 positions, so a step crosses at most 16 of them).
+  ZS_HDI void next_row() {
+    int64_t carry = 0;
+    while (i0 >= shape.sizes[0]) {
+      i0 -= shape.sizes[0];
+      ++carry;
+    }
+#pragma unroll
+    for (int d = 1; d < kMaxStridedDims; ++d) {  // unrolled: the digits stay in registers
+      digit[d] += carry;
+      carry = 0;
+      while (digit[d] >= shape.sizes[d]) {
+        digit[d] -= shape.sizes[d];
+        ++carry;
+      }
+    }
+    locate();
+  }
+
+ private:
+  ZS_HDI void locate() {
+    int64_t offset = i0 * shape.strides[0];
+#pragma unroll
+    for (int d = 1; d < kMaxStridedDims; ++d) offset += digit[d] * shape.strides[d];
+    at = data + offset * static_cast<int64_t>(sizeof(T));
+  }
+};
+
+// Element k of a 16-byte vector of T set to x (the inverse of element<T>).
+template <typename T>
+ZS_HDI void put_element(uint4& v, int k, T x) {
+  if constexpr (sizeof(T) == 4) {
+    const uint32_t b = bit_cast_to<uint32_t>(x);
+    (k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w) = b;
+  } else {
+    static_assert(sizeof(T) == 2, "vectors are gathered for the fast path's 4- and 2-byte types");
+    const uint32_t b = bit_cast_to<uint16_t>(x);
+    uint32_t& w = (k / 2 == 0 ? v.x : k / 2 == 1 ? v.y : k / 2 == 2 ? v.z : v.w);
+    w = k % 2 == 0 ? b : (w | (b << 16));
+  }
+}
+
+// This thread's share of positions [begin, end) of a strided layout (its
+// lane's positions of its warp's chunk, lane_span), handed to `sink` as
+// walk_contiguous hands a contiguous share: for the fast path's types, groups
+// of unroll_of<T>() 16-byte vectors gathered from single loads (sink.vector,
+// then sink.end_group); for the others, groups of single elements. A group
+// whose elements all lie in one row is loaded at fixed distances from the
+// first (one multiply-add an address); a group across rows, and the rest,
+// one element at a time (sink.single, a sink.end_singles after every
+// vector's worth).
 template <typename T, typename Sink>
-ZS_HDI void walk_strided(const T* data, const StridedShape& shape,
-                         int64_t begin, int64_t end, int tid, Sink& sink) {
-  int64_t pos = begin + tid;
-  if (pos >= end) return;
-  int64_t size[kMaxStridedDims], stride[kMaxStridedDims];
-  int64_t index[kMaxStridedDims], step[kMaxStridedDims];
-  int64_t rest = pos, steps = kThreads, offset = 0;
+ZS_HDI void walk_strided(const T* data, const StridedShape& shape, int64_t begin, int64_t end, int tid,
+                         Sink& sink) {
+  const LaneSpan mine = lane_span(begin, end, tid);
+  if (mine.count == 0) return;
+  StridedCursor<T> c(data, shape, mine.first);
+  constexpr bool kVectors = kHasFastPath<T>;
+  constexpr int kPer = kVectors ? 16 / static_cast<int>(sizeof(T)) : 1;
+  constexpr int U = kVectors ? unroll_of<T>() : 2 * kUnroll;
+  constexpr int G = U * kPer;  // elements of a group
+  const int64_t n0 = shape.sizes[0];
+  const bool near = c.step * (G - 1) <= static_cast<int64_t>(UINT32_MAX);
+  const uint32_t step = static_cast<uint32_t>(c.step);
+  int64_t left = mine.count;
+  while (left > 0) {
+    // Groups that lie in the current row: loads at fixed distances.
+    for (; near && left >= G && c.i0 + 32 * (G - 1) < n0; left -= G) {
+      T xs[G];
+#pragma unroll
+      for (int j = 0; j < G; ++j) xs[j] = load_element(reinterpret_cast<const T*>(c.at + j * step));
+      c.i0 += 32 * G;
+      c.at += G * c.step;
+      if constexpr (kVectors) {
+        uint4 r[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) put_element<T>(r[u], k, xs[u * kPer + k]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) sink.vector(r[u], u);
+      } else {
+#pragma unroll
+        for (int j = 0; j < G; ++j) sink.single(xs[j]);
+      }
+      sink.end_group();
+    }
+    if (c.i0 >= n0) c.next_row();
+    // Then a group (or the rest) across rows, one element at a time.
+    const int64_t n = left < G ? left : G;
+#pragma unroll 1
+    for (int64_t j = 0; j < n; ++j) {
+      sink.single(load_element(reinterpret_cast<const T*>(c.at)));
+      if (j + 1 < left) c.advance(1);
+      if ((j + 1) % kPer == 0 || j + 1 == n) sink.end_singles();
+    }
+    left -= n;
+  }
+}
+
+// Where position `pos` of a strided layout is.
+template <typename T>
+ZS_HDI const T* position_address(const T* data, const StridedShape& shape, int64_t pos) {
+  int64_t offset = 0;
 #pragma unroll
   for (int d = 0; d < kMaxStridedDims; ++d) {
-    size[d] = shape.sizes[d];
-    stride[d] = shape.strides[d];
-    index[d] = rest % size[d];
-    rest /= size[d];
-    step[d] = steps % size[d];
-    steps /= size[d];
-    offset += index[d] * stride[d];
+    offset += pos % shape.sizes[d] * shape.strides[d];
+    pos /= shape.sizes[d];
   }
-  for (; pos < end; pos += kThreads) {
-    sink.single(load_element(data + offset));
-    int64_t carry = 0;
-    offset = 0;
-#pragma unroll
-    for (int d = 0; d < kMaxStridedDims; ++d) {
-      index[d] += step[d] + carry;
-      carry = index[d] >= size[d];
-      index[d] -= carry ? size[d] : 0;
-      offset += index[d] * stride[d];
-    }
-  }
+  return data + offset;
 }
 
 struct CombineOp {
@@ -646,7 +866,7 @@ struct FastSink;
 
 template <typename Fields>
 struct FastSink<float, Fields> {
-  FastTally<float> tally;
+  FastTally<float, kByFields<Fields>> tally;
   const FastLimits& k;
   const TileCenter& ctr;
   Fields fields;
@@ -658,10 +878,11 @@ struct FastSink<float, Fields> {
     for (int e = 0; e < 4; ++e) single_in(element<float>(v, e), u >> 1);
   }
   ZS_HDI void end_group() { tally.end_group(); }
+  ZS_HDI void end_singles() { tally.end_group(); }
 
  private:
   ZS_HDI void single_in(float x, int run) {
-    if constexpr (!std::is_same_v<Fields, NoFields>) fields.count(x);
+    if constexpr (kByFields<Fields>) fields.count_bits32(bit_cast_to<uint32_t>(x));
     tally.add(x, k, ctr, run);
   }
 };
@@ -670,20 +891,30 @@ struct FastSink<float, Fields> {
 // element is a word with a NaN beside it (FastTally16::lone).
 template <typename T, typename Fields>
 struct FastSink {
-  FastTally16<T> tally;
+  FastTally16<T, kByFields<Fields>> tally;
   const FastLimits& k;
   const TileCenter& ctr;
   Fields fields;
+  uint32_t held = 0;      // a single element waiting for a second to share its word
+  bool holding = false;
+  int lone_lane = 0;      // the lane of the next lone element (they alternate)
 
+  // Elements one at a time are paired into words; one left at end_group
+  // goes alone, beside a NaN pad (FastTally16::lone).
   ZS_HDI void single(T x) {
-    if constexpr (!std::is_same_v<Fields, NoFields>) fields.count(x);
-    tally.lone(x.bits, k, ctr);
+    if constexpr (kByFields<Fields>) fields.count(x);
+    if (holding) {
+      tally.one_word(held | (static_cast<uint32_t>(x.bits) << 16), k, ctr);
+    } else {
+      held = x.bits;
+    }
+    holding = !holding;
   }
   // Vector u of a group squares into run u (8 elements).
   ZS_HDI void vector(const uint4& v, int u) {
-    if constexpr (!std::is_same_v<Fields, NoFields>) {
+    if constexpr (kByFields<Fields>) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) fields.count(element<T>(v, e));
+      for (int w = 0; w < 4; ++w) fields.count_word16(word(v, w));
     }
 #pragma unroll
     for (int w = 0; w < 4; w += 2) {
@@ -693,20 +924,43 @@ struct FastSink {
     }
   }
   ZS_HDI void end_group() { tally.end_group(); }
+  ZS_HDI void end_singles() {
+    if (holding) {
+      tally.lone(static_cast<uint16_t>(held), lone_lane, k, ctr);
+      lone_lane ^= 1;
+      holding = false;
+    }
+    tally.end_group();
+  }
 };
 
-// Thread `tid`'s TileSums of contiguous launch tile `span` of batch `b`.
-template <typename T, typename Batch, typename Fields>
+// Thread `tid`'s TileSums of launch tile `span` of batch `b`.
+template <typename T, bool kStrided, typename Batch, typename Fields>
 ZS_HDI TileSums fast_thread_sums(const Batch& b, const TileSpan& span, int tid,
                                  const TileCenter& ctr, Fields fields) {
   const T* data = static_cast<const T*>(b.t[span.tensor].data);
   FastSink<T, Fields> sink{{}, b.h.fast, ctr, fields};
-  walk_contiguous<T>(data, span.begin, span.end, tid, sink);
-  return sink.tally.finish(contiguous_share<T>(data, span.begin, span.end, tid));
+  walk_share<T, kStrided>(b, span, tid, sink);
+  const int64_t mine = kStrided ? lane_span(span.begin, span.end, tid).count
+                                : contiguous_share<T>(data, span.begin, span.end, tid);
+  return sink.tally.finish(static_cast<uint32_t>(mine));
 }
 
-// The sample of a tile's center: its first 32 values as floats, value
-// `lane` for lane < n, the finite ones summed in the tree of a warp's
+// Where value `lane` of launch tile `span` is, or null past the tile's end.
+template <typename T, bool kStrided, typename Batch>
+ZS_HDI const T* tile_element(const Batch& b, const TileSpan& span, int lane) {
+  const T* data = static_cast<const T*>(b.t[span.tensor].data);
+  const int64_t pos = span.begin + lane;
+  if (pos >= span.end) return nullptr;
+  if constexpr (kStrided) {
+    return position_address(data, b.shape[span.tensor], pos);
+  } else {
+    return data + pos;
+  }
+}
+
+// The sample of a tile's center: its first 32 values as floats (value
+// `lane` at `at`, null past the tile's end), the finite ones summed in the tree of a warp's
 // __shfl_down reduction (lane i takes lane i + o, o = 16, 8, 4, 2, 1), so
 // the device (tile_center, one lane each) and the emulation
 // (tile_center_serial, a loop) add in the same order.
@@ -715,9 +969,9 @@ struct CenterSample {
 };
 
 template <typename T>
-ZS_HDI CenterSample center_sample(const T* p, int64_t n, int lane) {
-  const float x = lane < n ? static_cast<float>(Format<T>::value(load_element(p + lane))) : 0.0f;
-  const bool keep = lane < n && fabsf(x) < __builtin_huge_valf();
+ZS_HDI CenterSample center_sample(const T* at) {
+  const float x = at != nullptr ? static_cast<float>(Format<T>::value(load_element(at))) : 0.0f;
+  const bool keep = at != nullptr && fabsf(x) < __builtin_huge_valf();
   return {keep ? x : 0.0f, keep ? 1.0f : 0.0f, keep ? fabsf(x) : 0.0f};
 }
 
@@ -727,10 +981,10 @@ ZS_HDI CenterSample fold_samples(const CenterSample& a, const CenterSample& b) {
 
 // tile_center's twin for one thread of execution (standalone_test
 // --emulate): the same values added in the same tree.
-template <typename T>
-ZS_HDI TileCenter tile_center_serial(const T* p, int64_t n) {
+template <typename T, bool kStrided, typename Batch>
+ZS_HDI TileCenter tile_center_serial(const Batch& b, const TileSpan& span) {
   CenterSample lanes[32];
-  for (int lane = 0; lane < 32; ++lane) lanes[lane] = center_sample(p, n, lane);
+  for (int lane = 0; lane < 32; ++lane) lanes[lane] = center_sample(tile_element<T, kStrided>(b, span, lane));
   for (int o = 16; o > 0; o /= 2) {
     for (int i = 0; i < o; ++i) lanes[i] = fold_samples(lanes[i], lanes[i + o]);
   }
@@ -774,6 +1028,7 @@ struct ByteSink {
     }
   }
   ZS_HDI void end_group() {}
+  ZS_HDI void end_singles() {}
 
  private:
   ZS_HDI void bump(uint32_t value) const {
@@ -872,10 +1127,26 @@ ZS_DEV TileSums block_sums(const TileSums& s, WarpSums (&warps)[kThreads / 32]) 
   return out;
 }
 
-// Lane 0 of the calling warp gets the center of the tile of n values at p.
-template <typename T>
-ZS_DEV TileCenter tile_center(const T* p, int64_t n) {
-  CenterSample s = center_sample(p, n, static_cast<int>(threadIdx.x & 31));
+// Thread 0's `sums` (from block_sums: every thread has counted its fields)
+// completed from the block's histogram table: warp 0 adds the lanes' shares
+// of field 0 and of the top field.
+template <typename T, typename Fields>
+ZS_DEV void settle_from_table(TileSums& sums, const Fields& fields, int64_t positions, int tid) {
+#if __CUDA_ARCH__ >= 800
+  if (tid < 32) {
+    const uint32_t low = __reduce_add_sync(0xffffffffu, fields.share(0, tid));
+    const uint32_t top = __reduce_add_sync(0xffffffffu, fields.share(Binning<T>::kFields - 1, tid));
+    if (tid == 0) {
+      settle_by_fields<T>(sums, static_cast<float>(low), static_cast<float>(top), static_cast<float>(positions));
+    }
+  }
+#endif  // below sm_80 there is no fast path
+}
+
+// Lane 0 of the calling warp gets the center of launch tile `span`.
+template <typename T, bool kStrided, typename Batch>
+ZS_DEV TileCenter tile_center(const Batch& b, const TileSpan& span) {
+  CenterSample s = center_sample(tile_element<T, kStrided>(b, span, static_cast<int>(threadIdx.x & 31)));
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) {
     const CenterSample other = {__shfl_down_sync(0xffffffffu, s.sum, o), __shfl_down_sync(0xffffffffu, s.count, o),
@@ -885,12 +1156,13 @@ ZS_DEV TileCenter tile_center(const T* p, int64_t n) {
   return make_center(s.sum, s.count, s.largest);
 }
 
-// A block's histogram table: Binning<T>::kFields uint32 counters in shared
-// memory (float64's 2048 take 8 KiB). Declared here rather than in the
-// kernel so that the kernels without kHist do not allocate it.
-template <typename T>
-ZS_DEV uint32_t* block_bins() {
-  __shared__ uint32_t bins[Binning<T>::kFields];
+// A block's histogram table: Bins::kWords uint32 counters in shared memory
+// (FieldBins: float64's 2048 fields take 8 KiB; LaneBins: 32 KiB). Declared
+// here rather than in the kernel so that the kernels without kHist do not
+// allocate it.
+template <typename Bins>
+__device__ uint32_t* block_bins() {
+  __shared__ uint32_t bins[Bins::kWords];
   return bins;
 }
 
@@ -901,8 +1173,7 @@ ZS_DEV uint32_t* block_bins() {
 // same fields, hence the atomics (integer: their order changes nothing).
 // standalone_test --emulate calls it on the host for tid = 0..kThreads-1.
 template <typename T>
-ZS_HDI void flush_bins(const LaunchHeader& h, const TensorTiles& t,
-                       uint32_t* bins, int tid) {
+ZS_HDI void flush_bins(const LaunchHeader& h, const TensorTiles& t, uint32_t* bins, int tid) {
   int64_t* out = h.hist + static_cast<int64_t>(t.row) * h.hist_width;
   for (int f = tid; f < Binning<T>::kFields; f += kThreads) {
     const uint32_t c = bins[f];
@@ -922,7 +1193,7 @@ ZS_HDI void flush_bins(const LaunchHeader& h, const TensorTiles& t,
 // Launch tile `span`'s Partial (in thread 0) by the fast path when the
 // launch has it on, else, or when its moments fall short (fast_partial), by
 // the Tally path, whose walk then counts no histogram field again.
-template <typename T, typename Batch, typename Fields, typename Temp>
+template <typename T, bool kStrided, typename Batch, typename Fields, typename Temp>
 ZS_DEV Partial fast_tile_partial(const Batch& b, const TileSpan& span, int tid, const Limits& lim,
                                  const Fields& fields, Temp& temp, TileCenter& center, bool& again) {
   using Reduce = cub::BlockReduce<Partial, kThreads>;
@@ -930,14 +1201,14 @@ ZS_DEV Partial fast_tile_partial(const Batch& b, const TileSpan& span, int tid, 
   bool walked = false;  // block-uniform
   if (b.h.fast.on) {
     if (tid < 32) {
-      const T* first = static_cast<const T*>(b.t[span.tensor].data) + span.begin;
-      const TileCenter c = tile_center<T>(first, span.end - span.begin);
+      const TileCenter c = tile_center<T, kStrided>(b, span);
       if (tid == 0) center = c;
     }
     __syncthreads();
     const TileCenter ctr = center;
     if (fast_center_ok<T>(ctr)) {
-      const TileSums sums = block_sums(fast_thread_sums<T>(b, span, tid, ctr, fields), temp.warps);
+      TileSums sums = block_sums(fast_thread_sums<T, kStrided>(b, span, tid, ctr, fields), temp.warps);
+      if constexpr (kByFields<Fields>) settle_from_table<T>(sums, fields, span.end - span.begin, tid);
       if (tid == 0) again = !fast_partial<T>(sums, ctr, span.end - span.begin, p);
       __syncthreads();  // `again` is read, `temp` is free
       if (!again) return p;
@@ -945,7 +1216,7 @@ ZS_DEV Partial fast_tile_partial(const Batch& b, const TileSpan& span, int tid, 
     }
   }
   const Fields counted = walked ? fields.muted() : fields;
-  return Reduce(temp.partial).Reduce(thread_partial<T, false>(b, span, tid, lim, counted), CombineOp());
+  return Reduce(temp.partial).Reduce(thread_partial<T, kStrided>(b, span, tid, lim, counted), CombineOp());
 }
 
 // The one-byte types' table: [kByteValues][kTableLanes] uint32 (32 KiB) in
@@ -978,8 +1249,9 @@ ZS_DEV Partial table_tile_partial(const Batch& b, const TileSpan& span, int tid,
 template <typename T, bool kStrided, bool kHist, typename Batch>
 __device__ __forceinline__ void scan_tiles(const Batch& b) {
   using Reduce = cub::BlockReduce<Partial, kThreads>;
-  using Fields = std::conditional_t<kHist, FieldBins<T>, NoFields>;
-  constexpr bool kFast = !kStrided && kHasFastPath<T>;
+  constexpr bool kFast = kHasFastPath<T>;
+  using Bins = std::conditional_t<kFast, LaneBins<T>, FieldBins<T>>;
+  using Fields = std::conditional_t<kHist, Bins, NoFields>;
   __shared__ union {
     typename Reduce::TempStorage partial;
     WarpSums warps[kThreads / 32];
@@ -994,8 +1266,8 @@ __device__ __forceinline__ void scan_tiles(const Batch& b) {
   const int tid = static_cast<int>(threadIdx.x);
   Fields fields = {};
   if constexpr (kHist) {
-    fields = FieldBins<T>{block_bins<T>(), 1u};
-    for (int f = tid; f < Binning<T>::kFields; f += kThreads) fields.bins[f] = 0;
+    fields = Bins::make(block_bins<Bins>(), tid);
+    for (int i = tid; i < Bins::kWords; i += kThreads) fields.bins[i] = 0;
   }
   if constexpr (kByteTable<T>) {
     uint32_t* table = value_table();
@@ -1011,14 +1283,14 @@ __device__ __forceinline__ void scan_tiles(const Batch& b) {
     if constexpr (kByteTable<T>) {
       p = table_tile_partial<T, kStrided>(b, span, tid, lim, fields, temp);
     } else if constexpr (kFast) {
-      p = fast_tile_partial<T>(b, span, tid, lim, fields, temp, center, again);
+      p = fast_tile_partial<T, kStrided>(b, span, tid, lim, fields, temp, center, again);
     } else {
       p = Reduce(temp.partial).Reduce(thread_partial<T, kStrided>(b, span, tid, lim, fields),
                                       CombineOp());
     }
     if constexpr (kHist) {
       __syncthreads();  // every thread's counts are in the table
-      flush_bins<T>(h, t, fields.bins, tid);
+      fields.flush(h, t, tid);
       // The __syncthreads closing this iteration keeps the next tile's
       // counts from reaching the table before it is zeroed.
     }
