@@ -6,9 +6,10 @@ issue slots per float32 element and 16 per 2-byte element. Whether a kernel
 fits is a count, not a measurement, so it needs no GPU: this script compiles
 the kernels for sm_90 with the flags .ci/cuda_check.sh uses, disassembles
 them (nvdisasm: the toolkit's, or the PyPI wheel nvidia-cuda-nvdisasm's),
-finds each contiguous kernel's hot loop as the innermost back edge of its
-control flow that holds its 16-byte loads, and prices every instruction by
-its pipe (WEIGHTS, measured on an H200 by benchmarks/pipe_rates.cu):
+finds each kernel's hot loop as the innermost back edge of its control flow
+that holds the most element loads (16-byte loads for the contiguous walk,
+single loads for the strided one), and prices every instruction by its pipe
+(WEIGHTS, measured on an H200 by benchmarks/pipe_rates.cu):
 
     slots/element = hot-loop slots / elements per iteration
                   + per-tile slots / elements per thread per tile
@@ -20,15 +21,20 @@ partial's store that every tile pays, amortized over the smallest tile a
 tensor gets (kMinTileBytes / element size / kThreads elements per thread). Weights add:
 the model ignores that the integer and float pipes overlap, so it is an
 upper bound on the issue time (on the H200 of 2026-11-27 it predicted the
-measured element rate of the old kernels within 15 %).
+measured element rate of the old kernels within 15 %). The strided hot loop
+is a lane's run of groups inside one row of the innermost dimension (rows of
+at least 32 positions per element of a group: 1,024 for most types); a
+group that crosses rows goes element by element through the cursor's carry,
+which this count does not price.
 
     python benchmarks/sass_cost.py              # the table
     python benchmarks/sass_cost.py --check      # exit 1 when a kernel is over its budget
     python benchmarks/sass_cost.py --self-test  # the counter on a kernel of known cost
     python benchmarks/sass_cost.py --json out.json
 
-BUDGETS are enforced (.ci/cuda_check.sh runs --self-test and --check);
-OPEN_BUDGETS, HIST_RATIO and STRIDED_RATIO are targets not met yet, reported.
+BUDGETS, HIST_RATIO and STRIDED_RATIO are enforced (.ci/cuda_check.sh runs
+--self-test and --check); the histogram ratio of the dtypes in OPEN_HIST is a
+target not met yet, reported.
 """
 
 from __future__ import annotations
@@ -88,12 +94,13 @@ SLOW_VARIANTS = {("HADD2", "F32"): 2.0}
 # H200 (about 32 slots per float32 element, 16 per 2-byte element) with the
 # margin issue 42 set.
 BUDGETS: dict[str, float] = {"float32": 32, "bfloat16": 20, "float16": 20, "float8_e4m3fn": 12, "float8_e5m2": 12}
-# Targets of the same issue that the kernels do not meet yet: reported as
-# open, not enforced (the strided walk takes the Tally path; the histogram
-# counts each element with a shared-memory atomic).
-OPEN_BUDGETS: dict[str, float] = {}
-HIST_RATIO = 1.10    # the histogram kernel over its plain kernel (open)
-STRIDED_RATIO = 2.0  # the strided kernel over the contiguous one (open)
+HIST_RATIO = 1.10    # the histogram kernel over its plain kernel
+STRIDED_RATIO = 2.0  # the strided kernel over the contiguous one
+# Targets of the same issue that these kernels do not meet yet: reported as
+# open, not enforced. A 16-bit word's two histogram fields cost three
+# integer instructions and two shared atomics, against the two counts per
+# word that the fields stand in for (LaneBins, stats_cuda.cuh).
+OPEN_HIST: set[str] = {"float16", "bfloat16"}
 
 # dtype -> (kernel file, the storage type as it appears in the mangled name, element size)
 KERNELS: dict[str, tuple[str, str, int]] = {
@@ -488,16 +495,18 @@ def report(costs: dict[str, dict[str, KernelCost]]) -> tuple[list[str], list[str
             c = kinds[kind]
             enforced = False
             if kind == "contig":
-                limit = BUDGETS.get(dtype, OPEN_BUDGETS.get(dtype))
-                enforced = dtype in BUDGETS
+                limit = BUDGETS.get(dtype)
+                enforced = limit is not None
                 budget = f"<= {limit:g}" if limit else "-"
                 over = limit is not None and c.total > limit
             elif kind == "contig_hist":
                 budget = f"<= {HIST_RATIO:.2f} x plain ({c.total / plain:.2f}x)"
                 over = c.total > HIST_RATIO * plain
+                enforced = dtype not in OPEN_HIST
             elif kind == "strided":
                 budget = f"<= {STRIDED_RATIO:g} x contig ({c.total / plain:.2f}x)"
                 over = c.total > STRIDED_RATIO * plain
+                enforced = True
             else:
                 budget, over = "-", False
             line = f"{dtype} {kind}: {c.total:.1f} slots/element, budget {budget}"
@@ -539,7 +548,8 @@ def main() -> int:
     if missed:
         print("\nover budget:\n  " + "\n  ".join(missed))
         return 1 if args.check else 0
-    print(f"\nwithin budget: {', '.join(BUDGETS)}")
+    print(f"\nwithin budget: {', '.join(BUDGETS)}; histogram / plain but for {', '.join(sorted(OPEN_HIST))}; "
+          "strided / contiguous")
     return 0
 
 

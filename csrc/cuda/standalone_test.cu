@@ -37,9 +37,11 @@
 // the same launch plan, and checks it against the same reference. That
 // covers the tiling, the tile-to-tensor lookup, the vector and strided walks,
 // the per-element classification (Tally, classify.h), the per-thread shift,
-// the key limits (limits_for), the widening, and the histogram's per-element
-// field (FieldBins, into a per-tile table as a block's shared memory would
-// be) and its per-tile flush (flush_bins: row, width and repeat); it does
+// the key limits (limits_for), the widening, the one-byte types' value
+// table (ByteSink, value_partial), and the histogram's per-element field
+// (FieldBins or LaneBins, into a per-tile table as a block's shared memory
+// would be), the counts the fast path takes from it (settle_by_fields) and
+// its per-tile flush (row, width and repeat); it does
 // not cover the block reduction, the atomics (shared or global) and fences,
 // or real launches.
 //

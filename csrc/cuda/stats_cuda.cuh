@@ -18,20 +18,26 @@
 // call, or which block ran which tile.
 //
 // Within a tile, each thread reduces its share through a Tally (classify.h,
-// the CPU's branch-free classification) or, for contiguous float32, bfloat16
-// and float16 on sm_80 and later, through a FastTally (fast_tally.cuh),
-// which counts the same classes on the float pipes in at most 40 % of the
-// issue slots (benchmarks/sass_cost.py); a tile whose fast moments fall
-// short is walked again by the Tally (scan_tiles). The one-byte types
-// (float8, bool, uint8, int8) count how often each of their 256 values
-// occurs in a shared table, and classify each value once per tile (ByteSink).
+// the CPU's branch-free classification) or, for float32, bfloat16 and
+// float16 on sm_80 and later, through a FastTally (fast_tally.cuh), which
+// counts the same classes on the float pipes in at most 40 % of the issue
+// slots (benchmarks/sass_cost.py); a tile whose fast moments fall short is
+// walked again by the Tally (scan_tiles). The one-byte types (float8, bool,
+// uint8, int8) count how often each of their 256 values occurs in a shared
+// table, and classify each value once per tile (ByteSink). A contiguous
+// share is read in 16-byte vectors (walk_contiguous); a strided one in
+// groups of single loads inside a row of the innermost dimension, gathered
+// into the same vectors (walk_strided).
 //
 // stats_many_hist launches the same kernels compiled with kHist: each element
 // also adds 1 to its histogram field (csrc/histogram.h) in a per-block
-// shared-memory table, which the block adds to the tensor's int64 fields in
-// global memory (atomics, times the tensor's repeat) at the end of every
-// tile. The fields are integers, so the order of those atomics changes
-// nothing; the rows are computed by the very same per-thread code, so they
+// shared-memory table (LaneBins on the fast path, a counter per lane of a
+// warp; FieldBins elsewhere), which the block adds to the tensor's int64
+// fields in global memory (atomics, times the tensor's repeat) at the end of
+// every tile. The fields are integers, so the order of those atomics changes
+// nothing. The fast path then takes two of its counts from the table (field
+// 0 and the top field, settle_by_fields) instead of counting them; counts are
+// exact either way and the moments are summed by the same code, so the rows
 // are bitwise those of stats_many. Without kHist not one instruction of it
 // is compiled in.
 //
@@ -700,7 +706,8 @@ ZS_HDI void walk_strided(const T* data, const StridedShape& shape, int64_t begin
   StridedCursor<T> c(data, shape, mine.first);
   constexpr bool kVectors = kHasFastPath<T>;
   constexpr int kPer = kVectors ? 16 / static_cast<int>(sizeof(T)) : 1;
-  constexpr int U = kVectors ? unroll_of<T>() : 2 * kUnroll;
+  // Groups of single elements: 32 one-byte loads in flight, 8 of the others.
+  constexpr int U = kVectors ? unroll_of<T>() : sizeof(T) == 1 ? 8 * kUnroll : 2 * kUnroll;
   constexpr int G = U * kPer;  // elements of a group
   const int64_t n0 = shape.sizes[0];
   const bool near = c.step * (G - 1) <= static_cast<int64_t>(UINT32_MAX);
@@ -711,7 +718,7 @@ ZS_HDI void walk_strided(const T* data, const StridedShape& shape, int64_t begin
     for (; near && left >= G && c.i0 + 32 * (G - 1) < n0; left -= G) {
       T xs[G];
 #pragma unroll
-      for (int j = 0; j < G; ++j) xs[j] = load_element(reinterpret_cast<const T*>(c.at + j * step));
+      for (int j = 0; j < G; ++j) xs[j] = load_element(reinterpret_cast<const T*>(c.at + static_cast<uint64_t>(step) * j));
       c.i0 += 32 * G;
       c.at += G * c.step;
       if constexpr (kVectors) {
@@ -1009,8 +1016,19 @@ template <typename T>
 constexpr bool kByteTable = sizeof(T) == 1;
 
 // Where value v's counter for `lane` sits in the table, in bytes:
-// [kByteValues][kTableLanes] uint32.
+// [kByteValues][kTableLanes] uint32. The byte of a loaded word is shifted
+// and masked into place (one SHF, one LOP3 that also adds the lane); a byte
+// loaded alone takes one IMAD, which the compiler would split in two.
 ZS_HDI uint32_t table_offset(uint32_t v, uint32_t lane4) { return (v << 7) | lane4; }
+ZS_HDI uint32_t table_offset_of_byte(uint32_t v, uint32_t lane4) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("mad.lo.u32 %0, %1, 128, %2;" : "=r"(r) : "r"(v), "r"(lane4));
+  return r;
+#else
+  return table_offset(v, lane4);
+#endif
+}
 
 // walk_contiguous's and walk_strided's sink: each element's value counted.
 template <typename T>
@@ -1018,21 +1036,22 @@ struct ByteSink {
   uint32_t* table;  // [kByteValues * kTableLanes]
   uint32_t lane4;   // the thread's lane times 4
 
-  ZS_HDI void single(T x) { bump(bit_cast_to<uint8_t>(x)); }
+  ZS_HDI void single(T x) { bump(table_offset_of_byte(bit_cast_to<uint8_t>(x), lane4)); }
   ZS_HDI void vector(const uint4& v, int) {
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const uint32_t bits = word(v, w);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) bump((bits >> (8 * k)) & 0xffu);
+      for (int k = 0; k < 4; ++k) bump(table_offset((bits >> (8 * k)) & 0xffu, lane4));
     }
   }
   ZS_HDI void end_group() {}
   ZS_HDI void end_singles() {}
 
  private:
-  ZS_HDI void bump(uint32_t value) const {
-    uint32_t* c = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(table) + table_offset(value, lane4));
+  // One more at byte `offset` of the table.
+  ZS_HDI void bump(uint32_t offset) const {
+    uint32_t* c = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(table) + offset);
 #if defined(__CUDA_ARCH__)
     atomicAdd(c, 1u);
 #else
