@@ -443,6 +443,15 @@ ZS_FHD uint32_t h2_add(uint32_t a, uint32_t b) {
   return from_lanes(lane_value(a, 0) + lane_value(b, 0), lane_value(a, 1) + lane_value(b, 1));
 #endif
 }
+ZS_FHD uint32_t h2_add_sat(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("add.rn.sat.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  return from_lanes(sat(lane_value(a, 0) + lane_value(b, 0)), sat(lane_value(a, 1) + lane_value(b, 1)));
+#endif
+}
 ZS_FHD uint32_t h2_mul_sat(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__)
   uint32_t r;
@@ -589,7 +598,7 @@ struct FastTally16 {
       c6 = h2_add(c6, h2_fma_sat(off, pair(kHNeg2p14), pair(kH1)));
     } else {
       if constexpr (!kByFields) c4 = h2_add(c4, h2_fma_sat(ar, 0u, pair(kH1)));  // finite
-      c5 = h2_add(c5, h2_fma_sat(ar, pair(kH1), pair(kH1)));          // not NaN
+      c5 = h2_add(c5, h2_add_sat(ar, pair(kH1)));                     // not NaN: sat(|R| + 1)
       c6 = h2_add(c6, h2_fma_sat(w, pair(0xbc00), pair(0xfbff)));     // -inf: sat(-x - 65504)
     }
     raw[slot] = ar;

@@ -400,8 +400,9 @@ struct FieldBins {
 // field every kStride bytes), so that the lanes of a warp never share a
 // counter or a bank however alike their values (a tile of zeros counts all
 // of them in field 0), and so that a field's byte offset is the element's
-// exponent bits masked where they lie (kMask): one LOP3 an element, two for
-// a 16-bit word's high element. flush adds the lanes up.
+// exponent bits masked where they lie (kMask): one LOP3 an element (float32's
+// after a shift; a 16-bit word's high element after a move to the low lane
+// on the 16-bit float pipe, high_lane_low). flush adds the lanes up.
 template <typename T>
 struct LaneBins {
   using Type = T;
@@ -422,7 +423,7 @@ struct LaneBins {
   ZS_HDI void count_bits32(uint32_t bits) const { at((bits >> 16) & kMask); }
   ZS_HDI void count_word16(uint32_t w) const {
     at(w & kMask);
-    at((w >> 16) & kMask);
+    at(high_lane_low(w) & kMask);
   }
   ZS_HDI LaneBins muted() const { return LaneBins{bins, lane4, 0u}; }
 
@@ -455,6 +456,28 @@ struct LaneBins {
   }
 
  private:
+  // w's high lane in its low lane (the high lane too), by a multiply by 1 in
+  // T's own arithmetic, whose operand swizzle moves the lane on the 16-bit
+  // float pipe: one slot where a shift takes two. Exact but for a NaN's
+  // payload, and the exponent bits, all that the field reads, stay.
+  ZS_HDI static uint32_t high_lane_low(uint32_t w) {
+#if defined(__CUDA_ARCH__)
+    uint32_t r;
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      asm("{\n\t.reg .b16 l, h;\n\t.reg .b32 t;\n\tmov.b32 {l, h}, %1;\n\tmov.b32 t, {h, h};\n\t"
+          "fma.rn.bf16x2 %0, t, %2, %3;\n\t}"
+          : "=r"(r) : "r"(w), "r"(0x3f803f80u), "r"(0x80008000u));
+    } else {
+      asm("{\n\t.reg .b16 l, h;\n\t.reg .b32 t;\n\tmov.b32 {l, h}, %1;\n\tmov.b32 t, {h, h};\n\t"
+          "mul.rn.f16x2 %0, t, %2;\n\t}"
+          : "=r"(r) : "r"(w), "r"(0x3c003c00u));
+    }
+    return r;
+#else
+    return (w >> 16) * 0x10001u;
+#endif
+  }
+
   // The table's address is read off its symbol (block_bins), not `bins`:
   // a constant, which the shared-memory instruction adds for free.
   ZS_HDI void at(uint32_t field_offset) const {
