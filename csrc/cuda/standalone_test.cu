@@ -751,12 +751,8 @@ void emulate_launch(const Batch& b, EmulatedCall& call) {
           }
           if (hist) {  // settle_from_table's sums, lane by lane
             const Bins table = Bins::make(bins.data(), 0);
-            uint32_t low = 0, top = 0;
-            for (int lane = 0; lane < 32; ++lane) {
-              low += table.share(0, lane);
-              top += table.share(Binning<T>::kFields - 1, lane);
-            }
-            settle_by_fields<T>(sums, static_cast<float>(low), static_cast<float>(top),
+            settle_by_fields<T>(sums, static_cast<float>(table.total(0)),
+                                static_cast<float>(table.total(Binning<T>::kFields - 1)),
                                 static_cast<float>(span.end - span.begin));
           }
           walked = true;

@@ -361,6 +361,34 @@ struct NoFields {
 // whose elements were counted on the first.
 template <typename T>
 ZS_HDI void flush_bins(const LaunchHeader& h, const TensorTiles& t, uint32_t* bins, int tid);
+
+// Adds c elements, times the tensor's repeat, to field f of tensor t's
+// histogram (row t.row of h.hist): other blocks add to the same fields,
+// hence the atomic (integer: the order changes nothing).
+ZS_HDI void add_to_field(const LaunchHeader& h, const TensorTiles& t, int f, uint32_t c) {
+  int64_t* out = h.hist + static_cast<int64_t>(t.row) * h.hist_width + f;
+  const unsigned long long add = static_cast<unsigned long long>(c) * static_cast<unsigned long long>(t.repeat);
+#if defined(__CUDA_ARCH__)
+  atomicAdd(reinterpret_cast<unsigned long long*>(out), add);
+#else
+  *out += static_cast<int64_t>(add);
+#endif
+}
+
+// The sum of a row of 32 per-lane counters, which are zeroed for the next
+// tile. Thread `rotate` reads them from lane `rotate` on, so the threads of a
+// warp, each on its own row, read 32 different banks at a time.
+ZS_HDI uint32_t take_lanes(uint32_t* row, int rotate) {
+  uint32_t n = 0;
+#pragma unroll 8
+  for (int l = 0; l < 32; ++l) {
+    const int at = (l + rotate) & 31;
+    n += row[at];
+    row[at] = 0;
+  }
+  return n;
+}
+
 #if defined(__CUDA_ARCH__)
 template <typename Bins>
 __device__ uint32_t* block_bins();
@@ -368,7 +396,6 @@ __device__ uint32_t* block_bins();
 
 template <typename T>
 struct FieldBins {
-  using Type = T;
   static constexpr int kWords = Binning<T>::kFields;
   uint32_t* bins;  // [kWords]
   uint32_t weight;
@@ -405,7 +432,6 @@ struct FieldBins {
 // on the 16-bit float pipe, high_lane_low). flush adds the lanes up.
 template <typename T>
 struct LaneBins {
-  using Type = T;
   // float32's exponent (in its high half) and bfloat16's sit at bit 7,
   // float16's at bit 10.
   static constexpr uint32_t kStride = std::is_same_v<T, f16_t> ? 1024u : 128u;
@@ -427,31 +453,21 @@ struct LaneBins {
   }
   ZS_HDI LaneBins muted() const { return LaneBins{bins, lane4, 0u}; }
 
-  // Field f's count, lane `lane`'s share.
+  // Field f's count, lane `lane`'s share; all lanes' (the emulation's
+  // settle_from_table).
   ZS_HDI uint32_t share(int f, int lane) const { return bins[f * static_cast<int>(kStride / 4) + lane]; }
+  ZS_HDI uint32_t total(int f) const {
+    uint32_t n = 0;
+    for (int lane = 0; lane < 32; ++lane) n += share(f, lane);
+    return n;
+  }
 
-  // Adds the block's table, lanes summed, to the tensor's fields, row t.row
-  // of h.hist, times the tensor's repeat, and zeroes it for the next tile;
-  // as flush_bins, for tid = 0..kThreads-1. Thread f reads the lanes of
-  // field f in a rotated order: the threads of a warp read different banks.
+  // Adds the block's table, lanes summed, to the tensor's fields and zeroes
+  // it for the next tile; as flush_bins, for tid = 0..kThreads-1.
   ZS_HDI void flush(const LaunchHeader& h, const TensorTiles& t, int tid) const {
-    int64_t* out = h.hist + static_cast<int64_t>(t.row) * h.hist_width;
     for (int f = tid; f < Binning<T>::kFields; f += kThreads) {
-      uint32_t* row = bins + f * static_cast<int>(kStride / 4);
-      uint32_t c = 0;
-      for (int l = 0; l < 32; ++l) {
-        const int at = (l + f) & 31;
-        c += row[at];
-        row[at] = 0;
-      }
-      if (c != 0) {
-        const unsigned long long add = static_cast<unsigned long long>(c) * static_cast<unsigned long long>(t.repeat);
-#if defined(__CUDA_ARCH__)
-        atomicAdd(reinterpret_cast<unsigned long long*>(out + f), add);
-#else
-        out[f] += static_cast<int64_t>(add);
-#endif
-      }
+      const uint32_t c = take_lanes(bins + f * static_cast<int>(kStride / 4), f);
+      if (c != 0) add_to_field(h, t, f, c);
     }
   }
 
@@ -662,10 +678,14 @@ struct StridedCursor {
     locate();
   }
 
-  // k positions of this lane on (32 k positions of the layout).
-  ZS_HDI void advance(int64_t k) {
+  // k positions of this lane on (32 k positions of the layout): move, when
+  // they stay in the row, then advance, which carries into the next row.
+  ZS_HDI void move(int64_t k) {
     i0 += 32 * k;
     at += k * step;
+  }
+  ZS_HDI void advance(int64_t k) {
+    move(k);
     if (i0 >= shape.sizes[0]) next_row();
   }
 
@@ -742,8 +762,7 @@ ZS_HDI void walk_strided(const T* data, const StridedShape& shape, int64_t begin
       T xs[G];
 #pragma unroll
       for (int j = 0; j < G; ++j) xs[j] = load_element(reinterpret_cast<const T*>(c.at + static_cast<uint64_t>(step) * j));
-      c.i0 += 32 * G;
-      c.at += G * c.step;
+      c.move(G);
       if constexpr (kVectors) {
         uint4 r[U];
 #pragma unroll
@@ -770,18 +789,6 @@ ZS_HDI void walk_strided(const T* data, const StridedShape& shape, int64_t begin
     }
     left -= n;
   }
-}
-
-// Where position `pos` of a strided layout is.
-template <typename T>
-ZS_HDI const T* position_address(const T* data, const StridedShape& shape, int64_t pos) {
-  int64_t offset = 0;
-#pragma unroll
-  for (int d = 0; d < kMaxStridedDims; ++d) {
-    offset += pos % shape.sizes[d] * shape.strides[d];
-    pos /= shape.sizes[d];
-  }
-  return data + offset;
 }
 
 struct CombineOp {
@@ -983,7 +990,7 @@ ZS_HDI const T* tile_element(const Batch& b, const TileSpan& span, int lane) {
   const int64_t pos = span.begin + lane;
   if (pos >= span.end) return nullptr;
   if constexpr (kStrided) {
-    return position_address(data, b.shape[span.tensor], pos);
+    return reinterpret_cast<const T*>(StridedCursor<T>(data, b.shape[span.tensor], pos).at);
   } else {
     return data + pos;
   }
@@ -1033,7 +1040,7 @@ ZS_HDI TileCenter tile_center_serial(const Batch& b, const TileSpan& span) {
 // the 256. Counts and extremes are exact and the moments are those of the
 // exact counts, so no tile goes to the Tally walk again.
 constexpr int kByteValues = 256;
-constexpr int kTableLanes = 32;
+constexpr int kTableLanes = 32;  // take_lanes reads a row of 32
 
 template <typename T>
 constexpr bool kByteTable = sizeof(T) == 1;
@@ -1085,18 +1092,9 @@ struct ByteSink {
 
 // The Partial of value v's count in `table` (read and zeroed for the next
 // tile), each of those elements' histogram fields counted into `fields`.
-// Thread v reads the lanes' counters in a rotated order, so that the 32
-// threads of a warp read 32 different banks at a time.
 template <typename T, typename Fields>
 ZS_HDI Partial value_partial(uint32_t* table, int v, const Limits& lim, const Fields& fields) {
-  uint32_t n = 0;
-  uint32_t* row = table + v * kTableLanes;
-#pragma unroll 8
-  for (int l = 0; l < kTableLanes; ++l) {
-    const int at = (l + v) & (kTableLanes - 1);
-    n += row[at];
-    row[at] = 0;
-  }
+  const uint32_t n = take_lanes(table + v * kTableLanes, v);
   if (n == 0) return empty_partial();
   const T x = bit_cast_to<T>(static_cast<uint8_t>(v));
   fields.count_n(x, n);
@@ -1216,17 +1214,10 @@ __device__ uint32_t* block_bins() {
 // standalone_test --emulate calls it on the host for tid = 0..kThreads-1.
 template <typename T>
 ZS_HDI void flush_bins(const LaunchHeader& h, const TensorTiles& t, uint32_t* bins, int tid) {
-  int64_t* out = h.hist + static_cast<int64_t>(t.row) * h.hist_width;
   for (int f = tid; f < Binning<T>::kFields; f += kThreads) {
     const uint32_t c = bins[f];
     if (c != 0) {
-      const unsigned long long add = static_cast<unsigned long long>(c) *
-                                     static_cast<unsigned long long>(t.repeat);
-#if defined(__CUDA_ARCH__)
-      atomicAdd(reinterpret_cast<unsigned long long*>(out + f), add);
-#else
-      out[f] += static_cast<int64_t>(add);
-#endif
+      add_to_field(h, t, f, c);
       bins[f] = 0;
     }
   }
