@@ -35,7 +35,10 @@ WORLD_TIMEOUT_S = 90.0  # every check together takes ~15 s; past this it is a ha
 COLLECTIVE_TIMEOUT_S = 30.0
 ORIGIN = "nonfinite_origin"
 CAME_IN = "they came in after backward made the gradients (the gradient all-reduce from another rank"
-FORWARD_HOW = "module.plant returned inf while its inputs were finite"
+FORWARD_HOW = (
+    "module.plant returned inf while its inputs were finite; the NaN that reached the gradients descends from it: "
+    "module.fc2 returned NaN from that inf (inf - inf, or 0 * inf)"
+)
 BACKWARD_HOW = (
     "the gradient module.plant's backward gave its input args[0] held NaN, while the gradients it received were finite"
 )
@@ -257,9 +260,10 @@ def check_fsdp2_forward_fault_on_rank_1(rank: int, world_size: int, seed: int) -
     model.plant.armed = False
     report = monitor.report()
     assert monitor._trace is not None
-    passes = [p for t in monitor._trace.steps for s in t.segments for p in s.passes]
-    assert len(passes) == last + 1 and all(len(p.arrivals) for p in passes)  # the activations' gradients arrived
-    assert not any(what == PARAMETER for p in passes for what, _, _ in p.arrivals)  # DTensor parameters: unhooked
+    segments = [s for t in monitor._trace.steps for s in t.segments]
+    passes = [p for s in segments for p in s.passes]
+    assert len(passes) == last + 1 and all(p.reached for p in passes)  # the activations' gradients arrived
+    assert not any(what == PARAMETER for s in segments for _, what, _, _ in s.arrivals)  # DTensor parameters: unhooked
     assert {c.name for c in passes[0].calls} == {"(model)", "fc1", "act", "plant", "fc2"}
     words = f"; across the process group, rank 1 made it first, by step {last}"
     assert born_ranks(monitor) == [None, None, (1, 1)], born_ranks(monitor)
@@ -268,7 +272,10 @@ def check_fsdp2_forward_fault_on_rank_1(rank: int, world_size: int, seed: int) -
     if rank == 1:
         assert report.nonfinite_origin == {
             "step": last, "pass": "forward", "micro_batch": 0, "name": "plant", "kind": "activation",
-            "values": "inf", "how": "plant returned inf while its inputs were finite",
+            "values": "inf", "how": (
+                "plant returned inf while its inputs were finite; the NaN that reached the gradients descends "
+                "from it: fc2 returned NaN from that inf (inf - inf, or 0 * inf)"
+            ),
         }, report.nonfinite_origin
         (finding,) = origin_findings(report)
         assert finding.name == "plant" and finding.message.endswith(words), finding
@@ -288,7 +295,7 @@ def check_ddp_healthy_traced(rank: int, world_size: int, seed: int) -> str:
     assert [t.step for t in traced] == list(range(steps)), [t.step for t in traced]
     calls = {c.name for t in traced for s in t.segments for p in s.passes for c in p.calls}
     assert calls == {"(model)", "module", "module.fc1", "module.act", "module.plant", "module.fc2"}, calls
-    params = sum(what == PARAMETER for t in traced for s in t.segments for p in s.passes for what, _, _ in p.arrivals)
+    params = sum(what == PARAMETER for t in traced for s in t.segments for _, what, _, _ in s.arrivals)
     assert params == 4 * steps, params  # every parameter's incoming gradient, at every step
     assert born_ranks(monitor) == [None] * steps, born_ranks(monitor)
     assert origin_findings(report) == [] and report.nonfinite_origin is None, str(report)

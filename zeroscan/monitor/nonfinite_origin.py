@@ -7,25 +7,9 @@ their birth is looked for from the step after the last record before them
 whose gradients were finite, so that a GradScaler's harmless early skips do
 not stand for a later NaN that the optimizer applied.
 
-Each forward pass is walked in the order its module calls began and
-returned, then its backward pass in the order gradients arrived. The first
-point where a flag shows a non-finite value that no earlier point showed is
-the origin:
-
-- a call returned a non-finite output from finite inputs: born in that
-  module's forward (in its own code: every module it called returned
-  finite values), unless one of its parameters holds a non-finite weight at
-  that step, which is then the origin (known at monitored steps, whose scan
-  reads the weights; at the others the module is named);
-- a call began with a non-finite input that no module returned: born in the
-  code of the module that made the call, before the call; for a top-level
-  call (the model's own), the input batch;
-- the gradient reaching a tensor was non-finite while every earlier one was
-  finite: born in the backward of the innermost module that took the tensor
-  as an input; for the model's output, outside the model (the loss, or the
-  gradient given to backward());
-- a parameter's incoming gradient was non-finite: born in the backward of
-  the module that holds it.
+nonfinite_walk.py walks each traced step: which non-finite value reached
+the gradients (a mask's -inf that softmax consumed did not), and the first
+value it descends from, in the forward pass or in the backward pass.
 """
 
 from __future__ import annotations
@@ -35,15 +19,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from zeroscan.monitor.nonfinite_trace import CHUNK, PARAMETER, ForwardPass, Segment, StepTrace
+from zeroscan.monitor.nonfinite_trace import CHUNK, Segment, StepTrace
+from zeroscan.monitor.nonfinite_walk import find_in_step, kinds_words
 from zeroscan.monitor.report import GLOBAL_NAME, Finding
 from zeroscan.monitor.step_record import Param, StepRecord
 from zeroscan.monitor.steps import first_nonfinite, nonfinite_grads, undone
 from zeroscan.verdicts import Cause, Severity
 from zeroscan.words import count_noun, listed
-
-INFINITE, NAN = 1, 2  # the kinds bits of csrc/nonfinite.h
-
 
 class Origin(NamedTuple):
     """Where a non-finite value was born.
@@ -75,10 +57,6 @@ class Origin(NamedTuple):
             "values": kinds_words(self.kinds),
             "how": self.how,
         }
-
-
-def kinds_words(kinds: int) -> str:
-    return {INFINITE: "inf", NAN: "NaN", INFINITE | NAN: "NaN and inf"}.get(kinds, "inf/NaN")
 
 
 def read_flags(steps: list[StepTrace]) -> dict[int, np.ndarray]:
@@ -120,113 +98,12 @@ def has_births(steps: list[StepTrace], flags: dict[int, np.ndarray]) -> list[Ste
 def find_origin(
     trace: StepTrace, flags: dict[int, np.ndarray], params: list[Param], bad_weights: set[int] | None
 ) -> Origin | None:
-    """The origin in one step's passes, in the order they ran. bad_weights: the
-    parameters whose weight held inf/NaN at that step (None: not scanned)."""
-    passes = [(s, p) for s in trace.segments for p in s.passes]
-    for micro, (segment, fpass) in enumerate(passes):
-        values = flags[id(segment)]
-        found = _forward(fpass, values, params, bad_weights) or _backward(fpass, values)
-        if found is not None:
-            where, kind, phase, kinds, how = found
-            return Origin(trace.step, phase, micro, len(passes), where, kind, kinds, how)
-    return None
-
-
-Found = tuple[str, str, str, int, str]  # where, kind, phase, kinds, how
-
-
-def _bits(values: np.ndarray, slot: int) -> int:
-    return int(values[slot]) if slot >= 0 else 0
-
-
-def _forward(fpass: ForwardPass, values: np.ndarray, params: list[Param], bad_weights: set[int] | None) -> Found | None:
-    # The first call start or return with a non-finite flag: every flag before it was finite.
-    for event in fpass.events:
-        number, returned = divmod(event, 2)
-        call = fpass.calls[number]
-        tracked = call.outputs if returned else call.inputs
-        new = [(k, t) for k, t in enumerate(tracked) if _bits(values, fpass.fslots[t])]
-        if not new:
-            continue
-        kinds = 0
-        for _, t in new:
-            kinds |= _bits(values, fpass.fslots[t])
-        what = kinds_words(kinds)
-        if returned:
-            held = _held_weights(call.name, params, bad_weights)
-            if held:
-                return held[0], "weight", "forward", kinds, (
-                    f"{call.name} returned {what} from finite inputs, and its "
-                    f"{'parameter' if len(held) == 1 else 'parameters'} {listed(held, 3)} "
-                    f"{'holds' if len(held) == 1 else 'hold'} inf/NaN at this step: a non-finite weight"
-                )
-            inner = [c.name for c in fpass.calls[number + 1 :] if c.parent == number]
-            own = (
-                f" (in its own code: the modules it called, {listed(inner, 3)}, returned finite values)"
-                if inner else ""
-            )
-            return call.name, "activation", "forward", kinds, (
-                f"{call.name} returned {what} while its inputs were finite{own}"
-            )
-        label = call.labels[new[0][0]]
-        if call.parent < 0:
-            batch = call.name == "(model)" or number == 0
-            return "(input batch)" if batch else "(outside the model)", "activation", "forward", kinds, (
-                f"{call.name} was called with {what} in {label}: it came in with the input batch"
-                if batch else
-                f"{call.name} was called with {what} in {label}, made by code outside the model's forward"
-            )
-        parent = fpass.calls[call.parent].name
-        return parent, "activation", "forward", kinds, (
-            f"{parent} called {call.name} with {what} in {label}, while every module before returned finite "
-            f"values: made in {parent}'s own forward code, before that call"
-        )
-    return None
-
-
-def _held_weights(module: str, params: list[Param], bad_weights: set[int] | None) -> list[str]:
-    """The parameters in `module` (or below it) whose weight held inf/NaN."""
-    if not bad_weights:
-        return []
-    prefix = "" if module == "(model)" else module + "."
-    return [params[i].name for i in sorted(bad_weights) if params[i].name.startswith(prefix)]
-
-
-def _backward(fpass: ForwardPass, values: np.ndarray) -> Found | None:
-    for what, index, slot in np.asarray(fpass.arrivals).reshape(-1, 3).tolist():
-        kinds = _bits(values, slot)
-        if not kinds:
-            continue
-        words = kinds_words(kinds)
-        if what == PARAMETER:
-            name, owner = fpass.params[index]
-            owner = owner or "(model)"
-            return owner, "grad", "backward", kinds, (
-                f"the gradient {owner}'s backward gave its parameter {name} held {words}, while every gradient "
-                "before it was finite"
-            )
-        takers = [c for c in fpass.calls if index in c.inputs]
-        if takers:
-            taker = max(takers, key=lambda c: c.depth)
-            label = taker.labels[taker.inputs.index(index)]
-            return taker.name, "grad", "backward", kinds, (
-                f"the gradient {taker.name}'s backward gave its input {label} held {words}, while the gradients "
-                "it received were finite"
-            )
-        makers = [(n, c) for n, c in enumerate(fpass.calls) if index in c.outputs]
-        if not makers or min(c.depth for _, c in makers) == 0:
-            outer = makers[0][1].name if makers else "the model"
-            return "(outside the model)", "grad", "backward", kinds, (
-                f"the gradient reaching the output of {outer} held {words}: made outside the model, by the loss "
-                "or the gradient given to backward()"
-            )
-        number, maker = max(makers, key=lambda nc: nc[1].depth)
-        parent = fpass.calls[maker.parent].name
-        return parent, "grad", "backward", kinds, (
-            f"the gradient reaching the output of {maker.name} held {words}, while every gradient before it was "
-            f"finite: made in the backward of {parent}'s own code, which used that output"
-        )
-    return None
+    """The origin of what reached the gradients in one step's passes (nonfinite_walk.py).
+    bad_weights: the parameters whose weight held inf/NaN at that step (None: not scanned)."""
+    found, passes = find_in_step(trace, flags, params, bad_weights)
+    if found is None:
+        return None
+    return Origin(trace.step, found.phase, found.micro, passes, found.where, found.kind, found.kinds, found.how)
 
 
 # ---- the finding ------------------------------------------------------------------
@@ -247,7 +124,10 @@ def origin_finding(
     ranks = _rank_words(records)
     # A birth before `start` belongs to an earlier bad run, one after the target
     # step is its consequence (weights an optimizer step poisoned).
-    if not any(start <= t.step <= target for t in births):
+    weights = {r.step: _bad_weights(params, r) for r in records}
+    origins = [o for o in (find_origin(t, flags, params, weights.get(t.step)) for t in births) if o is not None]
+    found = [o for o in origins if start <= o.step <= target]
+    if not found:
         traced = [t.step for t in traces if start <= t.step <= target]
         if target not in traced:
             return Finding(GLOBAL_NAME, "grad", severity, Cause.NONFINITE_ORIGIN, (
@@ -255,17 +135,15 @@ def origin_finding(
                 "forward pass under no_grad, on another thread, or older than the steps the trace keeps), so it "
                 "cannot say where they came from" + ranks
             )), None
+        consumed = any(start <= t.step <= target for t in births)
         return Finding(GLOBAL_NAME, "grad", severity, Cause.NONFINITE_ORIGIN, (
             f"the gradients of step {target} hold inf/NaN, but in the traced steps that led to them "
-            f"({_steps_words(traced)}) no module's forward output or backward gradient on this rank held any, nor "
-            "any parameter's incoming gradient: they came in after backward made the gradients (the gradient "
-            "all-reduce from another rank, or code that changed .grad)" + ranks
+            f"({_steps_words(traced)}) no module's forward output or backward gradient on this rank held any"
+            + (" that reached them (the infinities it met were consumed harmlessly, as a mask's are)"
+               if consumed else "")
+            + ", nor any parameter's incoming gradient: they came in after backward made the gradients (the "
+            "gradient all-reduce from another rank, or code that changed .grad)" + ranks
         )), None
-    weights = {r.step: _bad_weights(params, r) for r in records}
-    origins = [o for o in (find_origin(t, flags, params, weights.get(t.step)) for t in births) if o is not None]
-    found = [o for o in origins if start <= o.step <= target]
-    if not found:
-        return None, None
     origin = found[0]
     micro = f" (forward pass {origin.micro + 1} of {origin.passes})" if origin.passes > 1 else ""
     later = _later_words(origin, [o for o in origins if o.step > origin.step])

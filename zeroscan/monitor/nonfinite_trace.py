@@ -3,15 +3,32 @@ could have been born, flagged on the device at every step.
 
 Every module of the model gets a forward pre-hook and a forward hook. In a
 forward pass that builds a graph, each floating-point tensor a module call
-takes or returns gets a flag on its own device (zeroscan's mark_nonfinite:
-one pass over the tensor that ORs 1 for an infinity and 2 for a NaN into an
-int32 slot, and reads nothing back), and a tensor hook that flags the
-gradient reaching it in backward. Every parameter gets a tensor hook too,
-which flags the gradient backward brings it. The host keeps, per pass, which
-slot belongs to which call's inputs or outputs, and the order in which calls
-began and returned and gradients arrived; nonfinite_origin.py reads the
-flags only when report() asks, and finds the first place a non-finite value
-appeared.
+takes or returns (found in whatever structure holds it: tensor_tree.py) gets
+a flag on its own device (zeroscan's mark_nonfinite: one pass over the
+tensor that ORs 1 for an infinity and 2 for a NaN into an int32 slot, and
+reads nothing back), and a pre-hook on the autograd node that made it,
+which flags the gradient reaching it in backward. Every parameter gets a
+tensor hook too, which flags the gradient backward brings it. The host
+keeps, per pass, which slot belongs to which call's inputs or outputs, and
+the order in which calls began and returned and gradients arrived;
+nonfinite_origin.py reads the flags only when report() asks, and finds
+where the non-finite value that reached the gradients came from.
+
+Each top-level call (the model's own, or a module called from outside it)
+is a pass of its own. A pass that the backward pass after it never reached
+(validation with grad on, a generation loop, a forward whose loss was
+dropped after an exception) is let go when its segment closes: it made no
+gradient, so it is never merged into the training pass that follows.
+
+A segment hooks at most MAX_HOOKED gradients, the first its passes meet.
+Every hook gives the autograd node it sits on a Python object, and torch
+frees a chain of such nodes recursively, one level of the C stack per node:
+a cell unrolled 20,000 times, hooked at every call, overflows an 8 MB stack
+when its graph is freed (a plain graph is freed iteratively). Past the cap
+the forward values are still flagged; the backward pass is followed through
+the hooked part and the parameters, and a message that depends on the rest
+says the trace stopped following it. The trace holds nothing of the graph
+(tensors only weakly), so a graph lives as long as the user's code keeps it.
 
 A tensor met again unchanged (the same object with the same version
 counter: one module's output taken as the next one's input, a parent
@@ -52,13 +69,13 @@ from torch import nn
 
 from zeroscan.monitor.hooks import Hooks, weak_hook
 from zeroscan.monitor.step_record import Param
-from zeroscan.ops import FLOAT_DTYPES
+from zeroscan.monitor.tensor_tree import flaggable, tensors_in
 
 CHUNK = 1024  # flag slots per device buffer
-MAX_DEPTH = 4  # how deep into nested lists, tuples and dicts a call's tensors are looked for
+MAX_HOOKED = 2048  # gradient hooks per segment (see above: a graph freed with more in one chain can overflow the stack)
 TENSOR, PARAMETER = 0, 1  # what a gradient arrival is for
+NO_PASS = -1  # the pass column of a parameter's arrival: it belongs to the segment's backward
 _MARK = torch.ops.zeroscan.mark_nonfinite.default
-_FLAGGED = frozenset(FLOAT_DTYPES)
 _NO_KERNEL: set[str] = set()  # device types mark_nonfinite has no kernel for (found on first use)
 
 
@@ -98,13 +115,25 @@ class Flags:
             return -1
         return slot
 
+    def clear(self, slots: list[int]) -> None:
+        """Zeroes the flags of `slots` (on their devices; nothing is read)."""
+        by_buffer: dict[tuple[torch.device, int], list[int]] = {}
+        for slot in slots:
+            if slot >= 0:
+                by_buffer.setdefault((self.devices[self.where[slot]], slot // CHUNK), []).append(slot % CHUNK)
+        for key, offsets in by_buffer.items():
+            buffer = self.buffers.get(key)
+            if buffer is not None:
+                buffer.index_fill_(0, torch.tensor(offsets, device=buffer.device), 0)
+
 
 class Call:
     """One call of a module in a forward pass: its name, how deep it is in
-    the calls under way, the call it was made from (-1: none), and the
-    tracked tensors (numbers into ForwardPass.fslots) it took and returned."""
+    the calls under way, the call it was made from (-1: none), the tracked
+    tensors (numbers into ForwardPass.fslots) it took and returned, and the
+    kinds of values in its inputs and output the trace could not look into."""
 
-    __slots__ = ("name", "depth", "parent", "inputs", "labels", "outputs")
+    __slots__ = ("name", "depth", "parent", "inputs", "labels", "outputs", "unseen_in", "unseen_out")
 
     def __init__(self, name: str, depth: int, parent: int) -> None:
         self.name = name
@@ -113,6 +142,8 @@ class Call:
         self.inputs: list[int] = []
         self.labels: list[str] = []  # how each input was passed: "args[0]", "kwargs['mask']"
         self.outputs: list[int] = []
+        self.unseen_in: list[str] = []
+        self.unseen_out: list[str] = []
 
 
 class FrozenCall(NamedTuple):
@@ -124,38 +155,49 @@ class FrozenCall(NamedTuple):
     inputs: tuple[int, ...]
     labels: tuple[str, ...]
     outputs: tuple[int, ...]
+    unseen_in: tuple[str, ...]
+    unseen_out: tuple[str, ...]
 
 
 class ForwardPass:
-    """One forward pass (the calls from the first top-level module call
-    until a backward pass begins) and the gradients its backward brought.
+    """One forward pass: the calls of one top-level module call.
 
     events: 2 * call for a call's start, 2 * call + 1 for its return, in order.
     fslots: per tracked tensor, its flag slot (-1: unread).
-    arrivals: (TENSOR, tracked tensor, slot) or (PARAMETER, parameter
-        index, slot) per gradient, in the order backward brought them.
+    number: its place among its segment's passes (the pass column of the
+        segment's arrivals).
+    hooked: a gradient hook was set on one of its tensors; reached: one of
+        them fired, so the backward pass ran through this pass's graph.
     params: (name, owner module) per parameter index, as the model was
         when the pass ran.
     """
 
-    __slots__ = ("calls", "events", "fslots", "arrivals", "flags", "params", "closed")
+    __slots__ = ("calls", "events", "fslots", "segment", "number", "hooked", "reached", "params", "closed")
 
-    def __init__(self, flags: Flags, params: list[tuple[str, str]]) -> None:
+    def __init__(self, segment: Segment, params: list[tuple[str, str]]) -> None:
         self.calls: list[Call] | tuple[FrozenCall, ...] = []
         self.events: list[int] | tuple[int, ...] = []
         self.fslots: list[int] | tuple[int, ...] = []
-        self.arrivals: list[tuple[int, int, int]] = []
-        self.flags = flags
+        self.segment = segment
+        self.number = len(segment.passes)
+        self.hooked = False
+        self.reached = False
         self.params = params
         self.closed = False  # a gradient arriving later (a graph kept past its step) is not this pass's
+
+    @property
+    def flags(self) -> Flags:
+        return self.segment.flags
 
     def freeze(self, like: ForwardPass | None) -> None:
         """The pass is over: its calls, events and slots become tuples, shared
         with `like` (the previous pass) where they are equal, as they are at
-        every step of a model whose forward pass does not change; its
-        arrivals become (what, index, slot) rows of an int32 array."""
+        every step of a model whose forward pass does not change."""
         calls = tuple(
-            FrozenCall(c.name, c.depth, c.parent, tuple(c.inputs), tuple(c.labels), tuple(c.outputs))
+            FrozenCall(
+                c.name, c.depth, c.parent, tuple(c.inputs), tuple(c.labels), tuple(c.outputs),
+                tuple(c.unseen_in), tuple(c.unseen_out),
+            )
             for c in self.calls
         )
         self.closed = True
@@ -163,49 +205,46 @@ class ForwardPass:
         if like is not None and (like.calls, like.events, like.fslots) == (calls, events, fslots):
             calls, events, fslots = like.calls, like.events, like.fslots  # type: ignore[assignment]
         self.calls, self.events, self.fslots = calls, events, fslots
-        self.arrivals = np.array(self.arrivals, dtype=np.int32).reshape(-1, 3)  # type: ignore[assignment]
 
 
 class Segment:
-    """The passes between two ends of a backward pass: one step, or one
-    micro-batch of it (gradient accumulation); its StepTrace says which step."""
+    """The passes between two ends of a backward pass (one step, or one
+    micro-batch of it: gradient accumulation; its StepTrace says which step)
+    and the gradients that backward pass brought.
 
-    __slots__ = ("passes", "flags")
+    arrivals: (pass number, TENSOR, tracked tensor, slot) or (NO_PASS,
+        PARAMETER, parameter index, slot) per gradient, in the order backward
+        brought them; once closed, rows of an int32 array.
+    """
+
+    __slots__ = ("passes", "flags", "arrivals", "hooks")
 
     def __init__(self) -> None:
         self.passes: list[ForwardPass] = []
         self.flags = Flags()
+        self.arrivals: list[tuple[int, int, int, int]] | np.ndarray = []
+        self.hooks = 0  # gradient hooks set, up to MAX_HOOKED
+
+    def close(self) -> None:
+        """Lets go of the passes the backward pass never reached (each keeps
+        its slots in `flags`, unread) and freezes the arrivals, renumbered."""
+        for fpass in self.passes:
+            fpass.closed = True
+        kept = [p for p in self.passes if p.reached or not p.hooked]
+        dropped = [p for p in self.passes if p.hooked and not p.reached]
+        if dropped:  # their flags must not count as made (born_words)
+            self.flags.clear([slot for p in dropped for slot in p.fslots])
+        renumber = {p.number: k for k, p in enumerate(kept)}
+        for k, p in enumerate(kept):
+            p.number = k
+        rows = [(renumber.get(n, n), what, i, slot) for n, what, i, slot in self.arrivals]
+        self.passes = kept
+        self.arrivals = np.array(rows, dtype=np.int32).reshape(-1, 4)
 
 
 class StepTrace(NamedTuple):
     step: int
     segments: list[Segment]
-
-
-def flaggable(x: object) -> bool:
-    """A tensor the trace flags: plain (not a subclass such as DTensor), strided, floating."""
-    return (
-        type(x) in (torch.Tensor, nn.Parameter)
-        and x.dtype in _FLAGGED  # type: ignore[union-attr]
-        and x.layout == torch.strided  # type: ignore[union-attr]
-        and not x.is_meta  # type: ignore[union-attr]
-        and not x.is_nested  # type: ignore[union-attr]
-    )
-
-
-def tensors_in(value: Any, label: str, out: list[tuple[torch.Tensor, str]], depth: int = 0) -> None:
-    """Appends (tensor, label) for every flaggable tensor in `value`, looking
-    into lists, tuples and dicts (a Hugging Face ModelOutput is one) MAX_DEPTH deep."""
-    if isinstance(value, torch.Tensor):
-        if flaggable(value):
-            out.append((value, label))
-    elif depth < MAX_DEPTH:
-        if isinstance(value, (list, tuple)):
-            for k, v in enumerate(value):
-                tensors_in(v, f"{label}[{k}]", out, depth + 1)
-        elif isinstance(value, dict):
-            for key, v in value.items():
-                tensors_in(v, f"{label}[{key!r}]", out, depth + 1)
 
 
 def traced_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -232,21 +271,30 @@ def traced_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 class GradArrived:
-    """The hook on one tracked tensor: flags the gradient that backward
-    brings it. Holds its trace weakly; changes no gradient."""
+    """The pre-hook on the node that made one tracked tensor (its output
+    `output_nr`): flags the gradient that backward brings the tensor. Holds
+    its trace weakly; changes no gradient."""
 
-    __slots__ = ("_trace", "_pass", "_tracked")
+    __slots__ = ("_trace", "_pass", "_tracked", "_output")
 
-    def __init__(self, trace: NonfiniteTrace, fpass: ForwardPass, tracked: int) -> None:
+    def __init__(self, trace: NonfiniteTrace, fpass: ForwardPass, tracked: int, output: int) -> None:
         self._trace = weakref.ref(trace)
         self._pass = fpass
         self._tracked = tracked
+        self._output = output
 
-    def __call__(self, grad: torch.Tensor) -> None:
+    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         fpass = self._pass
-        if self._trace() is None or fpass.closed or not flaggable(grad):
+        if self._trace() is None or fpass.closed:
             return
-        fpass.arrivals.append((TENSOR, self._tracked, fpass.flags.mark(grad)))  # type: ignore[union-attr]
+        try:
+            grad = grad_outputs[self._output]
+            fpass.reached = True
+            if grad is not None and flaggable(grad):
+                slot = fpass.flags.mark(grad)
+                fpass.segment.arrivals.append((fpass.number, TENSOR, self._tracked, slot))  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001  the trace must never break the user's backward pass
+            pass
 
 
 class NonfiniteTrace:
@@ -321,7 +369,8 @@ class NonfiniteTrace:
         fpass = self._pass
         try:
             if fpass is not None and not fpass.closed and flaggable(grad):
-                fpass.arrivals.append((PARAMETER, index, fpass.flags.mark(grad)))  # type: ignore[union-attr]
+                slot = fpass.flags.mark(grad)
+                fpass.segment.arrivals.append((NO_PASS, PARAMETER, index, slot))  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001  nor its backward pass
             pass
 
@@ -336,18 +385,17 @@ class NonfiniteTrace:
             if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
                 self._skipping = 1
                 return
-            if self._pass is None or self._pass.arrivals:  # backward ran since: a new pass
-                self._pass = ForwardPass(self._segment.flags, self._params)
-                self._segment.passes.append(self._pass)
-                self._seen = {}
+            self._pass = ForwardPass(self._segment, self._params)  # every top-level call is a pass
+            self._segment.passes.append(self._pass)
+            self._seen = {}
         fpass = self._pass
         if fpass is None or fpass.closed:  # a step closed while a forward pass was under way
             return
         number = len(fpass.calls)
         call = Call(name, len(self._stack), self._stack[-1] if self._stack else -1)
         found: list[tuple[torch.Tensor, str]] = []
-        tensors_in(args, "args", found)
-        tensors_in(kwargs, "kwargs", found)
+        tensors_in(args, "args", found, call.unseen_in)
+        tensors_in(kwargs, "kwargs", found, call.unseen_in)
         for t, label in found:
             call.inputs.append(self._track(fpass, t))
             call.labels.append(label)
@@ -370,8 +418,9 @@ class NonfiniteTrace:
         del self._stack[under_way[-1] + 1 :]  # calls inside it that raised, and were caught in it
         number = self._stack.pop()
         found: list[tuple[torch.Tensor, str]] = []
-        tensors_in(output, "output", found)
-        fpass.calls[number].outputs = [self._track(fpass, t) for t, _ in found]  # type: ignore[union-attr]
+        call = fpass.calls[number]
+        tensors_in(output, "output", found, call.unseen_out)  # type: ignore[arg-type]
+        call.outputs = [self._track(fpass, t) for t, _ in found]  # type: ignore[union-attr]
         fpass.events.append(2 * number + 1)  # type: ignore[union-attr]
 
     def _track(self, fpass: ForwardPass, t: torch.Tensor) -> int:
@@ -385,8 +434,11 @@ class NonfiniteTrace:
             return seen[2]
         number = len(fpass.fslots)
         fpass.fslots.append(fpass.flags.mark(t))  # type: ignore[union-attr]
-        if t.requires_grad and not t.is_leaf:
-            t.register_hook(GradArrived(self, fpass, number))
+        # requires_grad and is_leaf first: reading t.grad_fn gives its node a Python object (see above).
+        if t.requires_grad and not t.is_leaf and fpass.segment.hooks < MAX_HOOKED:
+            t.grad_fn.register_prehook(GradArrived(self, fpass, number, t.output_nr))
+            fpass.hooked = True
+            fpass.segment.hooks += 1
         self._seen[id(t)] = (weakref.ref(t), version, number)
         return number
 
@@ -401,6 +453,7 @@ class NonfiniteTrace:
         self._seen = {}
         if self._requires_grad(params) != self._signature:
             self.stale = True
+        segment.close()
         if not segment.passes:
             return
         for fpass in segment.passes:
