@@ -564,3 +564,70 @@ def test_zip_entries_are_checked_before_loading(
     monkeypatch.setattr(torch_io.torch, "load", lambda *args, **kwargs: loads.append(args))
     assert_refused(capsys, path, *words)
     assert loads == []  # refused before torch.load saw the file
+
+
+# --- issue 43, item 11: a folder holding entries named like checkpoints that are no regular files ---
+# Each such entry alone is refused (above); in a folder beside valid checkpoints it was passed over in
+# silence and the rest scanned with exit 0. The folder is now refused, naming every such entry.
+# The issue named a FIFO, a socket and a link to /dev/zero; the unnamed members tested here are a link
+# to nothing, a FIFO named like a shard index, and such an entry in a sub-folder.
+
+
+def plant_entry(folder: Path, name: str, kind: str, stack: contextlib.ExitStack,
+                monkeypatch: pytest.MonkeyPatch) -> str:
+    """Makes folder/name an entry of `kind`; returns how the refusal describes it."""
+    path = folder / name
+    if kind == "fifo":
+        os.mkfifo(path)
+        stack.enter_context(unblocked_after(path))  # a regression that opens it fails, not hangs
+        return f"{name} (a FIFO (named pipe))"
+    if kind == "socket":
+        monkeypatch.chdir(folder)  # bound by its relative name: sun_path holds about 108 bytes
+        server = stack.enter_context(socket.socket(socket.AF_UNIX))
+        server.bind(name)
+        return f"{name} (a socket)"
+    if kind == "link to /dev/zero":
+        if not Path("/dev/zero").exists():
+            pytest.skip("/dev/zero is missing here")
+        path.symlink_to("/dev/zero")
+        return f"{name} (a link to a character device)"
+    assert kind == "link to nothing"
+    path.symlink_to(folder / "gone.pt")
+    return f"{name} (a link to nothing)"
+
+
+FOLDER_ENTRIES = {
+    "named": {"b.safetensors": "fifo", "c.pt": "socket", "d.bin": "link to /dev/zero"},
+    "unnamed": {"e.ckpt": "link to nothing", "model.safetensors.index.json": "fifo"},
+}
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["in the folder", "in a sub-folder"])
+@pytest.mark.parametrize("members", FOLDER_ENTRIES)
+def test_a_folder_names_each_entry_it_cannot_read(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, members: str,
+    nested: bool
+) -> None:
+    folder = tmp_path / "ckpts"
+    holder = folder / "sub" if nested else folder
+    holder.mkdir(parents=True)
+    torch.save({"w": torch.ones(3)}, folder / "a.pt")  # a valid checkpoint beside them
+    with contextlib.ExitStack() as stack:
+        described = [plant_entry(holder, name, kind, stack, monkeypatch)
+                     for name, kind in sorted(FOLDER_ENTRIES[members].items())]
+        verb = "is named like a checkpoint but is not a regular file" if len(described) == 1 else \
+            "are named like checkpoints but are not regular files"
+        want = f"{holder}: {', '.join(described)} {verb}; zeroscan reads checkpoint files only, " \
+               "and scans a folder whole or not at all"
+        for call in (scan_checkpoint, open_checkpoint):
+            with pytest.raises(CheckpointError) as refused:
+                call(folder)
+            assert str(refused.value) == want
+        capsys.readouterr()
+        assert main(["scan", str(folder)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == f"zeroscan: error: {want}\n", err
+        # Without them the folder scans as before: the refusal is theirs.
+        for name in FOLDER_ENTRIES[members]:
+            (holder / name).unlink()
+        assert main(["scan", str(folder)]) == 0

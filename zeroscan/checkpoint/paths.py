@@ -21,7 +21,11 @@ one: its model by the path that opens it alone (the index file, the DCP
 `.metadata`), its other checkpoint files, its checkpoint folders, and what
 its plain sub-folders hold, at any depth. A folder is scanned whole, never
 in part; the one exception is a model saved in two formats, each with its
-index, whose safetensors copy alone is read (index_files).
+index, whose safetensors copy alone is read (index_files). So a folder
+holding, at any depth, an entry named like a checkpoint that is no regular
+file (a FIFO, a socket, a device, a link to nothing) is refused with a
+CheckpointError naming every such entry of its folder, as the entry alone
+would be refused (refuse_unreadable_entries).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from zeroscan.checkpoint.table import CheckpointError, regular_file_size
+from zeroscan.checkpoint.table import SPECIAL_FILE_KINDS, CheckpointError, regular_file_size
 from zeroscan.words import brief
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
@@ -44,6 +48,58 @@ DCP_METADATA = ".metadata"
 SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d+)-of-(?P<count>\d+)(?P<suffix>\.[A-Za-z]+)$")
 GLOB_CHARS = frozenset("*?[")
 MAX_INDEX_BYTES = 256 << 20  # an index of a million tensor names is about 100 MB
+
+
+def named_like_checkpoint(name: str) -> bool:
+    """Whether a folder entry's name is a checkpoint file's, a shard index's or a DCP `.metadata`."""
+    return name.endswith(CHECKPOINT_SUFFIXES + (INDEX_SUFFIX,)) or name == DCP_METADATA
+
+
+def unreadable_entries(folder: Path) -> list[str]:
+    """The entries of `folder` named like a checkpoint (named_like_checkpoint)
+    that are neither a regular file nor a folder, each as "NAME (what it
+    is)": a FIFO, a socket, a device, a link to nothing. Decided by stat()
+    alone: nothing is opened (a FIFO would wait for a writer forever). A
+    folder that cannot be listed holds none here: listing it fails where
+    its checkpoints are looked for."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found = []
+    for n in names:
+        if not named_like_checkpoint(n):
+            continue
+        try:
+            mode = (folder / n).stat().st_mode
+        except FileNotFoundError:
+            found.append(f"{n} (a link to nothing)")
+            continue
+        except OSError as e:
+            found.append(f"{n} (cannot be looked at: {e.strerror or e})")
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = next((name for test, name in SPECIAL_FILE_KINDS if test(mode)), "special file")
+            found.append(f"{n} (a link to a {kind})" if (folder / n).is_symlink() else f"{n} (a {kind})")
+    return found
+
+
+def refuse_unreadable_entries(folder: Path) -> None:
+    """Raises CheckpointError naming every entry of `folder` that is named like
+    a checkpoint but cannot be read as one (unreadable_entries): a scan of the
+    rest would pass over them in silence."""
+    found = unreadable_entries(folder)
+    if not found:
+        return
+    listed = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+    what = (
+        "is named like a checkpoint but is not a regular file"
+        if len(found) == 1
+        else "are named like checkpoints but are not regular files"
+    )
+    raise CheckpointError(
+        f"{folder}: {listed} {what}; zeroscan reads checkpoint files only, and scans a folder whole or not at all"
+    )
 
 
 def is_regular_file(p: Path) -> bool:
@@ -110,7 +166,10 @@ def model_kind(folder: Path) -> str | None:
     holds: "dcp", "index", "shards" or "single" (checkpoint_kind's words);
     None. A folder holding some shards of a model but not all, and no index,
     is a CheckpointError: scanning the shards there would pass over the
-    missing ones in silence."""
+    missing ones in silence. So is a folder holding an entry named like a
+    checkpoint that is no regular file (a FIFO, a socket, a device, a link
+    to nothing): each is named (refuse_unreadable_entries)."""
+    refuse_unreadable_entries(folder)
     if is_regular_file(folder / DCP_METADATA):
         return "dcp"
     if index_files(folder):
@@ -190,8 +249,9 @@ def holds_checkpoints(folder: Path, seen: set[tuple[int, int]]) -> bool:
         return False
     seen.add(ident)
     # The name first: a stat call only for a name that could be a checkpoint.
-    if any((n.endswith(CHECKPOINT_SUFFIXES + (INDEX_SUFFIX,)) or n == DCP_METADATA) and is_regular_file(folder / n)
-           for n in names):
+    # An entry so named that is no regular file counts too (not a folder:
+    # a FIFO, a link to nothing): the scan of the folder then names it.
+    if any(named_like_checkpoint(n) and not (folder / n).is_dir() for n in names):
         return True
     return any((folder / n).is_dir() and holds_checkpoints(folder / n, seen) for n in names)
 
