@@ -4,7 +4,10 @@ Every call here that takes a process group (or a DTensor, whose mesh is
 one) is a COLLECTIVE: every rank of the group must make it, in the same
 order, or the ranks that did wait until the group's timeout. zeroscan.stats
 and zeroscan.stats_many never are: they refuse a DTensor and name the calls
-here.
+here. Each first checks, in one all-reduce of two words, that the ranks
+agree on what they merge (as many tensors, the same dtypes, a DTensor's
+global shape, the same tol), and where they do not every rank raises the
+same one-line error instead of merging (zeroscan/distributed_agreement.py).
 
 Every rank scans what it holds into result rows (int64 [N, 16], see
 zeroscan/result_row.py), and the ranks merge them with two rounds of
@@ -19,9 +22,11 @@ all-reduces whose size does not depend on the world size W
 Every rank gets the same bits (the all-reduce gives every rank the same
 sums, and the rest is computed from them alike). Each rank sends and
 receives a few hundred bytes per tensor, on the device the group's backend
-uses (NCCL: CUDA, gloo: CPU); with NCCL the all-reduces do not wait on
-the host (the per-tensor flags are copied to the device once per call),
-with gloo each is waited for before the call returns.
+uses (NCCL: CUDA, gloo: CPU); with NCCL the merge's all-reduces do not
+wait on the host (the per-tensor flags are copied to the device once per
+call), though the agreement check before them reads its two words back
+(on the CPU where the group has a CPU backend); with gloo each all-reduce
+is waited for before the call returns.
 
 What a rank's tensor means decides how its row is used (each result says so
 in its `mode`):
@@ -65,7 +70,8 @@ import torch
 import torch.distributed as dist
 
 from zeroscan import allreduce
-from zeroscan.distributed_common import PendingMerge, comm_device, member_group, rows_of, scan_rows
+from zeroscan.distributed_agreement import Merged, check_agreement, tensor_words
+from zeroscan.distributed_common import PendingMerge, comm_device, group_for, rows_of, scan_rows
 from zeroscan.distributed_gather import GatheredRows, combine_rows, compare_replicas, gather_rows
 from zeroscan.ops import check_tensor, check_tol, is_dtensor
 from zeroscan.result_row import empty_rows
@@ -118,14 +124,25 @@ def merge_stats(
     (mode "concatenated"): counts summed, min/max reduced, moments from sums
     about a shared shift; one merge (two rounds of all-reduces) for the whole batch.
     `shape` stays this rank's piece's shape; numel and every other field are
-    global. async_op=True gives a PendingMerge, already merged (see the
-    module doc on what waits)."""
+    global. The ranks must pass as many Stats, of the same dtypes and tol
+    (checked first, see zeroscan/distributed_agreement.py). async_op=True
+    gives a PendingMerge, already merged (see the module doc on what waits)."""
     op = "zeroscan.distributed.merge_stats"
     single = isinstance(stats_or_batch, Stats)
-    if not single and not isinstance(stats_or_batch, StatsBatch):
-        raise TypeError(f"{op}: stats_or_batch must be a Stats or StatsBatch, got {type(stats_or_batch).__name__}")
-    items: list[Stats] = [stats_or_batch] if single else list(stats_or_batch)  # type: ignore[list-item]
-    pg = member_group(op, group)
+    refusal = None
+    items: list[Stats] = []
+    if single:
+        items = [stats_or_batch]  # type: ignore[list-item]
+    elif isinstance(stats_or_batch, StatsBatch):
+        items = list(stats_or_batch)
+    else:
+        refusal = TypeError(f"{op}: stats_or_batch must be a Stats or StatsBatch, got {type(stats_or_batch).__name__}")
+    pg = group_for(op, group, refusal)
+    described = [
+        ("stats_or_batch" if single else f"stats_or_batch[{i}]", f"a {_piece(s.dtype, s.tol)}")
+        for i, s in enumerate(items)
+    ]
+    check_agreement(op, pg, Merged("Stats", len(items), described, refusal=refusal))
     device = items[0].buffer.device if items else torch.device("cpu")
     rows = rows_of(items, comm_device(pg, device))
     readout = Readout(_merge(rows, [True] * len(items), [True] * len(items), pg))
@@ -136,6 +153,12 @@ def merge_stats(
     ]
     result = out[0] if single else StatsBatch(out)  # type: ignore[arg-type]
     return PendingMerge(None, lambda: result) if async_op else result  # type: ignore[return-value]
+
+
+def _piece(dtype: torch.dtype, tol: float | None) -> str:
+    """What the ranks must agree on about a piece of a hand-sharded tensor:
+    its dtype and tol (its shape is its own)."""
+    return f"{str(dtype).removeprefix('torch.')} piece" + ("" if tol is None else f" (tol={tol!r})")
 
 
 def _merge(
@@ -183,7 +206,7 @@ def local_part(x: torch.Tensor, *, grouped: bool = False) -> LocalPart:
     are reduced first), or `x` itself, "concatenated" when `grouped` (merged
     across a group) else "local"."""
     if not is_dtensor(x):
-        return LocalPart(x, MODE_CONCATENATED if grouped else MODE_LOCAL, True)
+        return LocalPart(x, _mode_of(x, grouped), True)
     from torch.distributed.tensor import Replicate
 
     placements = tuple(x.placements)
@@ -194,11 +217,29 @@ def local_part(x: torch.Tensor, *, grouped: bool = False) -> LocalPart:
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ValueError("zeroscan.distributed: this rank is not in the DTensor's device mesh")
-    sharded = any(p.is_shard() for p in placements)
     counted = all(c == 0 for c, p in zip(coordinate, placements) if not p.is_shard())
     with torch.no_grad():
         local = x.to_local()
-    return LocalPart(local, MODE_SHARDED if sharded else MODE_REPLICATED, counted, mesh)
+    return LocalPart(local, _mode_of(x, grouped), counted, mesh)
+
+
+def _mode_of(x: torch.Tensor, grouped: bool) -> str:
+    """How x enters a merge (see the module doc), from its placements alone:
+    no collective (a Partial placement is reduced to Replicate)."""
+    if not is_dtensor(x):
+        return MODE_CONCATENATED if grouped else MODE_LOCAL
+    return MODE_SHARDED if any(p.is_shard() for p in x.placements) else MODE_REPLICATED  # type: ignore[attr-defined]
+
+
+def _must_agree(x: torch.Tensor, mode: str) -> str:
+    """What every rank must hold alike of x in a merge of `mode`: a
+    DTensor's dtype, global shape and placements; a piece's dtype (its shape
+    is its own); nothing of a local tensor, which stays out of the merge."""
+    if mode == MODE_LOCAL:
+        return "a local tensor"
+    if mode == MODE_CONCATENATED:
+        return f"a {_piece(x.dtype, None)}"
+    return f"a {tensor_words(x.dtype, x.shape, x.placements)}"  # type: ignore[attr-defined]
 
 
 def drop_uncounted(rows: torch.Tensor, parts: Sequence[LocalPart]) -> torch.Tensor:
@@ -238,71 +279,87 @@ def stats_many(
     """zeroscan.stats_many for tensors spread over ranks: DTensors (FSDP2
     parameters and gradients) by their placements, plain tensors as pieces of
     one tensor when `group` is given, else locally (see the module doc).
-    One merge for the whole list; every result is a GlobalStats."""
+    One merge for the whole list; every result is a GlobalStats. The ranks
+    must pass as many tensors, each of the same dtype (and a DTensor of the
+    same global shape and placements), and the same tol: checked first, and
+    every rank raises the same error where they differ."""
     op = "zeroscan.distributed.stats_many"
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use stats(x)")
-    xs = [check_tensor(op, "tensors", t, i, collective=True) for i, t in enumerate(tensors)]
-    return _stats_many(op, xs, lambda i: f"tensors[{i}]", tol=tol, group=group, async_op=async_op)
+    given = list(tensors)
+    return _stats_many(
+        op, given, lambda: [check_tensor(op, "tensors", t, i, collective=True) for i, t in enumerate(given)],
+        lambda i: f"tensors[{i}]", tol=tol, group=group, async_op=async_op,
+    )
 
 
 def _stats_many(
     op: str,
-    xs: list[torch.Tensor],
+    given: list[object],
+    checked: Callable[[], list[torch.Tensor]],
     names: Callable[[int], str],
     *,
     tol: float | None,
     group: dist.ProcessGroup | None,
     async_op: bool,
 ) -> StatsBatch | PendingMerge[StatsBatch]:
-    """stats_many of checked tensors as the public call `op` makes it: a
-    refusal names tensor i as names(i)."""
-    tol = check_tol(op, tol)
+    """stats_many of `given` as the public call `op` makes it: checked() gives
+    the tensors or refuses them; a refusal names tensor i as names(i). A
+    collective call raises a refusal on every rank (after the agreement check)."""
+    refusal: Exception | None = None
+    xs: list[torch.Tensor] = []
+    try:
+        xs = checked()
+        tol = check_tol(op, tol)
+    except (TypeError, ValueError) as e:
+        refusal = e
+    meshes: list[object] = []
+    for x in given:
+        mesh = x.device_mesh if is_dtensor(x) else None  # type: ignore[attr-defined]
+        if mesh is not None and all(mesh is not m and mesh != m for m in meshes):
+            meshes.append(mesh)
+    if len(meshes) > 1:
+        raise ValueError(f"{op}: the DTensors live on {len(meshes)} different device meshes; scan each mesh's apart")
+    grouped = group is not None
+    if not (meshes or grouped):  # this rank's own statistics: no collective
+        if refusal is not None:
+            raise refusal
+        batch = StatsBatch([])
+        if xs:
+            batch = _batch(xs, [local_part(x) for x in xs], scan_rows(op, xs, tol, xs[0].device, names), tol, 1)
+        return PendingMerge(None, lambda: batch) if async_op else batch
+    pg = group_for(op, _mesh_group(op, meshes[0], group) if meshes else group, refusal)
+    modes = [_mode_of(x, grouped) for x in xs]
+    described = [(names(i), _must_agree(x, mode)) for i, (x, mode) in enumerate(zip(xs, modes))]
+    check_agreement(op, pg, Merged("tensors", len(xs), described, f"tol={tol!r}", refusal))
+    # From here on every rank merges as many rows, of the same tensors.
     if not xs:
         empty = StatsBatch([])
         return PendingMerge(None, lambda: empty) if async_op else empty
-    parts = [local_part(x, grouped=group is not None) for x in xs]
-    meshes: list[object] = []
-    for part in parts:
-        if part.mesh is not None and all(part.mesh is not m and part.mesh != m for m in meshes):
-            meshes.append(part.mesh)
-    if len(meshes) > 1:
-        raise ValueError(f"{op}: the DTensors live on {len(meshes)} different device meshes; scan each mesh's apart")
-    pg = _mesh_group(op, meshes[0], group) if meshes else group
-    collective = bool(meshes) or group is not None
-    if collective:
-        pg = member_group(op, pg)
-
+    parts = [local_part(x, grouped=grouped) for x in xs]
     locals_ = [p.tensor for p in parts]
-    device = comm_device(pg, locals_[0].device) if collective else locals_[0].device
+    device = comm_device(pg, locals_[0].device)
     rows = scan_rows(op, locals_, tol, device, names)
-
-    def build(final: torch.Tensor, world: int) -> StatsBatch:
-        readout = Readout(final)
-        return StatsBatch(
-            [
-                GlobalStats(
-                    readout,
-                    i,
-                    (x.dtype, x.shape, p.tensor.device),
-                    tol,
-                    p.mode,
-                    1 if p.mode == MODE_LOCAL else world,
-                )
-                for i, (x, p) in enumerate(zip(xs, parts))
-            ]
-        )
-
-    if not collective:
-        batch = build(rows, 1)
-        return PendingMerge(None, lambda: batch) if async_op else batch
     pieces = [p.mode != MODE_REPLICATED for p in parts]
-    final = _merge(rows, [p.counted for p in parts], pieces, pg)  # type: ignore[arg-type]
+    final = _merge(rows, [p.counted for p in parts], pieces, pg)
     if any(p.mode == MODE_LOCAL for p in parts):
         local = torch.tensor([p.mode == MODE_LOCAL for p in parts], device=device).unsqueeze(1)
         final = torch.where(local, rows, final)
-    batch = build(final, dist.get_world_size(pg))
+    batch = _batch(xs, parts, final, tol, dist.get_world_size(pg))
     return PendingMerge(None, lambda: batch) if async_op else batch
+
+
+def _batch(
+    xs: list[torch.Tensor], parts: list[LocalPart], rows: torch.Tensor, tol: float | None, world: int
+) -> StatsBatch:
+    """The GlobalStats of `xs` from their rows int64 [N, 16] (merged over `world` ranks)."""
+    readout = Readout(rows)
+    return StatsBatch([
+        GlobalStats(
+            readout, i, (x.dtype, x.shape, p.tensor.device), tol, p.mode, 1 if p.mode == MODE_LOCAL else world
+        )
+        for i, (x, p) in enumerate(zip(xs, parts))
+    ])
 
 
 def stats(
@@ -318,8 +375,8 @@ def stats(
     zeroscan/allreduce.py); its `mode` says how it was merged (see the module
     doc)."""
     op = "zeroscan.distributed.stats"
-    result = _stats_many(op, [check_tensor(op, "x", x, collective=True)], lambda i: "x", tol=tol, group=group,
-                         async_op=async_op)
+    result = _stats_many(op, [x], lambda: [check_tensor(op, "x", x, collective=True)], lambda i: "x", tol=tol,
+                         group=group, async_op=async_op)
     if isinstance(result, PendingMerge):
         return result.then(lambda batch: batch[0])  # type: ignore[return-value]
     return result[0]  # type: ignore[return-value]

@@ -61,6 +61,18 @@ def member_group(op: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return pg  # type: ignore[return-value]
 
 
+def group_for(op: str, group: dist.ProcessGroup | None, refusal: Exception | None) -> dist.ProcessGroup:
+    """member_group(op, group), where this rank shares `refusal` (its own
+    error about its arguments) with the others; where it has no group to
+    share it over, the refusal is raised here instead."""
+    try:
+        return member_group(op, group)
+    except (RuntimeError, ValueError):
+        if refusal is not None:
+            raise refusal from None
+        raise
+
+
 def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
     """The device on which `group`'s backend exchanges tensors, preferring `device`
     (gloo: CPU, NCCL: the current CUDA device)."""

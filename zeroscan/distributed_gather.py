@@ -6,7 +6,8 @@ importable from there): `gather_rows` all-gathers every rank's int64
 (`combine_rows`) merges them exactly with the native combine, in O(W N)
 memory; `compare_replicas` reports which rank's copy of a tensor differs,
 with every rank's values (zeroscan/replicas.py). Every call here that takes
-a group is a COLLECTIVE (see zeroscan.distributed).
+a group is a COLLECTIVE (see zeroscan.distributed), which first checks that
+the ranks agree on what they gather (zeroscan/distributed_agreement.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zeroscan.distributed_common import PendingMerge, comm_device, member_group, rows_of, scan_rows
+from zeroscan.distributed_agreement import Merged, check_agreement, tensor_words
+from zeroscan.distributed_common import PendingMerge, comm_device, group_for, member_group, rows_of, scan_rows
 from zeroscan.ops import check_tensor, check_tol, refused
 from zeroscan.result_row import NUM_FIELDS
 from zeroscan.replicas import ReplicaReport, replica_report
@@ -72,16 +74,24 @@ def gather_rows(
     rows: torch.Tensor, group: dist.ProcessGroup | None = None, *, async_op: bool = False
 ) -> GatheredRows | PendingMerge[GatheredRows]:
     """All-gathers this rank's int64 [N, 16] (or [16]) result rows in ONE
-    collective. Every rank must pass the same N, in the same tensor order.
-    With async_op=True it returns at once; `.wait()` gives the GatheredRows."""
+    collective. Every rank must pass the same N, in the same tensor order
+    (checked first: every rank raises the same error where N differs). With
+    async_op=True it returns at once; `.wait()` gives the GatheredRows."""
     op = "zeroscan.distributed.gather_rows"
+    refusal = None
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.shape[-1:] != (NUM_FIELDS,):
         got = f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
-        raise ValueError(f"{op}: rows must be an int64 [N, {NUM_FIELDS}] tensor of result rows, got {got}")
-    pg = member_group(op, group)
+        refusal = ValueError(f"{op}: rows must be an int64 [N, {NUM_FIELDS}] tensor of result rows, got {got}")
+    pg = group_for(op, group, refusal)
+    check_agreement(op, pg, Merged("rows", 0 if refusal else rows.reshape(-1, NUM_FIELDS).shape[0], refusal=refusal))
+    return _gather(rows, pg, async_op)
+
+
+def _gather(rows: torch.Tensor, pg: dist.ProcessGroup, async_op: bool) -> GatheredRows | PendingMerge[GatheredRows]:
+    """gather_rows once the ranks agree on N."""
     world = dist.get_world_size(pg)
     ranks = tuple(dist.get_process_group_ranks(pg))
-    local = rows.reshape(-1, NUM_FIELDS).to(comm_device(group, rows.device)).contiguous()
+    local = rows.reshape(-1, NUM_FIELDS).to(comm_device(pg, rows.device)).contiguous()
     out = local.new_empty((world * local.shape[0], NUM_FIELDS))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = gather(out, local, group=pg, async_op=async_op)
@@ -109,20 +119,41 @@ def compare_replicas(
     relative to their scale (reduction order). A rank that disagrees, for
     instance with a NaN only it has, is reported by its global rank.
     `tensors_or_stats`: the tensors themselves (scanned here) or their Stats.
+    The ranks must pass as many, of the same dtypes and shapes (and tol):
+    checked first, and every rank raises the same error where they differ.
     """
     op = "zeroscan.distributed.compare_replicas"
     pg = member_group(op, group)
+    what = "tensors_or_stats"
+    refusal: Exception | None = None
+    shown: list[tuple[torch.dtype, torch.Size, float | None]] = []
+    try:
+        if isinstance(tensors_or_stats, (Stats, StatsBatch)):
+            items = [tensors_or_stats] if isinstance(tensors_or_stats, Stats) else list(tensors_or_stats)
+            shown = [(s.dtype, s.shape, s.tol) for s in items]
+        elif isinstance(tensors_or_stats, torch.Tensor):
+            raise TypeError(f"{op}: pass a list of tensors (or their Stats), got a single tensor; wrap it in a list")
+        else:
+            tol = check_tol(op, tol)
+            xs = [check_tensor(op, what, t, i, collective=True) for i, t in enumerate(tensors_or_stats)]
+            shown = [(x.dtype, x.shape, tol) for x in xs]
+    except (TypeError, ValueError) as e:
+        refusal, shown = e, []
+    described = [(f"{what}[{i}]", _replica(*s)) for i, s in enumerate(shown)]
+    check_agreement(op, pg, Merged("tensors", len(shown), described, refusal=refusal))
     if isinstance(tensors_or_stats, (Stats, StatsBatch)):
-        items = [tensors_or_stats] if isinstance(tensors_or_stats, Stats) else list(tensors_or_stats)
         device = items[0].buffer.device if items else torch.device("cpu")
         rows = rows_of(items, comm_device(pg, device))
-    elif isinstance(tensors_or_stats, torch.Tensor):
-        raise TypeError(f"{op}: pass a list of tensors (or their Stats), got a single tensor; wrap it in a list")
     else:
-        tol = check_tol(op, tol)
-        xs = [check_tensor(op, "tensors_or_stats", t, i, collective=True) for i, t in enumerate(tensors_or_stats)]
         device = comm_device(pg, xs[0].device if xs else torch.device("cpu"))
-        rows = scan_rows(op, xs, tol, device, lambda i: f"tensors_or_stats[{i}]") if xs else torch.empty((0, NUM_FIELDS), dtype=torch.int64, device=device)
-    pending = gather_rows(rows, pg, async_op=True)
+        rows = scan_rows(op, xs, tol, device, lambda i: f"{what}[{i}]") if xs else torch.empty(
+            (0, NUM_FIELDS), dtype=torch.int64, device=device
+        )
+    pending = _gather(rows, pg, async_op=True)
     report = pending.then(lambda gathered: gathered.replica_report(names, rtol=rtol))  # type: ignore[union-attr]
     return report if async_op else report.wait()
+
+
+def _replica(dtype: torch.dtype, shape: torch.Size, tol: float | None) -> str:
+    """What every rank must hold alike of a replica: its dtype and shape, and the tol it is scanned with."""
+    return f"a {tensor_words(dtype, shape)}" + ("" if tol is None else f" (tol={tol!r})")

@@ -16,16 +16,22 @@ the summary, int64 [2P, 24] on the device the group's backend uses
                      ranks: their statistics are group rank 0's, and when
                      the ranks disagree a "replica_mismatch" finding names
                      the ranks outside the largest class of agreeing ranks.
-The group is checked once when the Monitor is built (and again after the
-model changes): every rank must monitor as many tensors, under the same
-names, or every rank raises one error naming the ranks that differ.
+The group is checked once when the Monitor is built, and again at the first
+exchange after the model changes, not at every step: every rank must
+monitor as many tensors, under the same names, of the same dtypes and
+shapes (a DTensor's global shape and placements), with the same
+replica_rtol, or every rank raises one error naming the ranks that differ
+(zeroscan/distributed_agreement.py, one all-reduce of two words). The
+model must change on every rank alike: a rank whose model alone changed
+checks while the others merge, and those collectives do not pair.
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +40,7 @@ import torch.distributed as dist
 from zeroscan import allreduce
 from zeroscan import distributed as zdist
 from zeroscan.allreduce import Col
+from zeroscan.distributed_agreement import Difference, Merged, check_agreement, tensor_words
 from zeroscan.monitor.step_record import Param, Slot, StepRecord, decode_records, slot_rows
 from zeroscan.monitor.report import Finding
 from zeroscan.monitor.table import RowTable
@@ -57,7 +64,7 @@ class RankExchange:
 
     def __init__(self, group: dist.ProcessGroup, params: list[Param], replica_rtol: float) -> None:
         self._setup(group, dist.get_rank(group), tuple(dist.get_process_group_ranks(group)), params, replica_rtol)
-        self._check_params(zdist.comm_device(group, params[0].tensor.device if params else torch.device("cpu")))
+        self._check_params()
 
     @classmethod
     def simulated(cls, params: list[Param], world: int, replica_rtol: float = 1e-9) -> RankExchange:
@@ -90,26 +97,16 @@ class RankExchange:
         self._layouts.clear()
         self._checked = False
 
-    def _check_params(self, device: torch.device) -> None:
-        """Every rank monitors as many tensors under the same names: checked
-        before any merge, whose all-reduces would otherwise pair buffers of
-        different sizes (an error, or a hang) or mix up tensors."""
-        found = disagreements([len(self._params), self._names_crc], self.group, device)  # type: ignore[arg-type]
-        self._checked = not found  # a caller that catches the error meets it again at the next step
-        for d in found:
-            if d.index == 0:
-                raise ValueError(
-                    f"zeroscan.Monitor: rank {d.low_rank} monitors {d.low} parameters and rank {d.high_rank} "
-                    f"{d.high}: every rank of process_group must monitor the same model (pipeline stages: one "
-                    "Monitor per stage, over that stage's data-parallel group)"
-                )
-        if found:
-            d = found[0]
-            raise ValueError(
-                f"zeroscan.Monitor: ranks {d.low_rank} and {d.high_rank} monitor {len(self._params)} parameters "
-                "under different names: every rank of process_group must monitor the same model, wrapped the "
-                "same way"
-            )
+    def _check_params(self) -> None:
+        """Every rank monitors the same tensors (names, dtypes, shapes):
+        checked before any merge, whose all-reduces would otherwise pair
+        buffers of different sizes (an abort, or a hang) or mix up tensors."""
+        described = [(p.name, _must_agree(p.tensor)) for p in self._params]
+        merged = Merged("parameters", len(self._params), described, f"replica_rtol={self._rtol!r}")
+        self._checked = False  # a caller that catches the error meets it again at the next step
+        explain = functools.partial(_explain, len(self._params))
+        check_agreement("zeroscan.Monitor", self.group, merged, explain=explain)  # type: ignore[arg-type]
+        self._checked = True
 
     def local_parts(
         self, tensors: list[torch.Tensor], slots: list[int], *, collective: bool = True
@@ -153,7 +150,7 @@ class RankExchange:
         if self.group is not None:
             device = zdist.comm_device(self.group, device)
         if not self._checked and self.group is not None:
-            self._check_params(device)
+            self._check_params()
         absent = [Slot.grad(i) for i in record.cleared]
         key = (device, tuple(tuple(s) for s, _ in groups), tuple(sharded), tuple(uncounted), tuple(absent))
         layout = self._layouts.get(key)
@@ -374,40 +371,33 @@ def check_group(op: str, group: Any, params: list[Param]) -> dist.ProcessGroup |
     return group
 
 
-class Disagreement(NamedTuple):
-    """A value the ranks hold differently: its least and greatest, each with
-    the lowest (global) rank that holds it."""
-
-    index: int
-    low: int
-    low_rank: int
-    high: int
-    high_rank: int
+def _must_agree(t: torch.Tensor) -> str:
+    """What every rank must hold alike of a monitored tensor: its dtype and
+    (global) shape, and a DTensor's placements."""
+    return tensor_words(t.dtype, t.shape, t.placements if is_dtensor(t) else None)  # type: ignore[attr-defined]
 
 
-def disagreements(values: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[Disagreement]:
-    """Which of `values` (host ints) differ across the ranks of `group`: one
-    all_reduce of 2 words per value, read back (a host wait, for setup
-    checks), and a second when some differ, to name ranks."""
-    k = len(values)
-    words = torch.tensor([*values, *(~v for v in values)], dtype=torch.int64, device=device)
-    dist.all_reduce(words, op=dist.ReduceOp.MIN, group=group)
-    host = words.tolist()
-    low, high = host[:k], [~w for w in host[k:]]
-    if low == high:
-        return []
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    mine = [rank if v == lo else world for v, lo in zip(values, low)]
-    mine += [rank if v == hi else world for v, hi in zip(values, high)]
-    who = torch.tensor(mine, dtype=torch.int64, device=device)
-    dist.all_reduce(who, op=dist.ReduceOp.MIN, group=group)
-    ranks = dist.get_process_group_ranks(group)
-    at = who.tolist()
-    return [
-        Disagreement(i, low[i], ranks[at[i]], high[i], ranks[at[k + i]])
-        for i in range(k)
-        if low[i] != high[i]
-    ]
+def _explain(count: int, d: Difference) -> str | None:
+    """The Monitor's words for ranks that monitor different models (`count`
+    parameters each, where the items differ)."""
+    op = "zeroscan.Monitor"
+    advice = "every rank of process_group must monitor the same model"
+    if d.kind == "count":
+        (low, low_ranks), (high, high_ranks) = min(d.values), max(d.values)  # type: ignore[type-var]
+        return (
+            f"{op}: rank {low_ranks[0]} monitors {low} parameters and rank {high_ranks[0]} {high}: {advice} "
+            "(pipeline stages: one Monitor per stage, over that stage's data-parallel group)"
+        )
+    if d.kind != "item" or len(d.values) < 2:
+        return None
+    (a, a_ranks), (b, b_ranks) = d.values[:2]
+    (a_name, a_what), (b_name, b_what) = a, b  # type: ignore[misc]
+    if a_name != b_name:
+        return (
+            f"{op}: ranks {a_ranks[0]} and {b_ranks[0]} monitor {count} parameters under different names "
+            f"({a_name} and {b_name} at position {d.index}): {advice}, wrapped the same way"
+        )
+    return f"{op}: parameter {a_name} is {a_what} on {span(a_ranks)} and {b_what} on {span(b_ranks)}: {advice}"
 
 
 def _layout_crc(sharded: list[Slot]) -> int:
