@@ -65,6 +65,9 @@ class Cause(str, enum.Enum):
     FROZEN_IN_TIME = "frozen_in_time"
     NORM_DRIFT = "norm_drift"
     ZERO_FRACTION_RISING = "zero_fraction_rising"
+    # A parameter that trained and then stopped mid-run: frozen while in the optimizer,
+    # out of the optimizer, or its param group's lr down to 0 (the Monitor).
+    STOPPED_TRAINING = "stopped_training"
     # Steps: optimizer.step() skipped (GradScaler), or never seen.
     SKIPPED_STEPS = "skipped_steps"
     NO_STEP = "no_step"

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-import torch
 from torch import nn
 
 from zeroscan.monitor.causes import CauseFinder
+from zeroscan.monitor.changes import Memberships, change_findings, merged, without_superseded
 from zeroscan.monitor.grad_histograms import latest_histograms
 from zeroscan.monitor.nonfinite_origin import origin_finding, pointer
 from zeroscan.monitor.nonfinite_trace import StepTrace
@@ -32,13 +32,17 @@ def compose_report(
     params: list[Param],
     recorded: list[StepRecord],
     thresholds: Thresholds,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: object | None,
     model: nn.Module,
     traced: list[StepTrace] | None,
     causes: CauseFinder,
+    memberships: Memberships | None = None,
 ) -> Report:
     """The Report of decoded `recorded` (oldest first, at least one), judged
-    against `thresholds`; `traced`: the NaN trace's steps, None without one."""
+    against `thresholds`; `optimizer`: the object holding the param groups
+    (optimizer.param_groups_holder), None without one; `traced`: the NaN
+    trace's steps, None without one; `memberships`: which param group held
+    each parameter at each step (changes.py), None without an optimizer."""
     latest = judged_records(params, recorded)[-1]
     explain_zeros(params, latest, causes)
     model_findings = unregistered_state(model)
@@ -48,6 +52,8 @@ def compose_report(
         model_findings += [found] if found is not None else []
         pointing = pointer(origin, found)
     findings = judge(params, recorded, thresholds, optimizer_view(optimizer, params), model_findings)
+    changes, superseded = change_findings(params, recorded, memberships)
+    findings = merged(without_superseded(findings, superseded), changes)
     if pointing:
         findings = [
             replace(f, message=f.message + pointing) if f.cause in (Cause.NONFINITE, Cause.SKIPPED_STEPS) else f

@@ -25,18 +25,20 @@ from zeroscan.monitor import step_record
 from zeroscan.monitor.activations import ActivationScans, activation_modules, scannable
 from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched, present_grads, reset_kind
 from zeroscan.monitor.causes import CauseFinder, cleared_cause
+from zeroscan.monitor.changes import Memberships
 from zeroscan.monitor.deferred import OpenStep, Pending, ResetHabit, witness_of
 from zeroscan.monitor.graph import Root, output_roots
 from zeroscan.monitor.compose import compose_report
 from zeroscan.monitor.grad_histograms import check_histogram, free_earlier_fields
 from zeroscan.monitor.hooks import Hooks, weak_hook
 from zeroscan.monitor.nonfinite_trace import NonfiniteTrace
-from zeroscan.monitor.optimizer import step_lrs
+from zeroscan.monitor.optimizer import param_groups_holder, step_lrs
+from zeroscan.monitor.optimizer_hook import attach_step
 from zeroscan.monitor.ranks import RankExchange, check_group
 from zeroscan.monitor.step_record import StepRecord, decode_records, grad_row, renumber, weight_row
 from zeroscan.monitor.report import Report, Thresholds
 from zeroscan.monitor.scanner import Scanner
-from zeroscan.monitor.structure import StructureWatch
+from zeroscan.monitor.structure import StructureWatch, carried_over
 from zeroscan.monitor.turns import Turns
 
 
@@ -57,7 +59,9 @@ class Monitor:
     model: the nn.Module whose parameters are scanned (named as in
         model.named_parameters(); tied parameters are scanned once).
     optimizer: optional; enables the "not_in_optimizer" check, lr-0 hints,
-        and (auto=True) scanning from the optimizer's step pre-hook.
+        the stopped_training check (changes.py), and (auto=True) scanning
+        at each optimizer step; a wrapper of one (a Lookahead) is scanned at
+        the step of the one it wraps (optimizer_hook.py).
     every: scan one step in `every` (steps are counted from 0; step 0 is scanned).
     history: how many monitored steps the on-device ring keeps.
     activations: hook nn.ReLU / nn.ReLU6 / nn.GELU (dead units) and
@@ -100,8 +104,7 @@ class Monitor:
         op = "zeroscan.Monitor"
         if not isinstance(model, nn.Module):
             raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"{op}: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        groups = None if optimizer is None else param_groups_holder(op, optimizer)  # whose lrs are read
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"{op}: every must be an int >= 1, got {every!r}")
         if isinstance(history, bool) or not isinstance(history, int) or history < 2:
@@ -112,6 +115,8 @@ class Monitor:
             raise TypeError(f"{op}: thresholds must be a zeroscan.Thresholds, got {type(thresholds).__name__}")
         self.model = model
         self.optimizer = optimizer
+        self._groups = groups
+        self._memberships = Memberships()  # which param group held each parameter, at each step
         self.every = every
         self.thresholds = thresholds or Thresholds()
         self._params = step_record.collect_params(model)
@@ -123,6 +128,9 @@ class Monitor:
         self._hooks = Hooks()
         self._finalizer = weakref.finalize(self, Hooks.remove_all, self._hooks)
         self._finalizer.atexit = False  # at exit the process, hooks and all, goes anyway
+        self._auto = bool(auto and optimizer is not None)
+        if self._auto:  # first: where it cannot be hooked, nothing else is on the model yet
+            attach_step(op, optimizer, weak_hook(self, "_on_optimizer_step"), self._hooks)
         # The step path (hooks, possibly on autograd's threads) and report() from any
         # thread take turns, a waiting step first (turns.py).
         self._turns = Turns()
@@ -134,7 +142,6 @@ class Monitor:
         self._scanner = Scanner(self._ranks)
         self._activations = ActivationScans()  # this step's; the next step gets a new one
         self._in_auto = False
-        self._auto = bool(auto and optimizer is not None)
         self._open: OpenStep | None = None
         self._open_touched = False
         self._habit = ResetHabit()  # whether the gradients can wait for optimizer.step() (deferred.py)
@@ -154,9 +161,6 @@ class Monitor:
         if self._trace is not None and self._ranks is not None:
             self._trace.exchanging = True
             self._ranks.born = self._trace.born_words
-        if self._auto:
-            assert optimizer is not None
-            self._hooks.keep(optimizer.register_step_pre_hook(weak_hook(self, "_on_optimizer_step")))
         self._causes.arm()  # the first monitored forward pass is probed
 
     # ---- lifecycle -------------------------------------------------------
@@ -235,7 +239,7 @@ class Monitor:
             if self._monitored():
                 self._activations.scan(name, tag, module, output)
 
-    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_optimizer_step(self) -> None:
         with self._turns.step:
             self._in_auto = True
             try:
@@ -332,8 +336,9 @@ class Monitor:
         elif self._monitored():
             record = StepRecord(self._count)
             self._scan(record, loss, None)
-        if record is not None and self.optimizer is not None:  # the rates this step runs with
-            record.lrs = step_lrs(self.optimizer)
+        if record is not None and self._groups is not None:  # the rates and groups this step runs with
+            record.lrs = step_lrs(self._groups)
+            self._memberships.observe(record.step, self._groups, self._params, self._records)
         self._habit.stepped(self._params)
         self._end_step(record, stepped=True)
 
@@ -432,7 +437,9 @@ class Monitor:
             decode_records([now])
             recorded = [now]
         traced = list(self._trace.steps) if self._trace is not None else None
-        return compose_report(self._params, recorded, self.thresholds, self.optimizer, self.model, traced, self._causes)
+        return compose_report(
+            self._params, recorded, self.thresholds, self._groups, self.model, traced, self._causes, self._memberships
+        )
 
     def _close_trace(self) -> None:
         """Ends the trace's segment as this step's, and hooks a changed model
@@ -473,15 +480,11 @@ class Monitor:
         self._decode(recorded)
         if self._ranks is not None:
             self._ranks.set_params(params)
-        new_index = {}
-        by_id = {id(p.tensor): p.index for p in params}
-        for p in self._params:
-            j = by_id.get(id(p.tensor))
-            if j is not None:
-                new_index[p.index] = j
+        new_index = carried_over(self._params, params)
         requires_grad = tuple(p.tensor.requires_grad for p in params)
         for r in recorded:
             renumber(r, new_index, requires_grad)
+        self._memberships.renumber(new_index)
         self._habit.forget()
         if self._open is not None:
             old = {new_index[i]: was for i, was in enumerate(self._open.grads) if i in new_index}

@@ -65,6 +65,10 @@ class Series:
         _, zeros, present = self._grad_counts
         return zeros[present[:, param], param].tolist()
 
+    def grad_present(self) -> np.ndarray:
+        """bool [R, P]: whether each parameter had a gradient scanned at each step."""
+        return self._grad_counts[2]
+
     def had_grad(self, param: int) -> int:
         """At how many steps before the latest the parameter had a gradient."""
         _, _, present = self._grad_counts

@@ -21,6 +21,8 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
+from zeroscan.monitor.step_record import Param
+
 _WATCHES: weakref.WeakSet[StructureWatch] = weakref.WeakSet()
 _REGISTERED: list[Any] = []  # the process-wide hooks' handles, once registered
 
@@ -54,3 +56,10 @@ class StructureWatch:
 
     def remove(self) -> None:
         _WATCHES.discard(self)
+
+
+def carried_over(before: list[Param], after: list[Param]) -> dict[int, int]:
+    """After the model changed: each parameter of `before` (by index) that
+    the model still holds, mapped to its index in `after`."""
+    by_id = {id(p.tensor): p.index for p in after}
+    return {p.index: by_id[id(p.tensor)] for p in before if id(p.tensor) in by_id}
