@@ -282,6 +282,58 @@ def test_a_legitimate_infinity_is_not_trouble(member: str, compiled: bool) -> No
     assert_named_at_bad(train(make(), g, ARMED_AT))
 
 
+class MaskedBlock(nn.Module):
+    """Takes the causal mask itself and hands it to its attention (which
+    consumes it); its own code then makes a NaN, in forward or in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = AlibiAttention()
+        self.armed: str | None = None
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        y = self.attn(x, bias=mask)
+        if self.armed == "forward":
+            y = y * float("nan")
+        if self.armed == "backward":  # finite forward; sqrt's gradient at 0 is inf, times 0: NaN
+            y = y + torch.sqrt((y - y.detach()) ** 2)
+        return y
+
+
+class MaskedBlockModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.block = MaskedBlock()
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        return self.head(self.block(self.emb(tokens), mask=mask))
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_nan_in_a_module_that_took_the_mask_is_its_own(phase: str) -> None:
+    """The block took the -inf mask, and its attention consumed it; the NaN
+    its own code makes is born there, in forward or in backward, not in the
+    code that made the mask."""
+    g = fresh_generator()
+    model = MaskedBlockModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = zeroscan.Monitor(model, opt, trace_nonfinite=True)
+    for step in range(STEPS):
+        model.block.armed = phase if step == ARMED_AT else None
+        tokens, targets = tokens_and_targets(g)
+        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = monitor.report().nonfinite_origin
+    assert origin is not None and (origin["name"], origin["step"], origin["pass"]) == ("block", ARMED_AT, phase), origin
+    if phase == "forward":
+        assert "its only non-finite inputs (kwargs['mask']) were consumed harmlessly" in origin["how"], origin
+
+
 class Overflow(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -664,3 +716,24 @@ def test_twenty_thousand_calls_per_forward(compiled: bool) -> None:
     origin = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307  our own script's dict
     assert (origin["name"], origin["step"], origin["pass"]) == ("(model)", 2, "forward"), origin
     assert "called cell with NaN" in origin["how"], origin
+
+
+def test_a_dropped_pass_does_not_count_as_made() -> None:
+    """A pass no backward reached is let go with its flags: across ranks, the
+    exchange (born_words) must not say this rank made inf/NaN because of it."""
+    g = fresh_generator()
+    model = Plain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = zeroscan.Monitor(model, opt, trace_nonfinite=True)
+    trace = monitor._trace
+    assert trace is not None
+    trace.exchanging = True
+    for dead in (False, True):
+        x = torch.randn(4, WIDTH, generator=g)
+        if dead:
+            validation_with_grad(model, x)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        assert trace.born_words(0, 2, torch.device("cpu")).tolist() == [2, -1]
+    assert [len(s.passes) for t in trace.steps for s in t.segments] == [1, 1]

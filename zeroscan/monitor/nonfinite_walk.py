@@ -36,7 +36,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zeroscan.monitor.nonfinite_trace import NO_PASS, PARAMETER, ForwardPass, FrozenCall, Segment, StepTrace
+from zeroscan.monitor.nonfinite_trace import (
+    MAX_HOOKED, NO_PASS, PARAMETER, ForwardPass, FrozenCall, Segment, StepTrace,
+)
 from zeroscan.monitor.step_record import Param
 from zeroscan.words import listed
 
@@ -76,6 +78,9 @@ def find_in_step(
                 return found._replace(micro=micro + k), _count(trace)
         found = _backward(segment, flows, values, want_nan)
         if found is not None:
+            if segment.hooks >= MAX_HOOKED:
+                found = found._replace(how=f"{found.how} (the trace followed the gradients of the first "
+                                           f"{MAX_HOOKED} tensors of this backward pass, and of the parameters)")
             return found._replace(micro=micro + found.micro), _count(trace)
         micro += len(flows)
     return None, _count(trace)
