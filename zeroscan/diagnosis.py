@@ -34,7 +34,7 @@ from zeroscan.words import count_noun, is_are
 
 __all__ = [
     "MOSTLY_ZERO", "PARTIAL_UNDERFLOW", "Diagnosis", "Severity", "Verdict",
-    "check_fraction", "diagnose", "diagnose_many", "diagnose_stats",
+    "diagnose", "diagnose_many", "diagnose_stats",
 ]
 
 

@@ -138,18 +138,30 @@ class StepGuard:
         names: Mapping[Tensor, str] | nn.Module | None = None,
         keep: int = 16,
     ) -> None:
+        self._install("zeroscan.StepGuard", optimizer, params, names, keep)
+
+    @classmethod
+    def _built_by(
+        cls, op: str, optimizer: object, params: object, names: object, keep: object
+    ) -> StepGuard:
+        """A StepGuard whose refusals of its arguments name the public call `op`."""
+        made = cls.__new__(cls)
+        made._install(op, optimizer, params, names, keep)
+        return made
+
+    def _install(self, op: str, optimizer: Any, params: Any, names: Any, keep: Any) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"{OP}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(f"{op}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"{OP}: keep must be a positive int, got {keep!r}")
+            raise ValueError(f"{op}: keep must be a positive int, got {keep!r}")
         if optimizer in _GUARDS:
-            raise RuntimeError(f"{OP}: this optimizer is already guarded; call remove() on its guard first")
+            raise RuntimeError(f"{op}: this optimizer is already guarded; call remove() on its guard first")
         everything = _optimizer_params(optimizer)
-        self._params = everything if params is None else _check_params(params, everything)
+        self._params = everything if params is None else _check_params(op, params, everything)
         self._all_ids = [id(p) for p in everything] if params is None else None
-        self._names_by_id = _names_of(optimizer, names)
+        self._names_by_id = _names_of(op, optimizer, names)
         self.names = [self._names_by_id[id(p)] for p in self._params]
-        _check_devices(optimizer, everything)
+        _check_devices(op, optimizer, everything)
         self.optimizer = optimizer
         self.keep = keep
         self._home = self._params[0].device
@@ -355,23 +367,23 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _check_params(params: Iterable[Tensor], everything: list[Tensor]) -> list[Tensor]:
+def _check_params(op: str, params: Iterable[Tensor], everything: list[Tensor]) -> list[Tensor]:
     if isinstance(params, Tensor) or not isinstance(params, Iterable):
-        raise TypeError(f"{OP}: params must be an iterable of the optimizer's parameters, got {type(params).__name__}")
+        raise TypeError(f"{op}: params must be an iterable of the optimizer's parameters, got {type(params).__name__}")
     known = {id(p) for p in everything}
     chosen: dict[int, Tensor] = {}
     for i, p in enumerate(params):
         if not isinstance(p, Tensor):
-            raise TypeError(f"{OP}: params[{i}] must be a torch.Tensor, got {type(p).__name__}")
+            raise TypeError(f"{op}: params[{i}] must be a torch.Tensor, got {type(p).__name__}")
         if id(p) not in known:
-            raise ValueError(f"{OP}: params[{i}] is not a parameter of the optimizer")
+            raise ValueError(f"{op}: params[{i}] is not a parameter of the optimizer")
         chosen.setdefault(id(p), p)
     if not chosen:
-        raise ValueError(f"{OP}: params must hold at least one of the optimizer's parameters, got none")
+        raise ValueError(f"{op}: params must hold at least one of the optimizer's parameters, got none")
     return list(chosen.values())
 
 
-def _names_of(optimizer: torch.optim.Optimizer, names: object) -> dict[int, str]:
+def _names_of(op: str, optimizer: torch.optim.Optimizer, names: object) -> dict[int, str]:
     """id(parameter) -> its name, for every parameter of the optimizer."""
     found: dict[int, str] = {}
     if isinstance(names, nn.Module):
@@ -380,21 +392,21 @@ def _names_of(optimizer: torch.optim.Optimizer, names: object) -> dict[int, str]
     elif isinstance(names, Mapping):
         for t, name in names.items():
             if not isinstance(t, Tensor) or not isinstance(name, str):
-                raise TypeError(f"{OP}: names must map tensors to str, got a {type(t).__name__} -> {type(name).__name__} entry")
+                raise TypeError(f"{op}: names must map tensors to str, got a {type(t).__name__} -> {type(name).__name__} entry")
             found[id(t)] = name
     elif names is not None:
-        raise TypeError(f"{OP}: names must be a dict of tensor -> str, an nn.Module or None, got {type(names).__name__}")
+        raise TypeError(f"{op}: names must be a dict of tensor -> str, an nn.Module or None, got {type(names).__name__}")
     for i, group in enumerate(optimizer.param_groups):
         for j, p in enumerate(group["params"]):
             found.setdefault(id(p), f"group{i}.param{j}")
     return found
 
 
-def _check_devices(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> None:
+def _check_devices(op: str, optimizer: torch.optim.Optimizer, params: list[Tensor]) -> None:
     devices = sorted({str(p.device) for p in params})
     if len(devices) > 1 and "cpu" in devices:
         raise ValueError(
-            f"{OP}: the optimizer's parameters are on {', '.join(devices)}; the flag moves between accelerators "
+            f"{op}: the optimizer's parameters are on {', '.join(devices)}; the flag moves between accelerators "
             "without a host sync, but not to the CPU: guard CPU and accelerator parameters with separate optimizers"
         )
     for i, group in enumerate(optimizer.param_groups):
@@ -402,7 +414,7 @@ def _check_devices(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> No
             device = next((p.device for p in group["params"] if p.device.type != "cpu"), None)
             if device is not None:
                 raise ValueError(
-                    f"{OP}: param group {i} keeps its step count on the CPU (capturable=False, fused off) while its "
+                    f"{op}: param group {i} keeps its step count on the CPU (capturable=False, fused off) while its "
                     f"parameters are on {device}; selecting it needs a host sync: create the optimizer with "
                     "capturable=True or fused=True"
                 )
@@ -424,4 +436,4 @@ def guard(
         named_parameters()); others are named like `group0.param3`.
     keep: how many of the last skipped steps report() lists.
     """
-    return StepGuard(optimizer, params=params, names=names, keep=keep)
+    return StepGuard._built_by("zeroscan.guard", optimizer, params, names, keep)

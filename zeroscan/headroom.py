@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zeroscan.histogram import Histogram
+from zeroscan.inputs import require_readable
 from zeroscan.stats import scan_one
 
 ZERO, SUBNORMAL, NORMAL, SATURATED = range(4)  # rounding classes, in order of |x*s|
@@ -118,14 +119,14 @@ if hasattr(torch, "float4_e2m1fn_x2"):
     _ALIASES[torch.float4_e2m1fn_x2] = "e2m1"
 
 
-def format_of(target: str | torch.dtype, where: str = "headroom") -> Format:
+def format_of(target: str | torch.dtype, op: str = "zeroscan.headroom") -> Format:
     try:
         name = target if isinstance(target, str) and target in FORMATS else _ALIASES.get(target)
     except TypeError:  # unhashable
         name = None
     if name is None:
         raise ValueError(
-            f"{where}: target must be one of 'e4m3', 'e5m2', 'e2m1' (or torch.float8_e4m3fn, "
+            f"{op}: target must be one of 'e4m3', 'e5m2', 'e2m1' (or torch.float8_e4m3fn, "
             f"torch.float8_e5m2), got target={target!r}"
         )
     return FORMATS[name]
@@ -242,29 +243,31 @@ def _ldexp(m: float, e: int) -> float:
         return math.inf
 
 
-def _check_positive_finite(where: str, name: str, value: object) -> float:
+def _check_positive_finite(op: str, name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise ValueError(f"{where}: {name} must be a positive finite number, got {name}={value!r}")
+        raise ValueError(f"{op}: {name} must be a positive finite number, got {name}={value!r}")
     return float(value)
 
 
-def _resolve_scale(fmt: Format, scaling: str | None, amax: float | None, scale: float | None) -> tuple[str, float]:
-    """(scaling name, s)."""
+def _resolve_scale(
+    op: str, fmt: Format, scaling: str | None, amax: float | None, scale: float | None
+) -> tuple[str, float]:
+    """(scaling name, s), or the error naming the public call `op`."""
     if scaling is None:
         scaling = "none" if scale is not None else "amax"
     if scaling not in ("amax", "amax_pow2", "none"):
-        raise ValueError(f"headroom: scaling must be 'amax', 'amax_pow2' or 'none', got scaling={scaling!r}")
+        raise ValueError(f"{op}: scaling must be 'amax', 'amax_pow2' or 'none', got scaling={scaling!r}")
     if scaling == "none":
-        return scaling, 1.0 if scale is None else _check_positive_finite("headroom", "scale", scale)
+        return scaling, 1.0 if scale is None else _check_positive_finite(op, "scale", scale)
     if scale is not None:
-        raise ValueError(f"headroom: scale= goes with scaling='none', got scale={scale!r} with scaling={scaling!r}")
+        raise ValueError(f"{op}: scale= goes with scaling='none', got scale={scale!r} with scaling={scaling!r}")
     if amax is None:
-        raise ValueError(f"headroom: scaling={scaling!r} needs amax= (zeroscan.stats(x).max_abs), got amax=None")
+        raise ValueError(f"{op}: scaling={scaling!r} needs amax= (zeroscan.stats(x).max_abs), got amax=None")
     if amax == 0.0:
         # No nonzero finite value to scale (headroom() checks that against the
         # histogram): whatever s is, every count is 0, so s = 1 rather than M/0.
         return scaling, 1.0
-    amax = _check_positive_finite("headroom", "amax", amax)
+    amax = _check_positive_finite(op, "amax", amax)
     if scaling == "amax":
         s = fmt.max_finite / amax
     else:
@@ -274,7 +277,7 @@ def _resolve_scale(fmt: Format, scaling: str | None, amax: float | None, scale: 
         ma, ea = math.frexp(amax)
         s = _ldexp(1.0, em - ea - (mm < ma))
     if not 0 < s < math.inf:
-        raise ValueError(f"headroom: amax={amax!r} gives scale {fmt.max_finite}/amax outside float64")
+        raise ValueError(f"{op}: amax={amax!r} gives scale {fmt.max_finite}/amax outside float64")
     return scaling, s
 
 
@@ -290,13 +293,13 @@ def _top_binade(hist: Histogram) -> tuple[int, float, float] | None:
     return None
 
 
-def _check_amax(hist: Histogram, amax: float) -> None:
+def _check_amax(op: str, hist: Histogram, amax: float) -> None:
     top = _top_binade(hist)
     if top is None and amax != 0:
-        raise ValueError(f"headroom: amax={amax!r}, but the histogram holds no nonzero finite value")
+        raise ValueError(f"{op}: amax={amax!r}, but the histogram holds no nonzero finite value")
     if top is not None and not (top[1] <= amax < top[2] and amax > 0):
         span = f"[{top[1]!r}, {top[2]!r})"
-        raise ValueError(f"headroom: amax={amax!r} is not in the histogram's largest nonzero bin {span}")
+        raise ValueError(f"{op}: amax={amax!r} is not in the histogram's largest nonzero bin {span}")
 
 
 def headroom(
@@ -318,16 +321,29 @@ def headroom(
     0 says the histogram holds no nonzero finite value: the amax scalings
     then report s = 1 and count nothing.
     """
-    fmt = format_of(target)
+    return headroom_from("zeroscan.headroom", hist, target, scaling=scaling, amax=amax, scale=scale)
+
+
+def headroom_from(
+    op: str,
+    hist: object,
+    target: str | torch.dtype,
+    *,
+    scaling: str | None = None,
+    amax: float | None = None,
+    scale: float | None = None,
+) -> Headroom:
+    """headroom() as the public call `op` makes it: every refusal names `op`."""
     if not isinstance(hist, Histogram):
-        raise TypeError(f"headroom: hist must be a zeroscan Histogram, got {type(hist).__name__}")
+        raise TypeError(f"{op}: hist must be a zeroscan Histogram, got {type(hist).__name__}")
+    fmt = format_of(target, op)
     if amax is not None:
         if isinstance(amax, bool) or not isinstance(amax, (int, float)) or not 0 <= amax < math.inf:
-            raise ValueError(f"headroom: amax must be a finite number >= 0, got amax={amax!r}")
+            raise ValueError(f"{op}: amax must be a finite number >= 0, got amax={amax!r}")
         amax = float(amax)
-    scaling, s = _resolve_scale(fmt, scaling, amax, scale)
+    scaling, s = _resolve_scale(op, fmt, scaling, amax, scale)
     if amax is not None:
-        _check_amax(hist, amax)
+        _check_amax(op, hist, amax)
     low, high = _bounds(fmt, hist, s, amax)
     return Headroom(
         target=fmt.name,
@@ -379,8 +395,10 @@ def headroom_of(
     then inf) it is found by one extra torch pass over x; it is 0 where x
     holds no nonzero finite value (all zero, empty, all NaN/Inf), which
     every scaling counts (module doc)."""
-    format_of(target)  # a bad target is reported before x is scanned
-    scanned = scan_one("zeroscan.headroom_of", x, histogram=True)  # amax and the histogram from one pass
+    op = "zeroscan.headroom_of"
+    x = require_readable(op, "x", x)  # x first, as it is the first argument
+    format_of(target, op)  # a bad target is reported before x is scanned
+    scanned = scan_one(op, x, histogram=True)  # amax and the histogram from one pass
     amax = scanned.max_abs
     if amax == math.inf:
         v = x.detach()
@@ -389,7 +407,7 @@ def headroom_of(
     finite_amax = amax if math.isfinite(amax) else 0.0
     histogram = scanned.histogram
     assert histogram is not None
-    return headroom(histogram, target, scaling=scaling, amax=finite_amax, scale=scale)
+    return headroom_from(op, histogram, target, scaling=scaling, amax=finite_amax, scale=scale)
 
 
 _MX_SCALE_EXPONENTS = (-127, 127)  # the range of the E8M0 shared scale
@@ -416,13 +434,13 @@ def mx_headroom(x: torch.Tensor, target: str | torch.dtype, block: int = 32) -> 
     counted as their scale would treat them, since the NaN/Inf themselves are
     what `nonfinite` already reports.
     """
-    fmt = format_of(target, "mx_headroom")
-    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-        raise ValueError(f"mx_headroom: block must be a positive int, got block={block!r}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"mx_headroom: x must be a torch.Tensor, got {type(x).__name__}")
+    op = "zeroscan.mx_headroom"
+    x = require_readable(op, "x", x)
     if x.is_complex():
-        raise TypeError(f"mx_headroom: x must be real, got dtype {x.dtype}")
+        raise TypeError(f"{op}: x must be real, got dtype {x.dtype}")
+    fmt = format_of(target, op)
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(f"{op}: block must be a positive int, got block={block!r}")
     x = x.detach()
     last = x.shape[-1] if x.dim() and x.numel() else 1
     rows = x.reshape(-1, last)

@@ -20,6 +20,8 @@ from typing import Any, Mapping
 import numpy
 import torch
 
+from zeroscan.inputs import require_readable
+
 
 @dataclass(frozen=True)
 class BinLayout:
@@ -183,8 +185,15 @@ class Histogram:
 def reference_histogram(x: torch.Tensor) -> Histogram:
     """The Histogram of `x` computed in float64 torch, independently of the
     native scan (for tests): frexp gives each finite value's exponent, and
-    Python integers the bit length of each integer."""
-    layout = layout_of(x.dtype)
+    Python integers the bit length of each integer. A tensor that stats()
+    would refuse, or of a dtype with no histogram, is refused naming
+    zeroscan.reference_histogram."""
+    op = "zeroscan.reference_histogram"
+    x = require_readable(op, "x", x)
+    layout = LAYOUTS.get(x.dtype)
+    if layout is None:
+        listed = ", ".join(str(d).removeprefix("torch.") for d in LAYOUTS)
+        raise TypeError(f"{op}: x has dtype {str(x.dtype).removeprefix('torch.')}, which has no histogram (these have: {listed})")
     n_bins = layout.max_exponent - layout.min_exponent + 1
     if not x.dtype.is_floating_point:
         lengths = torch.tensor([abs(int(v)).bit_length() for v in x.detach().flatten().tolist()], dtype=torch.int64)

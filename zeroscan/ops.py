@@ -8,24 +8,25 @@ csrc/zeroscan.cpp and implemented per backend in csrc/cpu and csrc/cuda
 output shapes to torch.compile and to meta/fake tensors without running
 them.
 
-This is also zeroscan's one input policy: what a scan reads (`check_tensor`
-for the public calls, which refuse anything else with an error naming the
-argument; `scannable_form` for the Monitor, which scans the stored values of
-a sparse gradient rather than refuse it) and the one DTensor detector.
+This is also where zeroscan's input policy (zeroscan.inputs) meets the
+native ops: `check_tensor` for the public calls, which refuse anything a
+scan does not read with an error naming the argument; `refused`, which
+names a native refusal as the caller named the argument; `scannable_form`
+for the Monitor, which scans the stored values of a sparse gradient rather
+than refuse it.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 import torch
-from torch import nn
 
 import zeroscan._C  # noqa: F401  (loading the library registers the ops)
 from zeroscan.histogram import field_bins
+from zeroscan.inputs import is_dtensor, require_readable, unreadable  # noqa: F401  (also imported from here)
 from zeroscan.result_row import NUM_FIELDS
 
 MAX_DIMS = 64  # kMaxDims of csrc/layout.h
@@ -42,16 +43,6 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (
 INT_DTYPES: tuple[torch.dtype, ...] = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 SCANNABLE_DTYPES = frozenset(FLOAT_DTYPES + INT_DTYPES)
 
-NONE_HINT = (
-    "a gradient that was never computed is None: the parameter is frozen "
-    "(requires_grad=False), did not take part in the forward pass, or backward "
-    "has not run yet; zeroscan.diagnose explains which"
-)
-DTENSOR_HINT = (
-    "its statistics need a collective over its device mesh: call zeroscan.distributed.stats(x) "
-    "(or zeroscan.distributed.stats_many) on every rank of the mesh, or scan x.to_local() for "
-    "this rank's shard alone"
-)
 
 
 @torch.library.register_fake("zeroscan::stats")
@@ -147,65 +138,6 @@ def _stats_many_hist_vmap(
     return torch.ops.zeroscan.stats_many_hist.default(xs, tol), (None, None)
 
 
-def is_dtensor(x: object) -> bool:
-    """Whether x is a torch.distributed DTensor (checked without importing
-    torch.distributed.tensor: no DTensor exists before it is imported, and
-    importing it only to find none costs seconds)."""
-    if type(x) is torch.Tensor:
-        return False
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
-    return dtensor is not None and isinstance(x, dtensor)
-
-
-def unreadable(x: torch.Tensor, *, collective: bool = False) -> str | None:
-    """Why the native scan cannot read the memory of tensor x as it is (a
-    phrase that follows the tensor's name), or None when it can. A DTensor is
-    readable only to a collective call (zeroscan.distributed), which scans
-    its local shard."""
-    if x.is_meta:
-        return "is on the meta device and holds no data to scan"
-    if isinstance(x, nn.parameter.UninitializedTensorMixin):
-        return "is an uninitialized (lazy) parameter and holds no data yet"
-    if is_dtensor(x) and not collective:
-        return f"is a DTensor; {DTENSOR_HINT}"
-    if x.is_quantized:
-        return (
-            f"is a quantized tensor ({str(x.dtype).removeprefix('torch.')}); scan x.int_repr() "
-            "for its stored integers or x.dequantize() for its values"
-        )
-    if x.is_nested:
-        return "is a nested tensor; scan each of x.unbind() (or x.values(), the entries of a jagged one)"
-    if x.layout != torch.strided:
-        return (
-            f"is a {x.layout} tensor; zeroscan scans dense tensors "
-            "(pass x.to_dense(), or x.values() for the stored entries only)"
-        )
-    held, needed = storage_bytes(x)
-    if held < needed:
-        return (
-            f"has no data to scan: its storage holds {held} bytes but its shape {list(x.shape)} needs {needed} "
-            "(its memory was freed, as FSDP frees an unsharded parameter with untyped_storage().resize_(0))"
-        )
-    return None
-
-
-def storage_bytes(x: torch.Tensor) -> tuple[int, int]:
-    """The bytes x's storage holds and the bytes its shape, strides and offset
-    reach (0 for an empty tensor); (0, 0) for a tensor with no storage of its
-    own to ask (a torch.func wrapper), which the native op checks unwrapped,
-    and while torch.compile traces: dynamo cannot trace a storage's nbytes(),
-    and the native op checks the real tensor when the graph runs."""
-    if x.numel() == 0 or torch.compiler.is_compiling():
-        return 0, 0
-    try:
-        held = x.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
-        return 0, 0
-    last = x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
-    return held, (last + 1) * x.element_size()
-
-
 def check_tensor(
     op: str, what: str, x: object, index: int | None = None, *, collective: bool = False
 ) -> torch.Tensor:
@@ -219,18 +151,6 @@ def check_tensor(
         # them, refuses them, and refused() then names them.
         return x
     return require_readable(op, what if index is None else f"{what}[{index}]", x, collective=collective)
-
-
-def require_readable(op: str, name: str, x: object, *, collective: bool = False) -> torch.Tensor:
-    """check_tensor without its shortcut: x, or the error naming `name`."""
-    if x is None:
-        raise TypeError(f"{op}: {name} is None, not a tensor; {NONE_HINT}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
-    why = unreadable(x, collective=collective)
-    if why is not None:
-        raise ValueError(f"{op}: {name} {why}")
-    return x
 
 
 # How the native checks (csrc/op_common.h) begin a refusal: the native op,

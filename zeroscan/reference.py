@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from zeroscan.ops import check_tol, require_readable
+
 # _exact_units counts in units of 2^-1126: frexp writes every float64 as a
 # whole number below 2^53 of units 2^(e - 53), e >= -1073 (the subnormal
 # 2^-1074 is 0.5 * 2^-1073), and e <= 1024.
@@ -98,10 +100,25 @@ def _moments(v: torch.Tensor) -> dict[str, float]:
     return {"mean": mean, "std": std, "norm": norm, "sum": total}
 
 
+def require_real(op: str, x: object) -> torch.Tensor:
+    """x, when it is a tensor whose values can be read (zeroscan.inputs) and
+    that is real; else the error naming `op` and x."""
+    x = require_readable(op, "x", x)
+    if x.is_complex():
+        raise TypeError(f"{op}: x is complex ({str(x.dtype).removeprefix('torch.')}); pass torch.view_as_real(x) or x.abs()")
+    return x
+
+
 def reference_stats(x: torch.Tensor, tol: float | None = None) -> dict[str, float | int]:
-    """The Stats fields of `x`, computed in float64 with plain torch ops."""
+    """The Stats fields of `x`, computed in float64 with plain torch ops.
+    Anything but a real tensor whose memory can be read (not sparse, nested,
+    quantized, meta or freed) is refused as stats() refuses it, in an error
+    naming zeroscan.reference_stats."""
+    op = "zeroscan.reference_stats"
+    x = require_real(op, x)
+    checked_tol = check_tol(op, tol)
     tiny, eps = dtype_tiny_eps(x.dtype)
-    tol = eps if tol is None else float(tol)
+    tol = eps if checked_tol is None else checked_tol
     v = x.detach().reshape(-1).to(torch.float64)
     a = v.abs()
     is_nan = v.isnan()

@@ -10,9 +10,12 @@ With `histogram=True` the same pass also counts each tensor's log2-magnitude
 histogram (zeroscan.histogram), kept beside the rows until `Stats.histogram`
 is read.
 
-stats_many_mapped is stats_many for the checkpoint reader: it reads the
-tensors of a memory-mapped file in place and lists those that the file's
-truncation meanwhile made unreadable.
+A CPU tensor of memory torch did not allocate (a file's mapping from
+torch.load(mmap=True), say) is read under the SIGBUS guard: a file truncated
+under it is an error naming the call, not the end of the process
+(zeroscan.mapped_reads). stats_many_mapped is stats_many for the checkpoint
+reader: it reads the tensors of a memory-mapped file in place and lists
+those that the file's truncation meanwhile made unreadable.
 
 Semantics (also in the README):
   zeros       x == 0, either sign
@@ -39,69 +42,11 @@ import torch
 
 import zeroscan._C
 from zeroscan.histogram import Histogram
+from zeroscan.mapped_reads import any_maybe_mapped, guarded_rows, maybe_mapped
 from zeroscan.ops import check_tensor, check_tol, refused, require_readable
-from zeroscan.result_row import COUNT_FIELDS, Column, Row, host_array, row_from_words
+from zeroscan.readout import Readout
+from zeroscan.result_row import COUNT_FIELDS, Column
 from zeroscan.words import short_count
-
-class Readout:
-    """One native call's result buffer and its host copy, made on first read.
-
-    The buffer is copied to the host once: one row (stats) as a list of its
-    16 words, many rows (stats_many) as an int64 [N, 16] array whose columns
-    are listed for every row when first read (the usual pattern is one field
-    of every tensor). A row's floating fields are decoded when one of them is
-    first read.
-    """
-
-    __slots__ = ("buffer", "fields", "_words", "_host", "_columns", "_rows", "_host_fields")
-
-    def __init__(self, buffer: torch.Tensor, fields: torch.Tensor | None = None) -> None:
-        self.buffer = buffer  # int64 [16] or [N, 16], on the scanned device
-        self.fields = fields  # int64 [N, B] histogram fields, or None
-        self._host_fields: numpy.ndarray | None = None
-        self._words: list[int] | None = None  # the one row of a [16] buffer
-        self._host: numpy.ndarray | None = None  # a copy of an [N, 16] buffer
-        self._columns: dict[int, list[int]] = {}
-        self._rows: dict[int, Row] = {}
-
-    def _row_words(self, index: int) -> list[int]:
-        if self.buffer.dim() == 1:
-            if self._words is None:
-                self._words = self.buffer.detach().tolist()
-            return self._words
-        return self._array()[index].tolist()
-
-    def _array(self) -> numpy.ndarray:
-        if self._host is None:
-            self._host = host_array(self.buffer)
-        return self._host
-
-    def count(self, index: int, column: int) -> int:
-        """One int64 word of row `index`."""
-        values = self._columns.get(column)
-        if values is None:
-            if self.buffer.dim() == 1:
-                values = [self._row_words(0)[column]]
-            else:
-                values = self._array()[:, column].tolist()
-            self._columns[column] = values
-        return values[index]
-
-    def histogram(self, index: int, dtype: torch.dtype) -> Histogram | None:
-        """The histogram of row `index`, or None when scanned without one."""
-        if self.fields is None:
-            return None
-        if self._host_fields is None:
-            self._host_fields = host_array(self.fields)
-        return Histogram.from_fields(dtype, self._host_fields[index], self.row(index))
-
-    def row(self, index: int) -> Row:
-        """Every field of row `index`, decoded once."""
-        row = self._rows.get(index)
-        if row is None:
-            row = self._rows[index] = row_from_words(self._row_words(index))
-        return row
-
 
 # What a Stats says about the scanned tensor besides its statistics:
 # (dtype, shape, device). A plain tuple: stats_many makes one per tensor.
@@ -273,6 +218,12 @@ class StatsBatch(Sequence[Stats]):
     def to_dicts(self) -> list[dict[str, object]]:
         return [s.to_dict() for s in self]
 
+    def __reduce__(self) -> tuple[type[StatsBatch], tuple[list[Stats]]]:
+        # The maker of a lazy batch is a closure, which pickle cannot store:
+        # a pickled (or deep-copied) batch holds every Stats made, sharing
+        # one result buffer as the batch did.
+        return StatsBatch, (list(self),)
+
     def __repr__(self) -> str:
         return f"StatsBatch({len(self)} tensors)"
 
@@ -296,6 +247,9 @@ def scan_one(op: str, x: object, *, tol: object = None, histogram: object = Fals
     x = check_tensor(op, "x", x)
     tol = check_tol(op, tol)
     check_flag(op, "histogram", histogram)
+    if maybe_mapped(x):  # memory torch did not allocate, perhaps a file's: read under the SIGBUS guard
+        rows, fields = guarded_rows(op, [("x", x)], tol, histogram)
+        return Stats(Readout(rows, fields) if histogram else Readout(rows[0]), 0, meta_of(x), tol)
     # What the native op refuses (a quantized or nested tensor, a dtype it
     # does not read, freed memory) is named as the caller named it.
     if histogram:
@@ -331,11 +285,9 @@ def stats_many(tensors: Iterable[torch.Tensor], *, tol: float | None = None, his
 def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, histogram: object = False) -> StatsBatch:
     """stats_many() as the public call `op` makes it: every refusal names
     `op` and the tensor as tensors[i]."""
-    if isinstance(tensors, torch.Tensor):
-        raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use zeroscan.stats(x)")
+    xs = tensor_list(op, tensors, "; use zeroscan.stats(x)")
     tol = check_tol(op, tol)
     check_flag(op, "histogram", histogram)
-    xs = tensors if isinstance(tensors, list) else list(tensors)
     if not xs:
         return StatsBatch([])
     scan = _scan_with_histogram if histogram else _scan_rows
@@ -343,11 +295,15 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
     # checks every tensor itself. Anything else it refuses -- None, mixed
     # devices, sparse or DTensor inputs -- takes the careful path below, which
     # names the offending argument or splits the work by device.
-    # (A lazy parameter's __torch_function__ raises ValueError.)
-    try:
-        readout: Readout | None = scan(xs, tol)
-    except (RuntimeError, TypeError, ValueError):
-        readout = None
+    # (A lazy parameter's __torch_function__ raises ValueError.) CPU tensors
+    # of memory torch did not allocate take it too: they are read under the
+    # SIGBUS guard (zeroscan.mapped_reads).
+    readout: Readout | None = None
+    if not _cpu_batch_maybe_mapped(xs):
+        try:
+            readout = scan(xs, tol)
+        except (RuntimeError, TypeError, ValueError):
+            readout = None
     if readout is not None and not readout.buffer.is_meta:  # meta inputs reach the fake kernel
         # No Python object per tensor here: a dtype and shape read in Python
         # cost ~150 ns a tensor, plus the garbage collections their tuples set
@@ -361,13 +317,28 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
     items: list[Stats | None] = [None] * len(xs)
     for indices in device_groups(xs):
         group = [xs[i] for i in indices]
+        named = [(f"tensors[{i}]", xs[i]) for i in indices]
+        if any_maybe_mapped(group):
+            rows, fields = guarded_rows(op, named, tol, histogram)
+            readout = Readout(rows, fields)
+            for row, i in enumerate(indices):
+                items[i] = Stats(readout, row, meta_of(xs[i]), tol)
+            continue
         try:
             readout = scan(group, tol)
         except RuntimeError as e:
-            refused(op, [(f"tensors[{i}]", xs[i]) for i in indices], e)
+            refused(op, named, e)
         for row, i in enumerate(indices):
             items[i] = Stats(readout, row, meta_of(xs[i]), tol)
     return StatsBatch(items)  # type: ignore[arg-type]
+
+
+def _cpu_batch_maybe_mapped(xs: list[object]) -> bool:
+    """Whether a list whose first item is a CPU tensor holds a tensor that
+    may map a file (zeroscan.mapped_reads). Only CPU tensors are looked at:
+    a list of accelerator tensors pays nothing per tensor."""
+    first = xs[0]
+    return isinstance(first, torch.Tensor) and first.is_cpu and any_maybe_mapped(xs)
 
 
 def _stats_of_rows(readout: Readout, xs: list[torch.Tensor], tol: float | None) -> Callable[[int], Stats]:
@@ -401,6 +372,18 @@ def _scan_with_histogram(xs: list[torch.Tensor], tol: float | None) -> Readout:
     return Readout(rows, fields)
 
 
+def tensor_list(op: str, tensors: object, single_hint: str = "") -> list[torch.Tensor]:
+    """`tensors` as a list, or the error naming the public call `op`: a
+    single tensor, a str and anything not iterable are refused."""
+    if isinstance(tensors, list):
+        return tensors
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor{single_hint}")
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):
+        raise TypeError(f"{op}: tensors must be a list of tensors, got {type(tensors).__name__}")
+    return list(tensors)
+
+
 def check_flag(op: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{op}: {name} must be True or False, got {type(value).__name__} {value!r}")
@@ -421,10 +404,8 @@ def stats_many_mapped(
     Stats are those of stats_many, bit for bit.
     """
     op = "zeroscan.stats_many_mapped"
-    if isinstance(tensors, torch.Tensor):
-        raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor")
+    xs = tensor_list(op, tensors)
     tol = check_tol(op, tol)
-    xs = tensors if isinstance(tensors, list) else list(tensors)
     if not xs:
         return StatsBatch([]), []
     # As in stats_many, the native call checks every tensor itself; what it
@@ -461,10 +442,9 @@ def scan_buffers(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -
     ranks with zeroscan.distributed.
     """
     op = "zeroscan.scan_buffers"
-    if isinstance(tensors, torch.Tensor):
-        raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor")
+    xs = tensor_list(op, tensors)
     tol = check_tol(op, tol)
-    return buffers_of(op, [check_tensor(op, "tensors", t, i) for i, t in enumerate(tensors)], tol)
+    return buffers_of(op, [check_tensor(op, "tensors", t, i) for i, t in enumerate(xs)], tol)
 
 
 def buffers_of(
@@ -474,8 +454,12 @@ def buffers_of(
     a refusal names tensor i as names(i)."""
     buffers = []
     for group in device_groups(xs):
+        tensors = [xs[i] for i in group]
+        if any_maybe_mapped(tensors):  # read under the SIGBUS guard (zeroscan.mapped_reads)
+            buffers.append(guarded_rows(op, [(names(i), xs[i]) for i in group], tol, False)[0])
+            continue
         try:
-            buffers.append(torch.ops.zeroscan.stats_many.default([xs[i] for i in group], tol))
+            buffers.append(torch.ops.zeroscan.stats_many.default(tensors, tol))
         except RuntimeError as e:  # a quantized or nested tensor, a dtype not read, freed memory
             refused(op, [(names(i), xs[i]) for i in group], e)
     return buffers

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroscan.checkpoint.opening import open_checkpoint
-from zeroscan.checkpoint.table import ProgressFn
+from zeroscan.checkpoint.table import ProgressFn, checked_path
 from zeroscan.words import count_noun
 
 # Integer views of each element width, so bits are compared, not values (NaN == NaN,
@@ -60,10 +60,11 @@ def diff_checkpoints(
     file of a many-file checkpoint holding the tensor (a's; b's for an added
     tensor), "" for a one-file checkpoint.
     """
+    op = "zeroscan.checkpoint.diff_checkpoints"
+    checked_path(op, "a", a)
+    checked_path(op, "b", b)
     if not isinstance(trained_from_first, bool):
-        raise TypeError(
-            f"zeroscan.diff_checkpoints: trained_from_first must be a bool, got {type(trained_from_first).__name__}"
-        )
+        raise TypeError(f"{op}: trained_from_first must be a bool, got {type(trained_from_first).__name__}")
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
         rows: list[dict[str, object]] = []
         total = sum(e.nbytes for e in ca.entries if e.name in cb)

@@ -23,7 +23,7 @@ from zeroscan.checkpoint.paths import (
 from zeroscan.checkpoint.safetensors_file import looks_like_safetensors, open_safetensors
 from zeroscan.checkpoint.sharded import ShardedCheckpoint, assemble
 from zeroscan.checkpoint.single import Checkpoint
-from zeroscan.checkpoint.table import CheckpointError, TensorTable, regular_file_size
+from zeroscan.checkpoint.table import CheckpointError, TensorTable, checked_path, regular_file_size
 from zeroscan.checkpoint.torch_file import looks_like_torch, open_torch
 def open_checkpoint(path: str | os.PathLike[str]) -> TensorTable:
     """Opens a checkpoint: a torch.save file or a .safetensors file
@@ -32,8 +32,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> TensorTable:
     folder or its `.metadata` file (zeroscan.checkpoint.dcp). Each has the
     same interface: entries, entry(), read(), scan_items(), close(). Raises
     CheckpointError with a one-line reason."""
-
-    p = Path(path)
+    p = checked_path("zeroscan.open_checkpoint", "path", path)
     if p.is_dir():
         return open_folder(p)
     if p.name.endswith(INDEX_SUFFIX) and p.is_file():

@@ -9,7 +9,7 @@ from zeroscan.checkpoint.batches import BatchScanner
 from zeroscan.checkpoint.files import FileChangedError, TensorPiece
 from zeroscan.checkpoint.opening import open_checkpoint
 from zeroscan.checkpoint.roles import judge_in_role, tensor_role
-from zeroscan.checkpoint.table import CheckpointError, ProgressFn, TensorEntry
+from zeroscan.checkpoint.table import CheckpointError, ProgressFn, TensorEntry, checked_path
 from zeroscan.diagnosis import Severity, diagnose_stats
 from zeroscan.stats import Stats, check_flag
 
@@ -65,6 +65,7 @@ def scan_checkpoint(
     the same pass (zeroscan.histogram; a tensor in pieces: the sum of its
     pieces'), and each row gets it as "histogram": Histogram.to_dict().
     """
+    checked_path("zeroscan.scan_checkpoint", "path", path)
     check_flag("zeroscan.scan_checkpoint", "histogram", histogram)
     with open_checkpoint(path) as ckpt:
         total = ckpt.nbytes

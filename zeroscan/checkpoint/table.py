@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,12 +47,27 @@ class TensorEntry:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """torch's name of the dtype, without "torch." ("float32")."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"zeroscan.checkpoint.dtype_name: dtype must be a torch.dtype, got {type(dtype).__name__}")
     return str(dtype).removeprefix("torch.")
 
 
 def scannable(dtype: torch.dtype) -> bool:
     """True when zeroscan can scan a tensor of this dtype (complex via its parts)."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"zeroscan.checkpoint.scannable: dtype must be a torch.dtype, got {type(dtype).__name__}")
     return dtype in SCANNABLE_DTYPES or dtype in COMPLEX_DTYPES
+
+
+def checked_path(op: str, name: str, path: object) -> Path:
+    """`path` (a str or os.PathLike) as a Path, or the error naming the public call `op`."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{op}: {name} must be a path (a str or os.PathLike), got {type(path).__name__}")
+    try:
+        return Path(path)
+    except TypeError:  # a PathLike whose __fspath__ gives bytes or something else
+        raise TypeError(f"{op}: {name} must be a path (a str or os.PathLike of a str), got {type(path).__name__}") from None
 
 
 class TensorTable:
@@ -155,10 +171,19 @@ def scanned_dtypes_words() -> str:
     return f"zeroscan reads {read}, and {parts} as their real and imaginary parts"
 
 
-@functools.lru_cache(maxsize=256)
 def dtype_skip_reason(dtype_label: str) -> str | None:
     """Why tensors of this dtype (a TensorEntry's label) are not scanned;
     decided once per dtype, as a file of many tensors has few dtypes."""
+    if not isinstance(dtype_label, str):
+        raise TypeError(
+            f"zeroscan.checkpoint.dtype_skip_reason: dtype_label must be a str (a TensorEntry's dtype), "
+            f"got {type(dtype_label).__name__}"
+        )
+    return _skip_reason(dtype_label)
+
+
+@functools.lru_cache(maxsize=256)
+def _skip_reason(dtype_label: str) -> str | None:
     dtype = getattr(torch, dtype_label, None)
     if not isinstance(dtype, torch.dtype):
         return f"dtype {dtype_label} has no torch equivalent here"

@@ -37,7 +37,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line `argv` (default sys.argv[1:]) and returns the
     exit status. Ctrl-C, pressed any number of times, ends it with one line
-    "zeroscan: interrupted" and EXIT_INTERRUPTED."""
+    "zeroscan: interrupted" and EXIT_INTERRUPTED. An `argv` that is not a
+    sequence of str raises TypeError: that is the calling program's error,
+    not a command line's."""
+    check_argv(argv)
     for stream in (sys.stdout, sys.stderr):
         fit_to_console(stream)  # first: --help and usage errors print too
     previous = stop_on_first_interrupt()
@@ -54,6 +57,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # interrupted, so a later press cannot break the exit with a traceback.
         if previous is not None and not (interrupted and argv is None):
             signal.signal(signal.SIGINT, previous)
+
+
+def check_argv(argv: object) -> None:
+    if argv is None:
+        return
+    if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence):
+        raise TypeError(f"zeroscan.cli.main: argv must be a list of str or None, got {type(argv).__name__}")
+    for arg in argv:
+        if not isinstance(arg, str):
+            raise TypeError(f"zeroscan.cli.main: argv must be a list of str or None, got a list holding {type(arg).__name__}")
 
 
 def stop_on_first_interrupt() -> Callable[[int, FrameType | None], Any] | None:
