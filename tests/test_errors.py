@@ -340,7 +340,7 @@ def test_freed_memory_is_never_read(kind: str, device: str) -> None:
 def test_freed_rows_are_refused_by_combine_rows(device: str) -> None:
     rows = torch.zeros(2, 3, 16, dtype=torch.int64, device=device)
     rows.untyped_storage().resize_(0)
-    with pytest.raises(ValueError, match=r"^combine_rows: gathered has no data to scan"):
+    with pytest.raises(ValueError, match=r"^zeroscan\.distributed\.combine_rows: gathered has no data to scan"):
         zeroscan.distributed.combine_rows(rows)
     with pytest.raises(RuntimeError, match=r"^zeroscan.combine_rows: rows has no data to scan"):
         torch.ops.zeroscan.combine_rows.default(rows)

@@ -57,8 +57,12 @@ then `gather_rows(drop_uncounted(rows, parts), group)` and
 
 This module holds the all-reduce path; the gather-based calls
 (`gather_rows`, `combine_rows`, `compare_replicas`) live in
-zeroscan/distributed_gather.py and what every collective call shares (`comm_device`,
-`PendingMerge`) in zeroscan/distributed_common.py; all are importable from here.
+zeroscan/distributed_gather.py and what every collective call shares
+(`PendingMerge`) in zeroscan/distributed_common.py; all are importable from
+here. So are helpers of the merge that are no part of the public API (not in
+`__all__`): `comm_device`, `empty_rows`, `rows_agree` and `replica_report`,
+which the Monitor and the tests reach here; `GatheredRows.replica_report` is
+the public form of the last.
 """
 
 from __future__ import annotations
@@ -71,18 +75,19 @@ import torch.distributed as dist
 
 from zeroscan import allreduce
 from zeroscan.distributed_agreement import Merged, check_agreement, tensor_words
-from zeroscan.distributed_common import PendingMerge, comm_device, group_for, rows_of, scan_rows
+from zeroscan.distributed_common import PendingMerge, check_rows, comm_device, group_for, rows_of, scan_rows
 from zeroscan.distributed_gather import GatheredRows, combine_rows, compare_replicas, gather_rows
-from zeroscan.ops import check_tensor, check_tol, is_dtensor
-from zeroscan.result_row import empty_rows
-from zeroscan.replicas import ReplicaMismatch, ReplicaReport, replica_report, rows_agree
+from zeroscan.ops import check_tensor, check_tol, is_dtensor, require_readable
+from zeroscan.result_row import NUM_FIELDS, empty_rows
+from zeroscan.replicas import ReplicaMismatch, ReplicaReport, replica_report, rows_agree  # noqa: F401  (module doc)
 
 __all__ = [
     "GatheredRows", "GlobalStats", "LocalPart", "PendingMerge", "ReplicaMismatch", "ReplicaReport",
-    "combine_rows", "comm_device", "compare_replicas", "drop_uncounted", "empty_rows", "gather_rows",
-    "local_part", "merge_stats", "replica_report", "rows_agree", "stats", "stats_many",
+    "combine_rows", "compare_replicas", "drop_uncounted", "gather_rows", "local_part", "merge_stats", "stats",
+    "stats_many",
 ]
-from zeroscan.stats import Readout, Stats, StatsBatch, TensorMeta
+from zeroscan.stats import Readout, Stats, StatsBatch, TensorMeta, check_flag, tensor_list
+from zeroscan.words import count_noun
 
 MODE_LOCAL = "local"
 MODE_CONCATENATED = "concatenated"
@@ -205,6 +210,18 @@ def local_part(x: torch.Tensor, *, grouped: bool = False) -> LocalPart:
     """This rank's part of `x`: a DTensor's local shard (Partial placements
     are reduced first), or `x` itself, "concatenated" when `grouped` (merged
     across a group) else "local"."""
+    op = "zeroscan.distributed.local_part"
+    check_flag(op, "grouped", grouped)
+    if not is_dtensor(x):
+        # A plain x is the part itself, which the caller scans next: refused
+        # now where the scan would refuse it. A DTensor's local shard is
+        # checked by the scan that reads it (scan_buffers, the Monitor's).
+        require_readable(op, "x", x)
+    return _local_part(op, x, grouped)
+
+
+def _local_part(op: str, x: torch.Tensor, grouped: bool) -> LocalPart:
+    """local_part of an x already checked, for the public call `op`."""
     if not is_dtensor(x):
         return LocalPart(x, _mode_of(x, grouped), True)
     from torch.distributed.tensor import Replicate
@@ -216,7 +233,7 @@ def local_part(x: torch.Tensor, *, grouped: bool = False) -> LocalPart:
     mesh = x.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        raise ValueError("zeroscan.distributed: this rank is not in the DTensor's device mesh")
+        raise ValueError(f"{op}: this rank is not in the DTensor's device mesh")
     counted = all(c == 0 for c, p in zip(coordinate, placements) if not p.is_shard())
     with torch.no_grad():
         local = x.to_local()
@@ -245,10 +262,22 @@ def _must_agree(x: torch.Tensor, mode: str) -> str:
 def drop_uncounted(rows: torch.Tensor, parts: Sequence[LocalPart]) -> torch.Tensor:
     """rows int64 [N, 16] (one per part) with the rows of uncounted parts
     replaced by the empty row: what this rank should gather."""
-    if all(p.counted for p in parts):
+    op = "zeroscan.distributed.drop_uncounted"
+    rows = check_rows(op, "rows", rows, f"[N, {NUM_FIELDS}]", (2,))
+    if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence):
+        raise TypeError(f"{op}: parts must be a list of LocalPart (one per row), got {type(parts).__name__}")
+    if len(parts) != rows.shape[0]:
+        given = count_noun(len(parts), "entry", "entries")
+        raise ValueError(f"{op}: parts has {given} for {count_noun(rows.shape[0], 'row')}")
+    counted: list[bool] = []
+    for i, p in enumerate(parts):
+        if not isinstance(p, LocalPart):
+            raise TypeError(f"{op}: parts[{i}] must be a LocalPart (from local_part), got {type(p).__name__}")
+        counted.append(p.counted)
+    if all(counted):
         return rows
-    counted = torch.tensor([p.counted for p in parts], device=rows.device).unsqueeze(1)
-    return torch.where(counted, rows, empty_rows(len(parts), rows.device))
+    mask = torch.tensor(counted, device=rows.device).unsqueeze(1)
+    return torch.where(mask, rows, empty_rows(len(parts), rows.device))
 
 
 def _mesh_group(op: str, mesh: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -284,13 +313,19 @@ def stats_many(
     same global shape and placements), and the same tol: checked first, and
     every rank raises the same error where they differ."""
     op = "zeroscan.distributed.stats_many"
-    if isinstance(tensors, torch.Tensor):
-        raise TypeError(f"{op}: tensors must be a list of tensors, got a single tensor; use stats(x)")
-    given = list(tensors)
-    return _stats_many(
-        op, given, lambda: [check_tensor(op, "tensors", t, i, collective=True) for i, t in enumerate(given)],
-        lambda i: f"tensors[{i}]", tol=tol, group=group, async_op=async_op,
-    )
+    given: list[object] = []
+    not_a_list: TypeError | None = None
+    try:
+        given = tensor_list(op, tensors, "; use stats(x)")  # type: ignore[assignment]
+    except TypeError as e:
+        not_a_list = e  # raised on every rank of a group, like any refusal
+
+    def checked() -> list[torch.Tensor]:
+        if not_a_list is not None:
+            raise not_a_list
+        return [check_tensor(op, "tensors", t, i, collective=True) for i, t in enumerate(given)]
+
+    return _stats_many(op, given, checked, lambda i: f"tensors[{i}]", tol=tol, group=group, async_op=async_op)
 
 
 def _stats_many(
@@ -326,7 +361,7 @@ def _stats_many(
             raise refusal
         batch = StatsBatch([])
         if xs:
-            batch = _batch(xs, [local_part(x) for x in xs], scan_rows(op, xs, tol, xs[0].device, names), tol, 1)
+            batch = _batch(xs, [_local_part(op, x, False) for x in xs], scan_rows(op, xs, tol, xs[0].device, names), tol, 1)
         return PendingMerge(None, lambda: batch) if async_op else batch
     pg = group_for(op, _mesh_group(op, meshes[0], group) if meshes else group, refusal)
     modes = [_mode_of(x, grouped) for x in xs]
@@ -336,7 +371,7 @@ def _stats_many(
     if not xs:
         empty = StatsBatch([])
         return PendingMerge(None, lambda: empty) if async_op else empty
-    parts = [local_part(x, grouped=grouped) for x in xs]
+    parts = [_local_part(op, x, grouped) for x in xs]
     locals_ = [p.tensor for p in parts]
     device = comm_device(pg, locals_[0].device)
     rows = scan_rows(op, locals_, tol, device, names)

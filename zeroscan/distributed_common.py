@@ -1,9 +1,10 @@
 """What every collective call of zeroscan.distributed shares.
 
 The check that torch.distributed is up and this rank is in the group, the
-device on which a group's backend exchanges tensors (gloo: CPU, NCCL: the
-current CUDA device), this rank's result rows on that device (from its
-Stats, or scanned), and a collective in flight (PendingMerge).
+check of the result rows a call is given, the device on which a group's
+backend exchanges tensors (gloo: CPU, NCCL: the current CUDA device), this
+rank's result rows on that device (from its Stats, or scanned), and a
+collective in flight (PendingMerge).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+from zeroscan.inputs import received
+from zeroscan.ops import check_tensor
 from zeroscan.result_row import NUM_FIELDS
 from zeroscan.stats import Stats, buffers_of, device_groups
 
@@ -55,6 +58,8 @@ def member_group(op: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
             f"{op}: torch.distributed is not initialized; call torch.distributed.init_process_group() "
             "first, or leave group=None for single-process statistics"
         )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{op}: group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     pg = group if group is not None else dist.group.WORLD
     if dist.get_rank(pg) < 0:
         raise ValueError(f"{op}: this rank (global rank {dist.get_rank()}) is not a member of group")
@@ -71,6 +76,22 @@ def group_for(op: str, group: dist.ProcessGroup | None, refusal: Exception | Non
         if refusal is not None:
             raise refusal from None
         raise
+
+
+def check_rows(op: str, name: str, rows: object, shape: str, dims: tuple[int, ...]) -> torch.Tensor:
+    """`rows` as result rows: a dense int64 tensor of one of `dims`
+    dimensions, the last of 16 (`shape` says so in words, "[N, 16]"), with
+    data to read; else the one-line error naming the public call `op` and
+    the argument `name`."""
+    wanted = f"{op}: {name} must be an int64 {shape} tensor of result rows"
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"{wanted}, got {received(rows)}")
+    if rows.is_nested or rows.layout != torch.strided:
+        raise ValueError(f"{wanted}, got {received(rows)}")
+    x = check_tensor(op, name, rows)  # a meta or lazy tensor, freed memory: in the words of every scan
+    if x.dtype != torch.int64 or x.dim() not in dims or x.shape[-1] != NUM_FIELDS:
+        raise ValueError(f"{wanted}, got {received(x)}")
+    return x
 
 
 def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:

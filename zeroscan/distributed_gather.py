@@ -12,17 +12,17 @@ the ranks agree on what they gather (zeroscan/distributed_agreement.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from zeroscan.distributed_agreement import Merged, check_agreement, tensor_words
-from zeroscan.distributed_common import PendingMerge, comm_device, group_for, member_group, rows_of, scan_rows
+from zeroscan.distributed_common import PendingMerge, check_rows, comm_device, group_for, rows_of, scan_rows
 from zeroscan.ops import check_tensor, check_tol, refused
 from zeroscan.result_row import NUM_FIELDS
-from zeroscan.replicas import ReplicaReport, replica_report
+from zeroscan.replicas import ReplicaReport, check_report_options, replica_report
 from zeroscan.stats import Stats, StatsBatch
 
 
@@ -34,17 +34,14 @@ def combine_rows(gathered: torch.Tensor) -> torch.Tensor:
     the rank index, hence identical bits on every rank; it runs where the rows
     are, reads nothing back to the host and traces under torch.compile.
     """
-    if gathered.dtype != torch.int64 or gathered.dim() != 3 or gathered.shape[-1] != NUM_FIELDS:
-        raise ValueError(
-            f"combine_rows: gathered must be an int64 [W, N, {NUM_FIELDS}] tensor, "
-            f"got {gathered.dtype} of shape {list(gathered.shape)}"
-        )
+    op = "zeroscan.distributed.combine_rows"
+    gathered = check_rows(op, "gathered", gathered, f"[W, N, {NUM_FIELDS}]", (3,))
     if gathered.shape[0] == 0:
-        raise ValueError("combine_rows: gathered holds no rank (W == 0)")
+        raise ValueError(f"{op}: gathered holds no rank (W == 0)")
     try:
         return torch.ops.zeroscan.combine_rows.default(gathered)
     except RuntimeError as e:  # freed memory, say
-        refused("combine_rows", [("gathered", gathered)], e)
+        refused(op, [("gathered", gathered)], e)
 
 
 @dataclass(frozen=True)
@@ -67,7 +64,8 @@ class GatheredRows:
     ) -> ReplicaReport:
         """Which ranks' rows differ, per tensor (see compare_replicas);
         `indices` limits the comparison to those tensors (the replicated ones)."""
-        return replica_report(self.rows, self.ranks, names, rtol=rtol, indices=indices)
+        op = "zeroscan.distributed.GatheredRows.replica_report"
+        return replica_report(self.rows, self.ranks, names, rtol=rtol, indices=indices, op=op)
 
 
 def gather_rows(
@@ -79,9 +77,10 @@ def gather_rows(
     async_op=True it returns at once; `.wait()` gives the GatheredRows."""
     op = "zeroscan.distributed.gather_rows"
     refusal = None
-    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.shape[-1:] != (NUM_FIELDS,):
-        got = f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
-        refusal = ValueError(f"{op}: rows must be an int64 [N, {NUM_FIELDS}] tensor of result rows, got {got}")
+    try:
+        rows = check_rows(op, "rows", rows, f"[N, {NUM_FIELDS}]", (1, 2))
+    except (TypeError, ValueError) as e:
+        refusal = e
     pg = group_for(op, group, refusal)
     check_agreement(op, pg, Merged("rows", 0 if refusal else rows.reshape(-1, NUM_FIELDS).shape[0], refusal=refusal))
     return _gather(rows, pg, async_op)
@@ -123,22 +122,30 @@ def compare_replicas(
     checked first, and every rank raises the same error where they differ.
     """
     op = "zeroscan.distributed.compare_replicas"
-    pg = member_group(op, group)
     what = "tensors_or_stats"
     refusal: Exception | None = None
+    items: list[Stats] = []
+    xs: list[torch.Tensor] = []
     shown: list[tuple[torch.dtype, torch.Size, float | None]] = []
+    # The arguments first: a refusal is this rank's own error, shared with the
+    # others once there is a group to share it over, and raised here without one.
     try:
         if isinstance(tensors_or_stats, (Stats, StatsBatch)):
             items = [tensors_or_stats] if isinstance(tensors_or_stats, Stats) else list(tensors_or_stats)
             shown = [(s.dtype, s.shape, s.tol) for s in items]
         elif isinstance(tensors_or_stats, torch.Tensor):
             raise TypeError(f"{op}: pass a list of tensors (or their Stats), got a single tensor; wrap it in a list")
+        elif isinstance(tensors_or_stats, (str, bytes)) or not isinstance(tensors_or_stats, Iterable):
+            got = type(tensors_or_stats).__name__
+            raise TypeError(f"{op}: {what} must be a list of tensors, a StatsBatch or a Stats, got {got}")
         else:
             tol = check_tol(op, tol)
             xs = [check_tensor(op, what, t, i, collective=True) for i, t in enumerate(tensors_or_stats)]
             shown = [(x.dtype, x.shape, tol) for x in xs]
+        check_report_options(op, len(shown), names, rtol)
     except (TypeError, ValueError) as e:
         refusal, shown = e, []
+    pg = group_for(op, group, refusal)
     described = [(f"{what}[{i}]", _replica(*s)) for i, s in enumerate(shown)]
     check_agreement(op, pg, Merged("tensors", len(shown), described, refusal=refusal))
     if isinstance(tensors_or_stats, (Stats, StatsBatch)):
@@ -150,7 +157,11 @@ def compare_replicas(
             (0, NUM_FIELDS), dtype=torch.int64, device=device
         )
     pending = _gather(rows, pg, async_op=True)
-    report = pending.then(lambda gathered: gathered.replica_report(names, rtol=rtol))  # type: ignore[union-attr]
+
+    def report_of(gathered: GatheredRows) -> ReplicaReport:
+        return replica_report(gathered.rows, gathered.ranks, names, rtol=rtol, op=op)
+
+    report = pending.then(report_of)  # type: ignore[union-attr]
     return report if async_op else report.wait()
 
 

@@ -3,7 +3,9 @@
 `require_readable` returns a tensor whose memory the native scan can read,
 or raises an error naming the call and the argument (`zeroscan.stats: x is
 a torch.sparse_coo tensor; ...`); `unreadable` says why a tensor cannot be
-read. It imports nothing of zeroscan, so that every module can check its
+read. `received` says in a few words what a call was given, for the
+errors that refuse it. It imports nothing of zeroscan but zeroscan.words
+(which imports nothing of zeroscan), so that every module can check its
 inputs alike, those below zeroscan.ops (zeroscan.histogram) included;
 zeroscan.ops builds the native ops' own checks on it.
 """
@@ -14,6 +16,8 @@ import sys
 
 import torch
 from torch import nn
+
+from zeroscan.words import brief
 
 NONE_HINT = (
     "a gradient that was never computed is None: the parameter is frozen "
@@ -96,3 +100,37 @@ def require_readable(op: str, name: str, x: object, *, collective: bool = False)
     if why is not None:
         raise ValueError(f"{op}: {name} {why}")
     return x
+
+
+def received(value: object) -> str:
+    """What a call was given, in a few words on one line, for the error that
+    refuses it: a number, a str, a bool or None by its (short) repr, a tensor
+    by its kind, dtype and shape (its repr prints its values, over many
+    lines), anything else by its type."""
+    if isinstance(value, torch.Tensor):
+        return _tensor_in_words(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return brief(value)
+    return type(value).__name__
+
+
+def _tensor_in_words(x: torch.Tensor) -> str:
+    """A tensor in words: "a float32 tensor of shape [3]", "a sparse_coo
+    float32 tensor of shape [3, 3]", "a nested float32 tensor" (a strided
+    nested tensor and a lazy parameter have no shape to give); a subclass
+    by its class name ("a float32 Parameter of shape [2]")."""
+    kinds = []
+    if x.is_meta:
+        kinds.append("meta")
+    if x.layout != torch.strided:
+        kinds.append(str(x.layout).removeprefix("torch."))
+    elif x.is_nested:
+        kinds.append("nested")
+    kinds.append(str(x.dtype).removeprefix("torch."))
+    noun = "tensor" if type(x) is torch.Tensor else type(x).__name__
+    try:
+        shape = f" of shape {list(x.shape)}"
+    except (RuntimeError, ValueError):  # a strided nested tensor, a lazy parameter
+        shape = ""
+    words = " ".join([*kinds, noun])
+    return f"{'an' if words[0] in 'aeiou' else 'a'} {words}{shape}"

@@ -11,12 +11,14 @@ rows; no collective here.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from zeroscan.result_row import FIELDS, NONFINITE, Column, decode, finite_count, moments
+from zeroscan.words import brief, count_noun
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,40 @@ def _nonfinite(row: torch.Tensor) -> int:
     return int(row[NONFINITE].sum())
 
 
+def check_report_options(op: str, n: int, names: object, rtol: object) -> None:
+    """`names` (None, or one str per tensor of `n`) and `rtol` (a number >= 0)
+    as a replica comparison takes them; else the error naming the public call `op`."""
+    if names is not None:
+        if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+            raise TypeError(f"{op}: names must be a list of str (one per tensor) or None, got {type(names).__name__}")
+        if len(names) != n:
+            given = count_noun(len(names), "entry", "entries")
+            raise ValueError(f"{op}: names has {given} for {count_noun(n, 'tensor')}")
+    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)):
+        raise TypeError(f"{op}: rtol must be a number, got {type(rtol).__name__}")
+    if not rtol >= 0:
+        raise ValueError(f"{op}: rtol must be a non-negative number, got {rtol!r}")
+
+
+def chosen_indices(op: str, n: int, indices: object) -> list[int]:
+    """The tensors to compare: `indices` (ints in [0, n), a list or an int
+    tensor), or all n when None."""
+    if indices is None:
+        return list(range(n))
+    if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
+        raise TypeError(f"{op}: indices must be a list of ints or None, got {type(indices).__name__}")
+    given = list(indices)
+    try:
+        chosen = [operator.index(i) for i in given]
+    except TypeError:
+        kinds = sorted({type(i).__name__ for i in given})
+        raise TypeError(f"{op}: indices must be a list of ints or None, got one holding {', '.join(kinds)}") from None
+    outside = [i for i in chosen if not 0 <= i < n]
+    if outside:
+        raise ValueError(f"{op}: indices must lie in [0, {n}), got {brief(outside)}")
+    return chosen
+
+
 def replica_report(
     gathered: torch.Tensor,
     ranks: tuple[int, ...],
@@ -100,19 +136,19 @@ def replica_report(
     *,
     rtol: float = 1e-9,
     indices: Sequence[int] | None = None,
+    op: str = "zeroscan.distributed.GatheredRows.replica_report",
 ) -> ReplicaReport:
     """Compares every rank's rows with every other's (gathered: int64
     [W, N, 16], block r from global rank ranks[r]); see
     zeroscan.distributed.compare_replicas. `indices`: compare only these
     tensors (default: all). Reads back only an agreement mask, plus the rows
-    of tensors that differ."""
+    of tensors that differ. The rows and ranks come from an all_gather
+    (GatheredRows); names, rtol and indices from the user, refused in
+    errors naming `op`, the public call that passed them on."""
     rows = gathered
     world, n = rows.shape[0], rows.shape[1]
-    if names is not None and len(names) != n:
-        raise ValueError(f"replica_report: names has {len(names)} entries for {n} tensors")
-    chosen = list(range(n)) if indices is None else [int(i) for i in indices]
-    if any(not 0 <= i < n for i in chosen):
-        raise ValueError(f"replica_report: indices must lie in [0, {n}), got {chosen}")
+    check_report_options(op, n, names, rtol)
+    chosen = chosen_indices(op, n, indices)
     if indices is not None:
         rows = rows[:, chosen]
     agree = rows_agree(rows, rows[:1], rtol).all(0)  # every rank agrees with rank 0

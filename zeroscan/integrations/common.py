@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zeroscan.inputs import received
 from zeroscan.loggers import SEVERITY_RANK, log_finding, log_summary, scalars
 from zeroscan.monitor import Report, Severity
 from zeroscan.report_data import report_dict
@@ -197,7 +198,7 @@ def check_interval(user: str, name: str, value: int | None, *, none_ok: bool) ->
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         allowed = "an int >= 1 or None" if none_ok else "an int >= 1"
-        raise ValueError(f"{user}: {name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{user}: {name} must be {allowed}, got {received(value)}")
     return value
 
 
