@@ -60,6 +60,9 @@ class Cause(str, enum.Enum):
     PLAIN_ATTRIBUTE = "plain_attribute"
     # What a gradient's size or the weights' history say.
     VANISHING = "vanishing"
+    # A gradient that is zero in exact arithmetic by the model's structure (a key bias
+    # before softmax, a bias before a batch norm): what is left is rounding noise.
+    ZERO_BY_STRUCTURE = "zero_by_structure"
     EXPLODING = "exploding"
     NOT_UPDATED = "not_updated"
     FROZEN_IN_TIME = "frozen_in_time"

@@ -13,9 +13,11 @@ goes from what is surest to what is least sure:
   backward never went through feeds an output left out of the loss; one
   reached through a custom autograd.Function (or a torch.compile graph)
   whose backward gave it nothing is cut there;
-- the probe (probe.py), on one forward pass: a parameter used before a cut
-  (.detach(), .data, no_grad, an .item() round trip, ...) or under no_grad,
-  in a module that never ran, or never used at all.
+- the probe (probe.py), on one forward pass: a parameter that feeds a
+  result kept with its graph that the loss never used (an auxiliary loss
+  left out, kept.py), one used before a cut (.detach(), .data, no_grad, an
+  .item() round trip, ...) or under no_grad, in a module that never ran, or
+  never used at all.
 
 The probe runs on the first monitored step and again only when an
 unexplained None gradient shows up, so healthy training never pays for it.
@@ -31,6 +33,10 @@ weighted by 0 (zero_causes.py).
 
 Each answer (step_record.Why) carries its root: the cause worded for every
 parameter it explains, so that one root cause is one finding.
+
+Beside the answers, what a step ran under (autocast, a GradScaler, writes
+into the gradients after backward, a pipeline stage; context.py) goes with
+its record as its optimizer step runs (`stamp`), for the rules to read.
 """
 
 from __future__ import annotations
@@ -41,11 +47,14 @@ import torch
 from torch import nn
 
 from zeroscan.monitor import graph, zero_causes
+from zeroscan.monitor.context import ContextWatch
+from zeroscan.monitor.deferred import OpenStep
 from zeroscan.monitor.graph import Root
 from zeroscan.monitor.hooks import Hooks
+from zeroscan.monitor.kept import KeptGraphs, unused_result_why
 from zeroscan.monitor.labels import module_label
 from zeroscan.monitor.probe import Probe
-from zeroscan.monitor.step_record import Param, Why
+from zeroscan.monitor.step_record import Param, StepRecord, Why
 from zeroscan.verdicts import Cause
 from zeroscan.words import is_are, listed
 
@@ -93,11 +102,14 @@ class CauseFinder:
         self._answers: dict[int, Why] = {}
         self.forward_seen = False
         self.forward_grad = True
+        self.context = ContextWatch(params)  # what a step ran under, beside the scan (context.py)
+        self._kept: KeptGraphs | None = None  # what explain() found kept by the probed pass
 
     def forward_started(self) -> None:
         """A monitored forward pass of the model begins."""
         self.forward_seen = True
         self.forward_grad = torch.is_grad_enabled()
+        self.context.forward_started()
         self.latest = []  # a step's graph is held no longer than until the next one begins
         probe = self._probe
         if probe is not None and not probe.active and not probe.done:
@@ -113,6 +125,8 @@ class CauseFinder:
             probe.active = False
             probe.done = True
             self._walk_index = dict(probe.pindex)  # the parameters, and the stand-ins this probe saw
+            if monitored and torch.is_grad_enabled():
+                self.context.probed(probe.half, probe.input_cut, [r.node for r in roots], self._walk_index)
         if monitored and torch.is_grad_enabled():
             self.roots = roots  # the latest forward pass of this step
 
@@ -136,6 +150,17 @@ class CauseFinder:
             except Exception:  # a wrapper's parameter with no node of its own: nothing known
                 pass
 
+    def stamp(self, record: StepRecord | None, open_step: OpenStep | None) -> None:
+        """The optimizer step of `record` (None: not monitored) runs now: what
+        it ran under goes with it (context.py); `open_step`: the step that
+        backward opened, with the gradients as backward() left them."""
+        if record is None:
+            return
+        try:
+            record.context = self.context.stamp(open_step.grads if open_step is not None else None)
+        except Exception:  # what the step ran under is a hint: never worth breaking the step for
+            record.context = None
+
     def step_finished(self, monitored: bool, fired: set[int]) -> None:
         """The training step ended: a used probe goes, a wanted one is armed;
         `fired`: the outputs (by position) that a gradient reached."""
@@ -149,6 +174,7 @@ class CauseFinder:
         self.roots = []
         self.not_stored = set()
         self.forward_seen = False
+        self._kept = None
 
     def arm(self) -> None:
         """Probes the next monitored forward pass."""
@@ -161,13 +187,13 @@ class CauseFinder:
 
             def pre(module: nn.Module, args: Any, label: str = name) -> None:
                 if probe.active:
-                    probe.enter_module(label, module, finder.forward_grad)
+                    probe.enter_module(label, module, finder.forward_grad, args)
                 elif probe.done:  # called after the model's forward, before the step ends
                     probe.outside.setdefault(label, torch.is_grad_enabled())
 
             def post(module: nn.Module, args: Any, output: Any) -> None:
                 if probe.active:
-                    probe.leave_module()
+                    probe.leave_module(output)
 
             probe.handles.append(self._hooks.forward_pre(module, pre))
             probe.handles.append(self._hooks.forward(module, post, always_call=True))
@@ -224,6 +250,9 @@ class CauseFinder:
         view = graph.GraphView(
             self.roots, fired, loss.grad_fn if loss is not None else None, self._walk_index, self._pindex, set(rest)
         )
+        self._kept = None if probe is None else KeptGraphs(
+            self.model, probe.outputs, probe.taken, [r.node for r in self.roots], self._walk_index
+        )
         answers = {}
         for i in rest:
             why, stable, wants_probe = self._why_none(i, view, probe, loss, backward_seen)
@@ -236,6 +265,7 @@ class CauseFinder:
                 self._causes[i] = why
             if wants_probe and probe is None:
                 self._probe_next = True
+        self._kept = None  # holds graphs: no longer than the question
         self._asked, self._answers = asked, answers
         return causes | answers
 
@@ -366,6 +396,9 @@ class CauseFinder:
                 "parameter): their use leaves nothing for backward; use the parameters themselves")
         if i in probe.used:
             where = label(probe.used[i])
+            kept = self._kept.feeding(p) if self._kept is not None else None
+            if kept is not None:  # an auxiliary loss left out: what the loss lacks, before any cut
+                return unused_result_why(name, kept)
             if probe.cuts:
                 cuts = ", ".join(dict.fromkeys(f"{c} in {label(m)}" for c, m in probe.cuts))
                 return Why(Cause.DETACHED, (

@@ -32,7 +32,7 @@ the Monitor reads at backward end from then on.
 gradients are read when backward ends. When every gradient of a step is
 exactly zero, they tell whether backward() left them so or a change after it
 did (clip_grad_norm_ with max_norm=0), as the full scan at backward end
-used to (rules._all_zero_finding reads them as the rows `before`).
+used to (whole_model.all_zero_finding reads them as the rows `before`).
 
 What each rule sees, then: the gradient rules, the gradients optimizer.step()
 takes; the skipped-steps rule and the history of a skipped step, the

@@ -148,6 +148,57 @@ def function_kind(node: Node) -> tuple[str, bool] | None:
     return getattr(forward, "__qualname__", type(node).__name__), False
 
 
+# Backward nodes of the ops whose result does not change when their input moves by a shift
+# they normalize away: softmax along its dimension, a norm by the mean it subtracts. By a
+# fragment of the node's class name, lower-cased (log_softmax before softmax), across
+# devices and torch versions (NativeBatchNormBackward0, CudnnBatchNormBackward0, ...).
+NORMALIZERS = (
+    ("logsoftmax", "log_softmax"),
+    ("softmax", "softmax"),
+    ("scaleddotproduct", "scaled_dot_product_attention"),
+    ("batchnorm", "batch norm"),
+    ("groupnorm", "group norm"),
+    ("layernorm", "layer norm"),
+)
+COMPILED_GATE = "a torch.compile graph"  # hides which ops are on the way
+
+
+def normalizer_kind(node: Node) -> str | None:
+    """The normalizing op (NORMALIZERS) a backward node is, a compiled graph, or None."""
+    name = type(node).__name__.lower()
+    for fragment, words in NORMALIZERS:
+        if fragment in name:
+            return words
+    kind = function_kind(node)
+    return COMPILED_GATE if kind is not None and kind[1] else None
+
+
+def normalizer_gates(roots: Iterable[Node], pindex: dict[int, int]) -> dict[int, frozenset[str]]:
+    """For each parameter (indices by id of the tensor, `pindex`) that every
+    way from `roots` reaches only through a normalizing op (or a compiled
+    graph, which hides its ops): the nearest such ops on those ways. One walk
+    that carries the nearest op seen so far, so each node is visited once per
+    kind (a handful), not once per way."""
+    kinds: dict[int, set[str | None]] = {}
+    seen: set[tuple[int, str | None]] = set()
+    held: list[Node] = []  # visited nodes stay alive during the walk, so that their ids stay theirs
+    stack: list[tuple[Node, str | None]] = [(node, None) for node in roots]
+    while stack:
+        node, gate = stack.pop()
+        if (id(node), gate) in seen:
+            continue
+        seen.add((id(node), gate))
+        held.append(node)
+        var = getattr(node, "variable", None)
+        if var is not None and (i := pindex.get(id(var))) is not None:
+            kinds.setdefault(i, set()).add(gate)
+        below = normalizer_kind(node) or gate
+        for nxt, _ in getattr(node, "next_functions", ()):
+            if nxt is not None and (id(nxt), below) not in seen:
+                stack.append((nxt, below))
+    return {i: frozenset(k for k in found if k is not None) for i, found in kinds.items() if None not in found}
+
+
 def hook_label(hook: Callable[..., Any]) -> str:
     """A hook as messages name it: its qualified name and where it was defined."""
     fn = getattr(hook, "func", hook)  # a functools.partial names its function

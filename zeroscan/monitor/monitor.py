@@ -339,6 +339,7 @@ class Monitor:
         if record is not None and self._groups is not None:  # the rates and groups this step runs with
             record.lrs = step_lrs(self._groups)
             self._memberships.observe(record.step, self._groups, self._params, self._records)
+        self._causes.stamp(record, open_step)  # what the step ran under: autocast, GradScaler (context.py)
         self._habit.stepped(self._params)
         self._end_step(record, stepped=True)
 

@@ -17,6 +17,13 @@ knows. So on entering a module the probe looks at the module's own
 parameters again and takes each tensor it holds now as the Monitor's
 parameter of that name. Cuts made by torch itself (a wrapper's own
 .detach() on the way) are not the user's and are left out.
+
+The probe also notes what the cause analysis asks of a pass beyond cuts:
+which parameters entered an op that gave a float16 result (autocast's
+matmuls and convolutions; context.py), a cut the model made on its own input
+(a pipeline stage that detaches what it received), and the graph behind the
+outputs of each submodule (an auxiliary loss a module returns that never
+enters the loss; causes.py).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ _CUT_METHODS = {
     torch.Tensor.numpy: ".numpy()",
 }
 _DETACHING = (".detach()", ".detach_()", ".data")
+_WIDER_THAN_HALF = (torch.float32, torch.float64)
 _UNFOLLOWED = (".item()", ".tolist()", ".numpy()")  # their results are Python values
 MAX_FOLLOWED = 4096  # tensors made by a cut, followed at once
 # torch's own wrappers (FSDP, DDP, DTensor, torch.compile): a cut made there is not the model's.
@@ -55,6 +63,7 @@ _BETWEEN = (
     os.path.join(os.path.dirname(torch.__file__), "_dynamo", "eval_frame.py"),
 )
 MAX_CUTS = 16
+MAX_OUTPUTS = 1024  # submodule outputs whose graph the probe keeps, for one step
 Cut = tuple[str, str]  # what cut the graph, and the module where
 
 
@@ -79,6 +88,23 @@ class Probe(TorchFunctionMode):
         # Modules called after the model's forward, before the step ended (an auxiliary
         # loss computed in the training loop), with whether grad mode was on.
         self.outside: dict[str, bool] = {}
+        self.half: dict[int, str] = {}  # parameters an op took into a float16 result, and the module where
+        self.inputs: list[weakref.ref[torch.Tensor]] = []  # the model's own inputs that require grad
+        # The first cut the model made on one of them that an op then used with grad on (as
+        # any cut counts); `_from_input`: ids of the followed tensors such a cut made.
+        self.input_cut: Cut | None = None
+        self._from_input: set[int] = set()
+        self._cutting_input = False
+        # The outputs of submodules that carry a graph and that no later op took: the
+        # submodule's name, which output, and its grad_fn (kept while the probe's step
+        # lasts, for graph.py to walk). `_taken`: by position in `_kept`, whether an op took it.
+        self._kept: list[tuple[str, str, Any, weakref.ref[torch.Tensor]]] = []
+        self._kept_ids: dict[int, int] = {}
+        self._taken: set[int] = set()
+        # The tensors that require grad and that an op took with grad on, by id (weakly: an id
+        # outlives its tensor, and may name a later one).
+        self._consumed: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._op_params: list[int] = []  # the parameters wider than float16 that the current op takes
         self.handles: list[Any] = []
         self.active = False
         self.done = False
@@ -89,17 +115,23 @@ class Probe(TorchFunctionMode):
         # The function, not the bound method: a bound method here would make a
         # reference cycle of the probe.
         self._observe_eagerly = torch.compiler.disable(Probe._observe)
+        self._keep_eagerly = torch.compiler.disable(Probe._keep_outputs)  # it reads grad_fns: not dynamo's
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        self._op_params, self._cutting_input = [], False  # what _observe finds of this op
         try:
             made_by = self._observe_eagerly(self, func, args, kwargs)
         except Exception:  # observing must never break the forward pass
             made_by = None
         out = func(*args, **kwargs)
-        if made_by is not None:
+        if made_by is not None or self._op_params:
             try:
-                self._follow(out, made_by)
+                if made_by is not None:
+                    self._follow(out, made_by)
+                if self._op_params and isinstance(out, torch.Tensor) and out.dtype == torch.float16:
+                    for i in self._op_params:
+                        self.half.setdefault(i, self.stack[-1] if self.stack else "")
             except Exception:
                 pass
         return out
@@ -116,11 +148,17 @@ class Probe(TorchFunctionMode):
         carried: Cut | None = None  # the cut that made an input, not yet used with grad on
         for t in tensors_in(args, kwargs):
             i = self.pindex.get(id(t))
+            if i is not None and t.dtype in _WIDER_THAN_HALF:
+                self._op_params.append(i)
             if i is None:
                 graph_input = graph_input or t.requires_grad
+                if t.requires_grad and grad_on:
+                    self._took(t)
                 made = self._made_by(t)
                 if made is not None and grad_on and (cut is None or cut in _UNFOLLOWED):
                     self._confirm(made)  # used with grad on, or turned into a Python value
+                    if id(t) in self._from_input and self.input_cut is None:
+                        self.input_cut = made
                 elif made is not None:
                     carried = carried or made
             elif cut in _DETACHING:
@@ -141,10 +179,41 @@ class Probe(TorchFunctionMode):
         )
         if not cuts_graph or called_by_torch():
             return carried
+        self._cutting_input = self.input_cut is None and self._takes_input(args, kwargs, cut)
         if cut in _UNFOLLOWED:
             self._confirm((cut, where))
+            if self._cutting_input:
+                self.input_cut = (cut, where)
             return None
         return (cut, where)
+
+    def _took(self, t: torch.Tensor) -> None:
+        """An op with grad mode on takes `t`, which requires grad."""
+        self._consumed[id(t)] = weakref.ref(t)
+        k = self._kept_ids.get(id(t))
+        if k is not None and self._kept[k][3]() is t:
+            self._taken.add(k)
+
+    def taken(self, t: torch.Tensor) -> bool:
+        """Whether an op with grad mode on took `t` during the probed pass."""
+        ref = self._consumed.get(id(t))
+        return ref is not None and ref() is t
+
+    @property
+    def outputs(self) -> list[tuple[str, str, Any]]:
+        """The submodule outputs with a graph that no later op of the pass took:
+        (the submodule's name, which output, its grad_fn)."""
+        return [(name, which, node) for k, (name, which, node, _) in enumerate(self._kept) if k not in self._taken]
+
+    def _takes_input(self, args: tuple, kwargs: dict, cut: str) -> bool:
+        """Whether the cut `cut` is made on one of the model's own inputs
+        (under no_grad: any tensor of the op; else the tensor cut)."""
+        if not self.inputs:
+            return False
+        own = {id(t) for ref in self.inputs if (t := ref()) is not None}
+        if cut.startswith("torch."):
+            return any(id(t) in own for t in tensors_in(args, kwargs))
+        return bool(args) and id(args[0]) in own
 
     def _made_by(self, t: torch.Tensor) -> Cut | None:
         entry = self.followed.get(id(t))
@@ -156,13 +225,18 @@ class Probe(TorchFunctionMode):
 
     def _follow(self, out: Any, cut: Cut) -> None:
         """Follows the tensors `out` holds, made by `cut`."""
+        from_input = self._cutting_input
         for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ():
             if isinstance(t, torch.Tensor):
+                if from_input:
+                    self._from_input.add(id(t))
                 if len(self.followed) >= MAX_FOLLOWED:
                     del self.followed[next(iter(self.followed))]
                 self.followed[id(t)] = (weakref.ref(t), cut)
 
-    def enter_module(self, name: str, module: nn.Module, root_grad: bool) -> None:
+    def enter_module(self, name: str, module: nn.Module, root_grad: bool, args: tuple = ()) -> None:
+        if not self.stack and not self.inputs:  # the model's own forward: its inputs that require grad
+            self.inputs = [weakref.ref(t) for t in tensors_in(args, {}) if t.requires_grad and id(t) not in self.pindex]
         self.stack.append(name)
         self.ran.add(name)
         if root_grad and not torch.is_grad_enabled():
@@ -173,9 +247,23 @@ class Probe(TorchFunctionMode):
                 if t is not None and attr in own:
                     self.pindex[id(t)] = own[attr]
 
-    def leave_module(self) -> None:
+    def leave_module(self, output: Any = None) -> None:
         if self.stack:
-            self.stack.pop()
+            name = self.stack.pop()
+            if self.stack:  # a submodule's: the model's own outputs are the Monitor's roots
+                try:
+                    self._keep_eagerly(self, name, output)
+                except Exception:  # keeping must never break the forward pass
+                    pass
+
+    def _keep_outputs(self, name: str, output: Any) -> None:
+        items = output.items() if isinstance(output, dict) else enumerate(output) if isinstance(
+            output, (list, tuple)) else [(None, output)]
+        for key, t in items:
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None and len(self._kept) < MAX_OUTPUTS:
+                which = "the output" if key is None else f"output[{key!r}]"
+                self._kept_ids[id(t)] = len(self._kept)
+                self._kept.append((name, which, t.grad_fn, weakref.ref(t)))
 
 
 def called_by_torch() -> bool:

@@ -10,15 +10,18 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
 import torch
 
+from zeroscan.monitor.drift import history_findings
 from zeroscan.monitor.grouping import group_findings
+from zeroscan.monitor.precision import fp16_underflow
+from zeroscan.monitor.structural import structural_zero
+from zeroscan.monitor.whole_model import all_zero_finding, input_cut_finding
 from zeroscan.monitor.step_record import (
     Activation, Param, Slot, StepRecord, Unscanned, Why, dtype_name, nonfinite_words,
 )
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
-from zeroscan.monitor.series import COUNT_COLUMNS, Series
+from zeroscan.monitor.series import Series
 from zeroscan.monitor.steps import judged_records, nothing_ran, step_findings
 from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
 from zeroscan.result_row import Column, Row
@@ -51,7 +54,7 @@ def judge(
     if records:
         found += step_findings(params, records, thresholds)
         found += _latest_findings(params, series, thresholds, optimizer)
-        found += _history_findings(params, series, thresholds)
+        found += history_findings(params, series, thresholds)
     found.sort(key=lambda of: (-int(of[1].severity), of[0]))
     return group_findings([f for _, f in found])
 
@@ -85,13 +88,16 @@ def _latest_findings(
     dead = [a.name for a in rec.acts or [] if a.tag == "relu" and a.unit["numel"] and a.unit["zeros"] == a.unit["numel"]]
     subnormal = rec.rows.gather(series.grad_rows, [Column.SUBNORMAL])[0] if rec.rows is not None else None
     underflowing = subnormal is not None and bool((subnormal > 0).any())
-    whole = _all_zero_finding(series) if rec.stepped is not False else None
+    whole = all_zero_finding(series) if rec.stepped is not False else None
     # No step and no gradient yet: step_findings says so once, for every parameter.
     quiet_none = nothing_ran(params, records)
     # A gradient that exists but could not be read has its own note (not_scanned).
     unread_grads = {u.name for u in rec.unscanned if u.kind == "grad"}
     if whole is not None:
         out.append((-1, whole))
+    cut = input_cut_finding(rec.context)
+    if cut is not None:
+        out.append((-1, cut))
     for p in params:
         i, name = p.index, p.name
         grad, w = rec.row(Slot.grad(i)), rec.row(Slot.weight(i))
@@ -122,7 +128,7 @@ def _latest_findings(
             continue
         if whole is not None:
             continue
-        finding = _grad_finding(p, grad, w, dead, series, underflowing, th, rec.zero_causes.get(i))
+        finding = _grad_finding(p, params, grad, w, dead, series, underflowing, th, rec.zero_causes.get(i))
         if finding is not None:
             if finding.cause == Cause.NONFINITE:
                 finding = in_shards(finding, rec.shard_ranks.get(Slot.grad(i)))
@@ -185,36 +191,9 @@ def _none_finding(p: Param, series: Series) -> Finding:
     return Finding(p.name, "grad", severity, Cause(why.cause), why.message, root=why.root)
 
 
-def _all_zero_finding(series: Series) -> Finding | None:
-    """One model-wide finding when every gradient of the step is exactly zero."""
-    rec = series.records[-1]
-    if rec.rows is None:
-        return None
-    counts, present = rec.rows.gather(series.grad_rows, COUNT_COLUMNS)  # numel, zeros
-    rows = series.grad_rows[present & (counts[:, 0] > 0)]
-    counts = counts[present & (counts[:, 0] > 0)]
-    if len(rows) < 2 or (counts[:, 1] != counts[:, 0]).any():
-        return None
-    before, had = rec.rows.gather(rows, COUNT_COLUMNS, before=True)
-    if (had & (before[:, 1] != before[:, 0])).any():
-        why = (
-            "they were nonzero when backward() finished and were zeroed before the optimizer step: "
-            "clip_grad_norm_ with max_norm=0, or an in-place change of .grad (mul_(0), zero_()) "
-            "between backward() and step()"
-        )
-    else:
-        why = (
-            "backward() itself produced zeros, so the loss does not depend on any parameter: "
-            "a loss multiplied by 0, a loss scale of 0, or a batch whose targets are all masked out"
-        )
-    return Finding(GLOBAL_NAME, "grad", Severity.WARNING, Cause.EXACT_ZERO, (
-        f"every gradient of the model ({len(rows)} tensors) is exactly zero at step {rec.step}: {why}; "
-        "nothing trains at this step"
-    ))
-
-
 def _grad_finding(
     p: Param,
+    params: list[Param],
     g: Row,
     w: Row | None,
     dead: list[str],
@@ -223,7 +202,8 @@ def _grad_finding(
     th: Thresholds,
     zero_why: Why | None = None,
 ) -> Finding | None:
-    """`zero_why`: why the gradient is exactly zero, where the cause analysis knows."""
+    """`zero_why`: why the gradient is exactly zero, where the cause analysis knows;
+    `params`: every parameter (a gradient's neighbours tell its scale)."""
     name = p.name
     n = int(g["numel"])
     if n == 0:
@@ -244,11 +224,18 @@ def _grad_finding(
                 "gradients of this step are subnormal: it most likely underflowed to zero. Scale the "
                 "loss (torch.amp.GradScaler), use bfloat16, or keep float32 master gradients"
             ))
+        # A design that starts at zero is zero from the first monitored step: after a nonzero one, it is not that.
+        half = fp16_underflow(p, g, series.records[-1].context, th, lasting or streak < len(series.records))
+        if half is not None:
+            return half
         if zero_why is not None and lasting:  # a hook, an output weighted by 0, a Function, a compiled cut
             # Named once the zeros last: before that a design that starts at zero (LoRA's B = 0) is
             # likelier, whatever sits on the way, and the INFO below says so.
             severity = Severity.ERROR if zero_why.cause == Cause.DETACHED else Severity.WARNING
             return Finding(name, "grad", severity, Cause(zero_why.cause), zero_why.message, root=zero_why.root)
+        noise = structural_zero(p, params, series) if lasting else None
+        if noise is not None:  # an exact cancellation of what is otherwise rounding noise
+            return noise
         if dead:
             why = (
                 f"the activation{'s' if len(dead) > 1 else ''} {', '.join(dead)} "
@@ -291,6 +278,9 @@ def _grad_finding(
             f"{dtype} (and {100 * zeros / n:.3g}% are exactly zero): the gradient is underflowing; "
             "scale the loss (torch.amp.GradScaler) or use bfloat16"
         ))
+    half = fp16_underflow(p, g, series.records[-1].context, th)
+    if half is not None:
+        return half
     if zeros / n >= th.mostly_zero and not p.embedding:
         counts = series.zero_counts(p.index)
         fixed = len(counts) >= 2 and len(set(counts)) == 1
@@ -311,6 +301,9 @@ def _grad_finding(
         return None
     ratio = g_norm / w_norm
     if ratio < th.vanishing:
+        noise = structural_zero(p, params, series)
+        if noise is not None:  # zero in exact arithmetic: no step could move it, and none needs to
+            return noise
         return Finding(name, "grad", Severity.WARNING, Cause.VANISHING, (
             f"the gradient of {name} is vanishing: ||g||/||w|| = {ratio:.2e} (||g|| = {g_norm:.3g}, "
             f"||w|| = {w_norm:.3g}), below {th.vanishing:.0e}; plain SGD cannot move this weight"
@@ -428,68 +421,6 @@ def _activation_finding(act: Activation, th: Thresholds) -> Finding | None:
             "scale the logits down (temperature, 1/sqrt(d) in attention) or check for huge logits"
         ))
     return None
-
-
-def _history_findings(params: list[Param], series: Series, th: Thresholds) -> list[tuple[int, Finding]]:
-    window = series.records[-th.drift_window:]
-    if len(window) < th.drift_window:
-        return []
-    out: list[tuple[int, Finding]] = []
-    recent = Series(window, len(params))
-    norms = recent.grad_norms()  # [W, P], NaN where a gradient is missing
-    totals: list[float] = []
-    for per in norms.tolist():
-        total = 0.0
-        for v in per:  # in parameter order, as a running sum: the same float as always
-            if v == v:
-                total += v * v
-        totals.append(math.sqrt(total))
-    steps = f"{window[0].step}..{window[-1].step}"
-    if _drifts(totals, th.drift_factor):
-        out.append((-1, Finding(GLOBAL_NAME, "grad", Severity.WARNING, Cause.NORM_DRIFT, (
-            f"the total gradient norm fell from {totals[0]:.3g} to {totals[-1]:.3g} over monitored "
-            f"steps {steps}, falling almost every step: training is stalling (aggressive clipping, "
-            "a decaying scale or learning signal); if the loss is not improving, loosen the clipping"
-        ))))
-    else:
-        for i in np.flatnonzero(_drifting(norms, th.drift_factor)).tolist():
-            first, last = float(norms[0, i]), float(norms[-1, i])
-            out.append((i, Finding(params[i].name, "grad", Severity.WARNING, Cause.NORM_DRIFT, (
-                f"the gradient norm of {params[i].name} fell from {first:.3g} to {last:.3g} over "
-                f"monitored steps {steps}, falling almost every step"
-            ))))
-    fractions, valid = recent.zero_fractions()
-    embedding = np.array([p.embedding for p in params], dtype=bool)
-    for i in np.flatnonzero(valid.all(axis=0) & ~embedding & _rising(fractions)).tolist():
-        first, last = float(fractions[0, i]), float(fractions[-1, i])
-        out.append((i, Finding(params[i].name, "grad", Severity.WARNING, Cause.ZERO_FRACTION_RISING, (
-            f"the exact-zero fraction of the gradient of {params[i].name} rose from {100 * first:.3g}% "
-            f"to {100 * last:.3g}% over monitored steps {steps}: units are dying "
-            "(ReLU) or a mask is closing"
-        ))))
-    return out
-
-
-def _drifting(norms: np.ndarray, factor: float) -> np.ndarray:
-    """_drifts for every column of float64 [W, P] at once: bool [P]."""
-    with np.errstate(all="ignore"):
-        usable = (np.isfinite(norms) & (norms > 0)).all(axis=0)
-        falls = (norms[1:] < norms[:-1]).sum(axis=0)
-        return usable & (falls >= 0.9 * (len(norms) - 1)) & (norms[0] / norms[-1] >= factor)
-
-
-def _rising(fractions: np.ndarray) -> np.ndarray:
-    """_rises for every column of float64 [W, P] at once: bool [P]."""
-    ups = (fractions[1:] >= fractions[:-1]).sum(axis=0)
-    last = fractions[-1]
-    return (last >= 0.5) & (last - fractions[0] >= 0.25) & (ups >= 0.8 * (len(fractions) - 1))
-
-
-def _drifts(series: list[float], factor: float) -> bool:
-    if len(series) < 2 or not all(math.isfinite(v) and v > 0 for v in series):
-        return False
-    falls = sum(1 for a, b in zip(series, series[1:]) if b < a)
-    return falls >= 0.9 * (len(series) - 1) and series[0] / series[-1] >= factor
 
 
 def in_shards(finding: Finding, ranks: RankSet | None) -> Finding:

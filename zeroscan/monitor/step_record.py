@@ -124,7 +124,7 @@ class StepRecord:
     __slots__ = (
         "step", "stepped", "groups", "fields", "requires_grad", "none_causes", "activations", "notes", "unscanned",
         "rows", "acts", "exchange", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared",
-        "zero_causes", "lrs", "born_ranks", "witness",
+        "zero_causes", "lrs", "born_ranks", "witness", "context",
     )
 
     def __init__(self, step: int) -> None:
@@ -170,6 +170,9 @@ class StepRecord:
         # The first values of a few gradients, read when backward ended while the step's
         # own read waits for optimizer.step() (deferred.py): decoded as rows `before` only.
         self.witness: Scan | None = None
+        # What the step ran under beside the scan (autocast, GradScaler, writes into the
+        # gradients after backward: context.StepContext), set at its optimizer step.
+        self.context: Any = None
 
     def add(self, scans: list[Scan]) -> None:
         """Keeps the results of `scans`, later than those kept so far."""

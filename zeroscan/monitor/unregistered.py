@@ -19,7 +19,7 @@ from zeroscan.verdicts import Cause, Severity
 from zeroscan.words import listed
 
 # An nn.Module's own attributes, and the instance __getstate__ that hooks.py may add.
-_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"__getstate__"}
+MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"__getstate__"}
 
 
 def trainable_leaf(value: object) -> bool:
@@ -39,7 +39,7 @@ def unregistered_state(model: nn.Module) -> list[Finding]:
     for mod_name, module in model.named_modules():
         owner = module_label(model, mod_name)
         for attr, value in vars(module).items():
-            if attr in _MODULE_INTERNALS:
+            if attr in MODULE_INTERNALS:
                 continue
             name = f"{mod_name}.{attr}" if mod_name else attr
             if trainable_leaf(value) and not isinstance(value, nn.Parameter):
