@@ -34,9 +34,16 @@ Python bookkeeping by tracemalloc) over `history` steps, and each
 configuration's peak RSS over three steps, each in a fresh process.
 Target: trace <= 3 % of the step on CPU, <= 2 % and no host sync on a GPU.
 
+With --deep, a recurrent cell unrolled 1,000 to 20,000 times per forward
+pass (a graph of up to 60,000 nodes): the trace's cost per module call at
+each depth, the first traced step and the next ones, which must not grow
+with the number of calls (CPU time per call, best of 3 steps, after one
+untimed step of each).
+
     python benchmarks/bench_nonfinite_trace.py                  # CPU
     python benchmarks/bench_nonfinite_trace.py --device cuda    # a GPU
     python benchmarks/bench_nonfinite_trace.py --quick          # a smaller model, fewer rounds
+    python benchmarks/bench_nonfinite_trace.py --deep           # cost per call of a 1k-20k call forward
 """
 
 from __future__ import annotations
@@ -299,6 +306,49 @@ def rss_of(config: str, args: argparse.Namespace) -> None:
     print(json.dumps({"peak_rss_mib": peak}))
 
 
+class Unrolled(nn.Module):
+    """One cell called `calls` times per forward pass."""
+
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self.calls = calls
+        self.cell = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.calls):
+            x = torch.tanh(self.cell(x))
+        return self.head(x)
+
+
+def deep_costs(depths: tuple[int, ...]) -> list[str]:
+    """The trace's extra CPU time per module call, per depth: the first traced
+    step, and the best of the next three, against the best plain step."""
+    lines = ["trace on a cell unrolled N times (process CPU time per step; extra per call):",
+             f"{'calls':>7}  {'plain ms':>9}  {'traced, first':>14}  {'traced, best':>13}  {'us/call first':>14}  "
+             f"{'us/call best':>13}"]
+    for calls in depths:
+        model = Unrolled(calls)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        x = torch.randn(2, 8)
+
+        def step() -> None:
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+
+        step()
+        plain = min(seconds_per_call(step, 1, clock=time.process_time) for _ in range(3))
+        monitor = zeroscan.Monitor(model, opt, every=10**9, trace_nonfinite=True)
+        step()  # the Monitor's step 0: its scans and probe run here, not the trace alone
+        first = seconds_per_call(step, 1, clock=time.process_time)
+        best = min(seconds_per_call(step, 1, clock=time.process_time) for _ in range(3))
+        monitor.close()
+        lines.append(f"{calls:>7}  {1e3 * plain:9.1f}  {1e3 * first:14.1f}  {1e3 * best:13.1f}  "
+                     f"{1e6 * (first - plain) / calls:14.1f}  {1e6 * (best - plain) / calls:13.1f}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -308,6 +358,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round and configuration")
     parser.add_argument("--rss-of", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--flags-only", action="store_true", help="only the per-distribution timing of the flag")
+    parser.add_argument("--deep", action="store_true", help="only the cost per call of a 1k-20k call forward pass")
     args = parser.parse_args()
     args.vocab, args.length, args.batch = 50257, 128, 2
     args.width, args.layers, args.heads = (256, 4, 4) if args.quick else (768, 12, 12)
@@ -315,6 +366,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.rss_of:
         rss_of(args.rss_of, args)
+        return
+    if args.deep:
+        print(describe_machine(torch.device("cpu")))
+        print("\n".join(deep_costs((1000, 4000, 20000))))
         return
     if args.flags_only:
         device = torch.device(args.device)

@@ -217,7 +217,10 @@ class CauseFinder:
         self.drop()
         self.roots = []
         if self.latest:
-            self._closed_view = self._latest_view(set(range(len(self._params)))).without_graph()
+            try:
+                self._closed_view = self._latest_view(set(range(len(self._params)))).without_graph()
+            except graph.TooDeep:  # nothing known of that graph, rather than walking it
+                self._closed_view = None
         self.latest = []
 
     def _latest_view(self, targets: set[int]) -> graph.GraphView:
@@ -246,13 +249,25 @@ class CauseFinder:
             frozenset(self.not_stored), self.forward_seen, self.forward_grad,
         )
         if probe is None and asked == self._asked:
-            return causes | {i: self._answers[i] for i in rest}
+            return causes | {i: self._answers[i] for i in rest if i in self._answers}
         view = graph.GraphView(
             self.roots, fired, loss.grad_fn if loss is not None else None, self._walk_index, self._pindex, set(rest)
         )
         self._kept = None if probe is None else KeptGraphs(
             self.model, probe.outputs, probe.taken, [r.node for r in self.roots], self._walk_index
         )
+        try:
+            answers = self._answer(rest, view, probe, loss, backward_seen)
+        except graph.TooDeep:  # the graph is too deep to walk: no cause is claimed
+            answers = {}
+        self._kept = None  # holds graphs: no longer than the question
+        self._asked, self._answers = asked, answers
+        return causes | answers
+
+    def _answer(
+        self, rest: list[int], view: graph.GraphView, probe: Probe | None, loss: torch.Tensor | None,
+        backward_seen: bool | None,
+    ) -> dict[int, Why]:
         answers = {}
         for i in rest:
             why, stable, wants_probe = self._why_none(i, view, probe, loss, backward_seen)
@@ -265,9 +280,7 @@ class CauseFinder:
                 self._causes[i] = why
             if wants_probe and probe is None:
                 self._probe_next = True
-        self._kept = None  # holds graphs: no longer than the question
-        self._asked, self._answers = asked, answers
-        return causes | answers
+        return answers
 
     def _why_none(
         self, i: int, view: graph.GraphView, probe: Probe | None, loss: torch.Tensor | None, backward_seen: bool | None
@@ -455,7 +468,10 @@ class CauseFinder:
         """Why the gradients of the parameters `zero` (indices) are exactly
         zero everywhere, where the latest monitored step's graph tells
         (zero_causes.py); the others are left out."""
-        return zero_causes.explain_zeros(self.model, self._params, self._latest_view(set(zero)), self._eager, zero)
+        try:
+            return zero_causes.explain_zeros(self.model, self._params, self._latest_view(set(zero)), self._eager, zero)
+        except graph.TooDeep:  # the graph is too deep to walk: no cause is claimed
+            return {}
 
 
 def cleared_cause(name: str) -> Why:

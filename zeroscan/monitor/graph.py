@@ -9,6 +9,9 @@ backward returns None for an input cuts the graph there although the walk
 still reaches the parameter. Hooks that can change a gradient on its way
 (tensor hooks, post-accumulate-grad hooks, a module's backward hooks) are
 listed with where they were defined, leaving out torch's own and zeroscan's.
+
+A walk follows a way from the outputs at most MAX_WALK_DEPTH nodes deep,
+and raises TooDeep past it; what asked then says nothing (see TooDeep).
 """
 
 from __future__ import annotations
@@ -21,6 +24,17 @@ import torch
 from torch import nn
 
 Node = Any  # torch.autograd.graph.Node; the C++ node classes share no Python base
+MAX_WALK_DEPTH = 6000  # nodes on one way from the outputs that a walk follows
+
+
+class TooDeep(RuntimeError):
+    """A way from the outputs runs past MAX_WALK_DEPTH nodes (a cell unrolled
+    thousands of times). Reading a node from Python gives it a Python object
+    that it then owns, and torch 2.13 frees a chain of such nodes
+    recursively, one level of the C stack per node: a walk down a chain of
+    30,000 overflows an 8 MB stack when the graph is freed (15,000 did not,
+    here). So the walk stops, and the analysis that asked answers nothing
+    rather than something a partial walk would make up."""
 
 
 class Root(NamedTuple):
@@ -72,18 +86,20 @@ def nodes_behind(nodes: Iterable[Node], *, through_functions: bool = True) -> It
     stack: graphs are deep); with through_functions=False, a custom
     autograd.Function's node (see function_kind) is the last on its way."""
     seen: set[int] = set()
-    stack = list(nodes)
+    stack = [(node, 1) for node in nodes]
     while stack:
-        node = stack.pop()
+        node, depth = stack.pop()
         if id(node) in seen:
             continue
+        if depth > MAX_WALK_DEPTH:
+            raise TooDeep(f"a way from the outputs runs past {MAX_WALK_DEPTH} nodes")
         seen.add(id(node))
         yield node
         if not through_functions and function_kind(node) is not None:
             continue
         for nxt, _ in getattr(node, "next_functions", ()):
             if nxt is not None and id(nxt) not in seen:
-                stack.append(nxt)
+                stack.append((nxt, depth + 1))
 
 
 def reachable(nodes: Iterable[Node], pindex: dict[int, int], *, through_functions: bool = True) -> set[int]:
@@ -182,11 +198,13 @@ def normalizer_gates(roots: Iterable[Node], pindex: dict[int, int]) -> dict[int,
     kinds: dict[int, set[str | None]] = {}
     seen: set[tuple[int, str | None]] = set()
     held: list[Node] = []  # visited nodes stay alive during the walk, so that their ids stay theirs
-    stack: list[tuple[Node, str | None]] = [(node, None) for node in roots]
+    stack: list[tuple[Node, str | None, int]] = [(node, None, 1) for node in roots]
     while stack:
-        node, gate = stack.pop()
+        node, gate, depth = stack.pop()
         if (id(node), gate) in seen:
             continue
+        if depth > MAX_WALK_DEPTH:
+            raise TooDeep(f"a way from the outputs runs past {MAX_WALK_DEPTH} nodes")
         seen.add((id(node), gate))
         held.append(node)
         var = getattr(node, "variable", None)
@@ -195,7 +213,7 @@ def normalizer_gates(roots: Iterable[Node], pindex: dict[int, int]) -> dict[int,
         below = normalizer_kind(node) or gate
         for nxt, _ in getattr(node, "next_functions", ()):
             if nxt is not None and (id(nxt), below) not in seen:
-                stack.append((nxt, below))
+                stack.append((nxt, below, depth + 1))
     return {i: frozenset(k for k in found if k is not None) for i, found in kinds.items() if None not in found}
 
 
