@@ -628,3 +628,27 @@ def test_a_kept_result_that_went_on_into_a_cut_names_the_cut(keep: str) -> None:
     (f,) = [f for f in report.findings if f.kind == "grad"]
     assert f.cause == "detached" and set(f.names) == {"block.0.weight", "block.0.bias"}, str(report)
     assert ".detach()" in f.message and "not part of the loss" not in f.message, str(report)
+
+
+def test_sparse_rows_under_float16_autocast_are_no_underflow() -> None:
+    """An embedding's rows are zero where a batch has none of their tokens,
+    and a manual monitor.step() (auto=False) cannot see the GradScaler: under
+    float16 autocast, with a scaler, neither is an underflow."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(2000, 32), nn.Linear(32, 2000))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = Monitor(model, opt, auto=False)
+    for _ in range(3):
+        tokens = torch.randint(0, 2000, (4, 8))
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(tokens)
+        loss = nn.functional.cross_entropy(logits.float().reshape(-1, 2000), tokens.reshape(-1))
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        monitor.step()
+        scaler.step(opt)
+        scaler.update()
+    report = monitor.report()
+    assert not [f for f in report.findings if f.cause == "underflow" and f.severity != "info"], str(report)

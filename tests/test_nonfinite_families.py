@@ -409,6 +409,60 @@ def test_a_fully_masked_row_descends_from_its_mask() -> None:
     assert "1.attn returned NaN from that inf" in origin["how"], origin
 
 
+class InfInBackward(torch.autograd.Function):
+    """Identity in forward; its backward multiplies the gradient by inf."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf")
+
+
+class BlowsUpInBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return InfInBackward.apply(y) if self.armed else y
+
+
+class BanChoices(nn.Module):
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.masked_fill(torch.arange(VOCAB) >= VOCAB - 3, float("-inf"))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["plain_logits", "masked_logits"])
+def test_an_infinity_born_in_backward_is_not_the_masked_output(masked: bool) -> None:
+    """The model returns logits that are -inf at banned choices (consumed by
+    the loss), and an inf is born in a module's backward, after which NaN
+    follows: the origin is that backward, with or without the mask."""
+    g = fresh_generator()
+    body = BlowsUpInBackward()
+    layers = [nn.Embedding(VOCAB, WIDTH), body, nn.Tanh(), nn.Linear(WIDTH, VOCAB)]
+    model = nn.Sequential(*layers, *([BanChoices()] if masked else []))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay finite: every step is like the first
+    monitor = zeroscan.Monitor(model, opt, trace_nonfinite=True)
+    for step in range(STEPS):
+        body.armed = step == ARMED_AT
+        tokens, targets = tokens_and_targets(g)
+        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = monitor.report().nonfinite_origin
+    assert origin is not None and (origin["name"], origin["step"], origin["pass"]) == ("1", ARMED_AT, "backward"), origin
+    assert "the gradient reaching the output of 1.lin held inf" in origin["how"], origin
+    # The bias's gradient sums the inf over the batch and its weight's multiplies it by inputs of both
+    # signs: NaN, after the inf; it comes from the inf, and no message says every gradient before was finite.
+    assert "held NaN made from that inf" in origin["how"], origin["how"]
+
+
 # ---- family 2: any output structure ---------------------------------------------------------
 
 
@@ -744,3 +798,17 @@ def test_a_dropped_pass_does_not_count_as_made() -> None:
         opt.step()
         assert trace.born_words(0, 2, torch.device("cpu")).tolist() == [2, -1]
     assert [len(s.passes) for t in trace.steps for s in t.segments] == [1, 1]
+
+
+def test_flags_clear_exactly_the_slots_given() -> None:
+    """Flags.clear zeroes runs of slots within a buffer and across the boundary
+    of two, and nothing else."""
+    from zeroscan.monitor.nonfinite_trace import CHUNK, Flags
+
+    flags = Flags()
+    bad = torch.tensor([float("nan")])
+    slots = [flags.mark(bad) for _ in range(CHUNK + 40)]
+    cleared = {5, *range(CHUNK - 10, CHUNK + 10), CHUNK + 39}
+    flags.clear([s for s in slots if s in cleared])
+    values = torch.cat([flags.buffers[(torch.device("cpu"), k)] for k in range(2)])[: len(slots)]
+    assert [s for s in slots if int(values[s]) == 0] == sorted(cleared)

@@ -185,9 +185,9 @@ class CauseFinder:
         finder = self
         for name, module in self.model.named_modules():
 
-            def pre(module: nn.Module, args: Any, label: str = name) -> None:
+            def pre(module: nn.Module, args: Any, kwargs: dict[str, Any], label: str = name) -> None:
                 if probe.active:
-                    probe.enter_module(label, module, finder.forward_grad, args)
+                    probe.enter_module(label, module, finder.forward_grad, args, kwargs)
                 elif probe.done:  # called after the model's forward, before the step ends
                     probe.outside.setdefault(label, torch.is_grad_enabled())
 
@@ -195,7 +195,7 @@ class CauseFinder:
                 if probe.active:
                     probe.leave_module(output)
 
-            probe.handles.append(self._hooks.forward_pre(module, pre))
+            probe.handles.append(self._hooks.forward_pre(module, pre, with_kwargs=True))
             probe.handles.append(self._hooks.forward(module, post, always_call=True))
         self._probe = probe
 

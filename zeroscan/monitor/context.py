@@ -117,14 +117,22 @@ def pipeline_stage() -> Stage | None:
     return None
 
 
+WRITE_SAMPLES = 16  # gradients whose in-place writes since backward are counted, per step
+
+
 def grad_writes(params: list[Param], backward: GradState | None) -> frozenset[int] | None:
     """The distinct numbers of in-place writes into the nonempty gradients
-    since `backward` (the gradients as backward() left them); a gradient
-    replaced or cleared since is left out. None when `backward` is not known."""
+    since `backward` (the gradients as backward() left them), over at most
+    WRITE_SAMPLES of them spread over the list, so that its cost does not
+    grow with the model (a clipping call writes every gradient alike); a
+    gradient replaced or cleared since is left out. None when `backward` is
+    not known."""
     if backward is None:
         return None
     counts: set[int] = set()
-    for p, was in zip(params, backward):
+    looked = range(0, len(params), max(1, len(params) // WRITE_SAMPLES))
+    for k in looked[:WRITE_SAMPLES]:
+        p, was = params[k], backward[k] if k < len(backward) else None
         g = p.tensor.grad
         if was is not None and g is not None and was[0]() is g and g.numel():
             counts.add(g._version - was[1])

@@ -20,7 +20,9 @@ is a pass of its own. A pass that the backward pass after it never reached
 dropped after an exception) is let go when its segment closes: it made no
 gradient, so it is never merged into the training pass that follows.
 
-A segment hooks at most MAX_HOOKED gradients, the first its passes meet.
+A segment hooks at most MAX_HOOKED gradients, the first its passes meet
+(all of them: one pass's graph may feed the next, as a generation loop's
+does, so the cap holds for the whole chain the backward pass may free).
 Every hook gives the autograd node it sits on a Python object, and torch
 frees a chain of such nodes recursively, one level of the C stack per node:
 a cell unrolled 20,000 times, hooked at every call, overflows an 8 MB stack
@@ -116,15 +118,19 @@ class Flags:
         return slot
 
     def clear(self, slots: list[int]) -> None:
-        """Zeroes the flags of `slots` (on their devices; nothing is read)."""
-        by_buffer: dict[tuple[torch.device, int], list[int]] = {}
-        for slot in slots:
-            if slot >= 0:
-                by_buffer.setdefault((self.devices[self.where[slot]], slot // CHUNK), []).append(slot % CHUNK)
-        for key, offsets in by_buffer.items():
-            buffer = self.buffers.get(key)
+        """Zeroes the flags of `slots` on their devices, a run of consecutive
+        slots at a time (a pass's slots are mostly one run): no index tensor
+        is copied to a device, so nothing waits for the host."""
+        runs: list[tuple[int, int]] = []  # [start, stop)
+        for slot in sorted(t for t in slots if t >= 0):
+            if runs and runs[-1][1] == slot and slot % CHUNK and self.where[slot] == self.where[slot - 1]:
+                runs[-1] = (runs[-1][0], slot + 1)
+            else:
+                runs.append((slot, slot + 1))
+        for start, stop in runs:
+            buffer = self.buffers.get((self.devices[self.where[start]], start // CHUNK))
             if buffer is not None:
-                buffer.index_fill_(0, torch.tensor(offsets, device=buffer.device), 0)
+                buffer[start % CHUNK : (stop - 1) % CHUNK + 1].zero_()
 
 
 class Call:

@@ -19,11 +19,15 @@ non-finite value it descends from:
   inf − inf or 0 × inf there makes the NaN from an infinity, which is then
   the origin); with none, it was born in that call (in its own code, or in
   a weight it holds);
-- forward, for an infinity: the first non-finite value the model returned,
-  and where that was born;
-- backward: the first gradient that holds the trouble. A gradient made from
-  a forward value that held a live (not absorbed) non-finite value descends
-  from it (0 × inf in the backward); else it was born in that backward.
+- backward: the first gradient that holds a non-finite value (for an
+  infinity, this comes before the forward pass: a model may return a
+  masked -inf that the loss consumes). A gradient made from a forward value
+  that held a live (not absorbed) non-finite value descends from it (0 *
+  inf in the backward); the gradient reaching the model's output descends
+  from an infinity the model returned; else it was born in that backward.
+  A NaN gradient after one that held inf descends from the inf;
+- where no gradient arrival tells (past the hooks' cap), for an infinity:
+  the first non-finite value the model returned.
 
 A value first met as an input, made by the calling module's code, descends
 from that module's live non-finite inputs, else was born in its code; for a
@@ -72,16 +76,20 @@ def find_in_step(
     for segment in trace.segments:
         values = flags[id(segment)]
         flows = [PassFlow(p, values, params, bad_weights) for p in segment.passes]
-        for k, flow in enumerate(flows):
-            found = flow.trouble(want_nan)
-            if found is not None:
-                return found._replace(micro=micro + k), _count(trace)
+        if want_nan:
+            for k, flow in enumerate(flows):
+                if flow.first_nan is not None:
+                    return flow.trouble(flow.first_nan, "NaN")._replace(micro=micro + k), _count(trace)
         found = _backward(segment, flows, values, want_nan)
         if found is not None:
             if segment.hooks >= MAX_HOOKED:
                 found = found._replace(how=f"{found.how} (the trace followed the gradients of the first "
-                                           f"{MAX_HOOKED} tensors of this backward pass, and of the parameters)")
+                                           f"{MAX_HOOKED} tensors of this step's passes, and of the parameters)")
             return found._replace(micro=micro + found.micro), _count(trace)
+        # No gradient arrival told (past the hooks' cap, say): an infinity the model returned.
+        for k, flow in enumerate(flows):
+            if flow.returned is not None:
+                return flow.trouble(flow.returned, kinds_words(INFINITE))._replace(micro=micro + k), _count(trace)
         micro += len(flows)
     return None, _count(trace)
 
@@ -146,14 +154,13 @@ class PassFlow:
         """Those of `tracked` that hold a non-finite value no call absorbed."""
         return [t for t in tracked if self.bits(t) and t not in self.absorbed]
 
-    def trouble(self, want_nan: bool) -> Found | None:
-        seen = self.first_nan if want_nan else self.returned
-        if seen is None:
-            return None
+    @staticmethod
+    def trouble(seen: Seen, what: str) -> Found:
+        """The origin of `seen`, with how the trouble (`what`: "NaN", "inf") came from it."""
         if not seen.via:
             return seen.origin
-        return seen.origin._replace(how=f"{seen.origin.how}; the {'NaN' if want_nan else 'inf'} that reached "
-                                          f"the gradients descends from it: {seen.via}")
+        return seen.origin._replace(how=f"{seen.origin.how}; the {what} that reached the gradients descends "
+                                        f"from it: {seen.via}")
 
     # ---- the walk ------------------------------------------------------------
 
@@ -272,26 +279,46 @@ def _held_weights(module: str, params: list[Param], bad_weights: set[int] | None
 
 
 def _backward(segment: Segment, flows: list[PassFlow], values: np.ndarray, want_nan: bool) -> Found | None:
-    """The first gradient of the segment's backward pass that holds the trouble."""
-    for number, what, index, slot in np.asarray(segment.arrivals).reshape(-1, 4).tolist():
+    """The first gradient of the segment's backward pass that holds the
+    trouble. A NaN that came after a gradient holding inf descends from that
+    inf (inf - inf, 0 * inf in a backward function): the inf's origin is named."""
+    rows = np.asarray(segment.arrivals).reshape(-1, 4).tolist()
+    for k, (_, _, _, slot) in enumerate(rows):
         kinds = int(values[slot]) if slot >= 0 else 0
-        if not kinds or (want_nan and not kinds & NAN):
+        if not kinds:
             continue
-        words = kinds_words(kinds)
-        if what == PARAMETER:
-            name, owner = (flows[0].fpass.params if flows else [(str(index), "")])[index]
-            owner = owner or "(model)"
-            found = Found(owner, "grad", "backward", kinds, (
-                f"the gradient {owner}'s backward gave its parameter {name} held {words}, while every gradient "
-                "before it was finite"
-            ), len(flows) - 1 if flows else 0)
-            return _from_forward(found, [(k, f, c) for k, f in enumerate(flows) for c in f.fpass.calls
-                                         if c.name == owner])
-        if number == NO_PASS or number >= len(flows):
+        found = _arrival(rows[k], flows, kinds)
+        if found is None:
             continue
-        flow = flows[number]
-        return _tensor_arrival(flow, number, index, words, kinds)
+        if not want_nan or kinds & NAN:
+            return found
+        nan = next((r for r in rows[k + 1:] if r[3] >= 0 and int(values[r[3]]) & NAN), None)
+        if nan is None:
+            return found
+        later = _arrival(nan, flows, int(values[nan[3]]))
+        where = f" at {later.where}" if later is not None else ""
+        return found._replace(how=f"{found.how}; the NaN that reached the gradients descends from it: a later "
+                                  f"gradient{where} held NaN made from that inf (inf - inf, or 0 * inf)")
     return None
+
+
+def _arrival(row: list[int], flows: list[PassFlow], kinds: int) -> Found | None:
+    """Where the non-finite gradient of one arrival row was born."""
+    number, what, index, _ = row
+    words = kinds_words(kinds)
+    if what == PARAMETER:
+        if not flows:
+            return None
+        name, owner = flows[0].fpass.params[index]
+        owner = owner or "(model)"
+        found = Found(owner, "grad", "backward", kinds, (
+            f"the gradient {owner}'s backward gave its parameter {name} held {words}, while every gradient "
+            "before it was finite"
+        ), len(flows) - 1)
+        return _from_forward(found, [(k, f, c) for k, f in enumerate(flows) for c in f.fpass.calls if c.name == owner])
+    if number == NO_PASS or number >= len(flows):
+        return None
+    return _tensor_arrival(flows[number], number, index, words, kinds)
 
 
 def _tensor_arrival(flow: PassFlow, number: int, index: int, words: str, kinds: int) -> Found:

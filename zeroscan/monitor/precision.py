@@ -41,7 +41,11 @@ def _scaler_words(context: StepContext) -> str:
 
 
 def _how_half(p: Param, context: StepContext) -> tuple[str, str] | None:
-    """How `p` went through float16 at the step: (about it, about all such), or None."""
+    """How `p` went through float16 at the step: (about it, about all such), or
+    None. Where the probe saw which parameters entered float16 ops, only
+    those did: under autocast a norm's or an embedding's weight stays float32."""
+    if context.half is not None and p.name not in context.half:
+        return None
     if context.autocast == torch.float16:
         words = "the forward pass ran under torch.autocast(dtype=torch.float16)"
         return words, words
@@ -62,8 +66,10 @@ def fp16_underflow(p: Param, g: Row, context: object, th: Thresholds, lasting: b
     starts at zero by design (LoRA's A while B = 0) is zero at its first step."""
     if not isinstance(context, StepContext) or context.scaler == "enabled":
         return None
-    if p.tensor.dtype not in (torch.float32, torch.float64):
-        return None  # 16-bit parameters: their own gradients show the underflow (rules.py)
+    if p.embedding or p.tensor.dtype not in (torch.float32, torch.float64):
+        # An embedding's rows are zero where a batch has no token of theirs; 16-bit
+        # parameters' own gradients show their underflow (rules.py).
+        return None
     how = _how_half(p, context)
     n, zeros = int(g["numel"]), int(g["zeros"])
     if how is None or n == 0 or zeros < th.mostly_zero * n:
@@ -80,6 +86,8 @@ def fp16_underflow(p: Param, g: Row, context: object, th: Thresholds, lasting: b
     severity, design = (Severity.WARNING, "") if lasting else (Severity.INFO, (
         " (unless the parameter starts at zero by design, as LoRA's A does while B = 0: a warning if it lasts)"
     ))
+    if context.scaler is None:  # the step ran outside optimizer.step() (auto=False): a scaler is not known
+        severity = Severity.INFO
     return Finding(p.name, "grad", severity, Cause.UNDERFLOW, (
         f"{100 * zeros / n:.3g}% of the gradient entries of {p.name} are exactly zero{tiny}, while {how[0]} and "
         f"{scaler}: the gradient underflowed to zero in float16 on its way to the {dtype} parameter{design}. {FIX}"

@@ -146,7 +146,7 @@ class Probe(TorchFunctionMode):
         grad_on = torch.is_grad_enabled()
         graph_input = False  # a tensor that requires grad and is no parameter enters the op
         carried: Cut | None = None  # the cut that made an input, not yet used with grad on
-        for t in tensors_in(args, kwargs):
+        for t in call_tensors(args, kwargs):
             i = self.pindex.get(id(t))
             if i is not None and t.dtype in _WIDER_THAN_HALF:
                 self._op_params.append(i)
@@ -212,7 +212,7 @@ class Probe(TorchFunctionMode):
             return False
         own = {id(t) for ref in self.inputs if (t := ref()) is not None}
         if cut.startswith("torch."):
-            return any(id(t) in own for t in tensors_in(args, kwargs))
+            return any(id(t) in own for t in call_tensors(args, kwargs))
         return bool(args) and id(args[0]) in own
 
     def _made_by(self, t: torch.Tensor) -> Cut | None:
@@ -234,9 +234,12 @@ class Probe(TorchFunctionMode):
                     del self.followed[next(iter(self.followed))]
                 self.followed[id(t)] = (weakref.ref(t), cut)
 
-    def enter_module(self, name: str, module: nn.Module, root_grad: bool, args: tuple = ()) -> None:
+    def enter_module(
+        self, name: str, module: nn.Module, root_grad: bool, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> None:
         if not self.stack and not self.inputs:  # the model's own forward: its inputs that require grad
-            self.inputs = [weakref.ref(t) for t in tensors_in(args, {}) if t.requires_grad and id(t) not in self.pindex]
+            found = call_tensors(args, kwargs or {})
+            self.inputs = [weakref.ref(t) for t in found if t.requires_grad and id(t) not in self.pindex]
         self.stack.append(name)
         self.ran.add(name)
         if root_grad and not torch.is_grad_enabled():
@@ -304,7 +307,8 @@ def called_within(name: str, file: str) -> bool:
     return False
 
 
-def tensors_in(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+def call_tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensors a call was given: its arguments, and those one list or tuple deep."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
             yield a
