@@ -50,7 +50,7 @@ def any_maybe_mapped(xs: Sequence[object]) -> bool:
     if torch.compiler.is_compiling():
         return False
     try:  # the common case, all plain tensors, in one pass
-        return not all([x.untyped_storage().resizable() or not x.is_cpu for x in xs])  # type: ignore[attr-defined]
+        return not all([not x.is_cpu or x.untyped_storage().resizable() for x in xs])  # type: ignore[attr-defined]
     except Exception:  # an item that is no plain tensor: each asked alone
         return any(isinstance(x, torch.Tensor) and maybe_mapped(x) for x in xs)
 

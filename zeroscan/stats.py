@@ -436,9 +436,11 @@ def scan_buffers(tensors: Iterable[torch.Tensor], *, tol: float | None = None) -
     [N_g, 16] tensor per device group (see `device_groups` for the order).
 
     This is stats_many without the Python result objects: it calls only the
-    native op, never reads a value back and never synchronises, so it traces
-    into one torch.compile(fullgraph=True) graph and can be captured in a CUDA
-    graph. Turn a buffer into fields later with `decode`, or merge it across
+    native op, never reads a value back from a device and never synchronises,
+    so it traces into one torch.compile(fullgraph=True) graph and can be
+    captured in a CUDA graph. (CPU memory torch did not allocate, a file
+    mapping, is scanned under the SIGBUS guard, which reads its one fault
+    flag on the host: mapped_reads.py.) Turn a buffer into fields later with `decode`, or merge it across
     ranks with zeroscan.distributed.
     """
     op = "zeroscan.scan_buffers"

@@ -60,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def check_argv(argv: object) -> None:
+    """Refuses in one line an `argv` for main() that is not None or a sequence of strings."""
     if argv is None:
         return
     if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence):

@@ -15,6 +15,9 @@ from zeroscan.verdicts import Cause, Severity
 
 
 def history_findings(params: list[Param], series: Series, th: Thresholds) -> list[tuple[int, Finding]]:
+    """(parameter index, finding) for what only the last `th.drift_window`
+    monitored steps together show: gradient norms drifting to zero, rising
+    zero fractions; nothing until that many steps are recorded."""
     window = series.records[-th.drift_window:]
     if len(window) < th.drift_window:
         return []
