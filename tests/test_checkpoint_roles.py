@@ -223,3 +223,39 @@ def test_diff_says_unchanged_unless_trained_from_first(
     assert rows["bn1.num_batches_tracked"]["severity"] == "ok"  # an integer counter is not trained
     rc, out = run(capsys, "scan", str(pa), str(pb), "--diff", "--only-findings", "--trained-from-first")
     assert "never updated" in out and "layer1.0.bn1.bias" in out
+
+
+class MaskedAttention(nn.Module):
+    """Keeps its additive masks as buffers, as many attention layers do."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        causal = torch.zeros(t, t).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        self.register_buffer("causal_mask", causal)
+        slopes = -torch.arange(t).float()[None, :].abs()
+        self.register_buffer("alibi", slopes.expand(t, t).masked_fill(causal < 0, float("-inf")).clone())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_additive_mask_buffer_is_normal_and_a_nan_in_it_is_not(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fmt: str
+) -> None:
+    """-inf alone in a tensor named as a mask (a causal mask; not named by the
+    issue: an ALiBi buffer) is how an additive mask blocks attention; a NaN or
+    a +inf in it, and -inf in a weight, stay errors."""
+    g = fresh_generator()
+    t = int(torch.randint(4, 9, (), generator=g))
+    state = fresh(MaskedAttention, t=t)
+    rc, doc = scan(capsys, save(state, tmp_path / "healthy", fmt), "--fail-on", "info")
+    rows = {r["name"]: r for r in doc["files"][0]["tensors"]}
+    assert {rows[n]["role"] for n in ("causal_mask", "alibi")} == {"mask"}
+    assert rows["causal_mask"]["verdict"] == "nonfinite" and rows["causal_mask"]["severity"] == "ok"  # not vacuous
+    assert "normal for an additive mask" in rows["alibi"]["reason"]
+    assert doc["summary"]["findings"] == {"info": 0, "warning": 0, "error": 0} and rc == 0
+    for name, value in (("causal_mask", math.nan), ("alibi", math.inf), ("proj.weight", -math.inf)):
+        bad = {k: v.clone() for k, v in state.items()}
+        bad[name].view(-1)[0] = value
+        rc, doc = scan(capsys, save(bad, tmp_path / f"bad_{name}", fmt))
+        errors = [r["name"] for r in doc["files"][0]["tensors"] if r["severity"] == "error"]
+        assert errors == [name] and rc == 1, (name, errors)

@@ -8,8 +8,8 @@ its running variance at one. Judged by their values alone each would be a
 warning, and a real one (an all-zero conv kernel) would drown among them.
 So a checkpoint scan asks `tensor_role` what each tensor is and lowers to OK
 only the verdicts that `NORMAL` lists for that role. Nothing else changes:
-a NaN or an infinity stays an error in every role, and an underflowed bias is
-still a warning.
+a NaN or an infinity stays an error in every role (but for the -inf of an
+additive mask, see MASK), and an underflowed bias is still a warning.
 
   WEIGHT        dim >= 2 and no other role: a matrix, a conv kernel, an
                 embedding table (or optimizer state shaped like one); all
@@ -23,6 +23,11 @@ still a warning.
   RUNNING_MEAN  "running_mean" (BatchNorm, InstanceNorm with running stats)
   RUNNING_VAR   "running_var"
   COUNTER       "num_batches_tracked"
+  MASK          the name's last part holds "mask" or starts with "alibi": an
+                attention mask or bias kept as a buffer; an additive one
+                holds -inf where attention is blocked (softmax gives those
+                entries weight 0), so -inf alone is normal in it, while a
+                NaN or a +inf stays an error
   OTHER         anything else, judged by its values alone
 
 An embedding's padding row (nn.Embedding(padding_idx=...)) is zero by design,
@@ -48,6 +53,7 @@ class Role(str, enum.Enum):
     RUNNING_MEAN = "running_mean"
     RUNNING_VAR = "running_var"
     COUNTER = "counter"
+    MASK = "mask"
     OTHER = "other"
 
     def __str__(self) -> str:
@@ -66,6 +72,7 @@ NORMAL: dict[Role, tuple[frozenset[Cause], str]] = {
                         "a running mean (zeros until the layer sees data)"),
     Role.RUNNING_VAR: (frozenset({Cause.CONSTANT}), "a running variance (ones until the layer sees data)"),
     Role.COUNTER: (frozenset({Cause.EXACT_ZERO, Cause.CONSTANT}), "a batch counter"),
+    Role.MASK: (frozenset({Cause.EXACT_ZERO, Cause.MOSTLY_ZERO, Cause.CONSTANT}), "a mask"),
 }
 
 _BUFFERS = {"running_mean": Role.RUNNING_MEAN, "running_var": Role.RUNNING_VAR, "num_batches_tracked": Role.COUNTER}
@@ -83,6 +90,8 @@ def tensor_role(name: str, shape: Sequence[int]) -> Role:
     last = re.sub(r"#\d+$", "", name).rsplit(".", 1)[-1].lower()
     if last in _BUFFERS:
         return _BUFFERS[last]
+    if "mask" in last or last.startswith("alibi"):
+        return Role.MASK
     if last.endswith("bias") or last == "beta":
         return Role.BIAS
     if len(shape) <= 1 and last in _SCALES:
@@ -90,10 +99,16 @@ def tensor_role(name: str, shape: Sequence[int]) -> Role:
     return Role.WEIGHT if len(shape) >= 2 else Role.OTHER
 
 
-def judge_in_role(role: Role, cause: Cause, severity: Severity, reason: str) -> tuple[Severity, str]:
+def judge_in_role(
+    role: Role, cause: Cause, severity: Severity, reason: str, *, only_negative_infinities: bool = False
+) -> tuple[Severity, str]:
     """The severity and reason of a verdict (`cause`, at `severity`) for a
     tensor of `role`: OK, saying why, when the verdict is normal for it;
-    unchanged otherwise."""
+    unchanged otherwise. `only_negative_infinities`: the tensor's only
+    non-finite values are -inf (no NaN, no +inf), which an additive mask holds."""
+    if role is Role.MASK and cause == Cause.NONFINITE and only_negative_infinities:
+        return Severity.OK, (f"{reason}, which is normal for an additive mask: -inf where attention is blocked, "
+                             "to which softmax gives weight 0")
     normal = NORMAL.get(role)
     if normal is None or cause not in normal[0] or severity == Severity.OK:
         return severity, reason

@@ -77,7 +77,10 @@ def scan_checkpoint(
             entry = ckpt.entry(name)
             d = diagnose_stats(s, mostly_zero=mostly_zero)
             role = tensor_role(entry.name, entry.shape)
-            severity, reason = judge_in_role(role, d.verdict.cause, d.severity, d.reason)
+            only_negative_infinities = s.neginf > 0 and s.nan == 0 and s.posinf == 0
+            severity, reason = judge_in_role(
+                role, d.verdict.cause, d.severity, d.reason, only_negative_infinities=only_negative_infinities
+            )
             if not s.dtype.is_floating_point and severity > Severity.INFO:
                 # indices and masks (token_type_ids, attention_mask): all zero is normal
                 reason = f"{reason} (an integer tensor: a counter, index or mask, so only info)"
