@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from zeroscan.monitor import graph
-from zeroscan.monitor.labels import module_label
+from zeroscan.monitor.labels import module_label, one_level
 from zeroscan.monitor.step_record import Param, Why
 from zeroscan.monitor.unregistered import MODULE_INTERNALS
 from zeroscan.verdicts import Cause
@@ -51,9 +51,7 @@ def kept_on_modules(model: nn.Module, taken: Callable[[torch.Tensor], bool]) -> 
             if attr in MODULE_INTERNALS:
                 continue
             where = f"{name}.{attr}" if name else attr
-            items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
-                value, (list, tuple)) else [(None, value)]
-            for key, t in items:
+            for key, t in one_level(value):
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None and not taken(t):
                     label = where if key is None else f"{where}[{key!r}]"
                     out.append(Kept(f"{label} (kept on {module_label(model, name)})", t.grad_fn))

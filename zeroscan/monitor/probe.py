@@ -38,6 +38,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from zeroscan.monitor.labels import one_level
+
 _DATA_GETTER = torch._C.TensorBase.__dict__.get("data")
 _CUT_METHODS = {
     torch.Tensor.detach: ".detach()",
@@ -260,9 +262,7 @@ class Probe(TorchFunctionMode):
                     pass
 
     def _keep_outputs(self, name: str, output: Any) -> None:
-        items = output.items() if isinstance(output, dict) else enumerate(output) if isinstance(
-            output, (list, tuple)) else [(None, output)]
-        for key, t in items:
+        for key, t in one_level(output):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None and len(self._kept) < MAX_OUTPUTS:
                 which = "the output" if key is None else f"output[{key!r}]"
                 self._kept_ids[id(t)] = len(self._kept)
