@@ -247,3 +247,14 @@ def test_other_bad_arguments_are_refused_in_one_line_naming_the_call(case: str) 
     message = refusal(lambda _: call(), None)
     assert message.startswith(f"{name}: "), message
     assert "\n" not in message.strip(), message
+
+
+@pytest.mark.parametrize("argument", ["every", "history", "trace_nonfinite"])
+def test_the_monitor_describes_a_tensor_argument_in_one_line(argument: str) -> None:
+    """A tensor passed where the Monitor wants an int or a bool (not named by
+    the issue): described by kind, dtype and shape, not by its many-line repr."""
+    with pytest.raises((TypeError, ValueError)) as info:
+        zeroscan.Monitor(torch.nn.Linear(2, 2), None, **{argument: torch.zeros(40, 40)})
+    message = str(info.value)
+    assert message.startswith(f"zeroscan.Monitor: {argument} must be ") and "\n" not in message, message
+    assert message.endswith("got a float32 tensor of shape [40, 40]"), message

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from zeroscan.inputs import received
 from zeroscan.integrations import common
 from zeroscan.monitor import Monitor, Report
 
@@ -154,7 +155,7 @@ def log(
     a line when it clears; the lines name the same `step`."""
     _check_accelerator(LOG, accelerator)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise TypeError(f"{LOG}: step must be an int or None, got {step!r}")
+        raise TypeError(f"{LOG}: step must be an int or None, got {received(step)}")
     if not isinstance(report, (Report, Mapping)):
         raise TypeError(f"{LOG}: report must be a zeroscan Report or its to_dict() dict, got {type(report).__name__}")
     data = common.report_rows(report)

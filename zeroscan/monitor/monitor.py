@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroscan.inputs import received
 from zeroscan.monitor import step_record
 from zeroscan.monitor.activations import ActivationScans, activation_modules, scannable
 from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched, present_grads, reset_kind
@@ -90,7 +91,7 @@ class Monitor:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Any | None = None,  # or a wrapper of one (optimizer.py)
         every: int = 1,
         *,
         history: int = 64,
@@ -106,11 +107,11 @@ class Monitor:
             raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
         groups = None if optimizer is None else param_groups_holder(op, optimizer)  # whose lrs are read
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"{op}: every must be an int >= 1, got {every!r}")
+            raise ValueError(f"{op}: every must be an int >= 1, got {received(every)}")
         if isinstance(history, bool) or not isinstance(history, int) or history < 2:
-            raise ValueError(f"{op}: history must be an int >= 2, got {history!r}")
+            raise ValueError(f"{op}: history must be an int >= 2, got {received(history)}")
         if not isinstance(trace_nonfinite, bool):
-            raise TypeError(f"{op}: trace_nonfinite must be True or False, got {trace_nonfinite!r}")
+            raise TypeError(f"{op}: trace_nonfinite must be True or False, got {received(trace_nonfinite)}")
         if thresholds is not None and not isinstance(thresholds, Thresholds):
             raise TypeError(f"{op}: thresholds must be a zeroscan.Thresholds, got {type(thresholds).__name__}")
         self.model = model
@@ -123,8 +124,7 @@ class Monitor:
         group = check_group(op, process_group, self._params)
         self.histogram = check_histogram(op, histogram, group)
         self._ranks = None if group is None else RankExchange(group, self._params, self.thresholds.replica_rtol)
-        # Every hook holds this Monitor weakly and is left out of a pickled or copied
-        # model (hooks.py); the finalizer removes them when the Monitor is freed.
+        # Hooks hold this Monitor weakly, stay out of a pickled or copied model (hooks.py), and go with it.
         self._hooks = Hooks()
         self._finalizer = weakref.finalize(self, Hooks.remove_all, self._hooks)
         self._finalizer.atexit = False  # at exit the process, hooks and all, goes anyway
