@@ -27,7 +27,8 @@ additive mask, see MASK), and an underflowed bias is still a warning.
                 attention mask or bias kept as a buffer; an additive one
                 holds -inf where attention is blocked (softmax gives those
                 entries weight 0), so -inf alone is normal in it, while a
-                NaN or a +inf stays an error
+                NaN or a +inf stays an error; its other verdicts stand (an
+                all-zero mask may block everything or nothing)
   OTHER         anything else, judged by its values alone
 
 An embedding's padding row (nn.Embedding(padding_idx=...)) is zero by design,
@@ -72,7 +73,6 @@ NORMAL: dict[Role, tuple[frozenset[Cause], str]] = {
                         "a running mean (zeros until the layer sees data)"),
     Role.RUNNING_VAR: (frozenset({Cause.CONSTANT}), "a running variance (ones until the layer sees data)"),
     Role.COUNTER: (frozenset({Cause.EXACT_ZERO, Cause.CONSTANT}), "a batch counter"),
-    Role.MASK: (frozenset({Cause.EXACT_ZERO, Cause.MOSTLY_ZERO, Cause.CONSTANT}), "a mask"),
 }
 
 _BUFFERS = {"running_mean": Role.RUNNING_MEAN, "running_var": Role.RUNNING_VAR, "num_batches_tracked": Role.COUNTER}
