@@ -233,21 +233,30 @@ def tokens_and_targets(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(model: nn.Module, g: torch.Generator, armed_at: int | None, *, steps: int = STEPS) -> zeroscan.Report:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def train_tokens(
+    model: nn.Module, g: torch.Generator, arm: Callable[[bool], None], *, lr: float = 0.01
+) -> zeroscan.Report:
+    """STEPS SGD steps of next-token cross-entropy under
+    Monitor(trace_nonfinite=True); arm(True) before step ARMED_AT's forward
+    pass, arm(False) before every other's."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     monitor = zeroscan.Monitor(model, opt, trace_nonfinite=True)
-    bad = dict(model.named_modules())["bad"]
-    for step in range(steps):
-        bad.armed = step == armed_at
+    for step in range(STEPS):
+        arm(step == ARMED_AT)
         tokens, targets = tokens_and_targets(g)
-        logits = model(tokens)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
     report = monitor.report()
     monitor.close()
     return report
+
+
+def train(model: nn.Module, g: torch.Generator, armed: bool) -> zeroscan.Report:
+    """train_tokens with the model's `bad` module armed at step ARMED_AT (or never)."""
+    bad = dict(model.named_modules())["bad"]
+    return train_tokens(model, g, lambda on: setattr(bad, "armed", on and armed))
 
 
 def compiled_parts(model: nn.Module) -> nn.Module:
@@ -275,11 +284,11 @@ def test_a_legitimate_infinity_is_not_trouble(member: str, compiled: bool) -> No
         model = LEGIT[member]()
         return compiled_parts(model) if compiled else model
 
-    healthy = train(make(), g, None)
+    healthy = train(make(), g, False)
     assert healthy.nonfinite_origin is None, healthy.nonfinite_origin
     assert serious(healthy) == [], str(healthy)
     assert not [f for f in healthy.findings if f.cause in ("nonfinite", "nonfinite_origin")], str(healthy)
-    assert_named_at_bad(train(make(), g, ARMED_AT))
+    assert_named_at_bad(train(make(), g, True))
 
 
 class MaskedBlock(nn.Module):
@@ -319,16 +328,7 @@ def test_a_nan_in_a_module_that_took_the_mask_is_its_own(phase: str) -> None:
     code that made the mask."""
     g = fresh_generator()
     model = MaskedBlockModel()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = zeroscan.Monitor(model, opt, trace_nonfinite=True)
-    for step in range(STEPS):
-        model.block.armed = phase if step == ARMED_AT else None
-        tokens, targets = tokens_and_targets(g)
-        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    origin = monitor.report().nonfinite_origin
+    origin = train_tokens(model, g, lambda on: setattr(model.block, "armed", phase if on else None)).nonfinite_origin
     assert origin is not None and (origin["name"], origin["step"], origin["pass"]) == ("block", ARMED_AT, phase), origin
     if phase == "forward":
         assert "its only non-finite inputs (kwargs['mask']) were consumed harmlessly" in origin["how"], origin
@@ -360,16 +360,7 @@ class OverflowModel(nn.Module):
 def test_a_nan_that_descends_from_a_real_infinity_names_the_infinity() -> None:
     g = fresh_generator()
     model = OverflowModel()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = zeroscan.Monitor(model, opt, trace_nonfinite=True)
-    for step in range(STEPS):
-        model.big.armed = step == ARMED_AT
-        tokens, targets = tokens_and_targets(g)
-        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    origin = monitor.report().nonfinite_origin
+    origin = train_tokens(model, g, lambda on: setattr(model.big, "armed", on)).nonfinite_origin
     assert origin is not None and (origin["name"], origin["step"]) == ("big", ARMED_AT), origin
     assert "norm returned NaN from that inf" in origin["how"], origin
 
@@ -395,16 +386,7 @@ def test_a_fully_masked_row_descends_from_its_mask() -> None:
     origin is the code that made the mask, not the attention's softmax."""
     g = fresh_generator()
     model = nn.Sequential(nn.Embedding(VOCAB, WIDTH), FullyMasked(), nn.Linear(WIDTH, VOCAB))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = zeroscan.Monitor(model, opt, trace_nonfinite=True)
-    for step in range(STEPS):
-        model[1].hide_row = 3 if step == ARMED_AT else None
-        tokens, targets = tokens_and_targets(g)
-        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    origin = monitor.report().nonfinite_origin
+    origin = train_tokens(model, g, lambda on: setattr(model[1], "hide_row", 3 if on else None)).nonfinite_origin
     assert origin is not None and (origin["name"], origin["step"]) == ("1", ARMED_AT), origin
     assert "1.attn returned NaN from that inf" in origin["how"], origin
 
@@ -446,16 +428,8 @@ def test_an_infinity_born_in_backward_is_not_the_masked_output(masked: bool) -> 
     body = BlowsUpInBackward()
     layers = [nn.Embedding(VOCAB, WIDTH), body, nn.Tanh(), nn.Linear(WIDTH, VOCAB)]
     model = nn.Sequential(*layers, *([BanChoices()] if masked else []))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay finite: every step is like the first
-    monitor = zeroscan.Monitor(model, opt, trace_nonfinite=True)
-    for step in range(STEPS):
-        body.armed = step == ARMED_AT
-        tokens, targets = tokens_and_targets(g)
-        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    origin = monitor.report().nonfinite_origin
+    # lr 0: the weights stay finite, so every step is like the first.
+    origin = train_tokens(model, g, lambda on: setattr(body, "armed", on), lr=0.0).nonfinite_origin
     assert origin is not None and (origin["name"], origin["step"], origin["pass"]) == ("1", ARMED_AT, "backward"), origin
     assert "the gradient reaching the output of 1.lin held inf" in origin["how"], origin
     # The bias's gradient sums the inf over the batch and its weight's multiplies it by inputs of both
@@ -542,16 +516,7 @@ class Outer(nn.Module):
 
 
 def train_outer(model: Outer, inner: Inner, g: torch.Generator) -> zeroscan.Report:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = zeroscan.Monitor(model, opt, trace_nonfinite=True)
-    for step in range(STEPS):
-        inner.armed = step == ARMED_AT
-        tokens, targets = tokens_and_targets(g)
-        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return monitor.report()
+    return train_tokens(model, g, lambda on: setattr(inner, "armed", on))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -607,16 +572,7 @@ class KwargsCaller(nn.Module):
 def test_a_nan_in_kwargs_is_seen() -> None:
     g = fresh_generator()
     model = KwargsCaller()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = zeroscan.Monitor(model, opt, trace_nonfinite=True)
-    for step in range(STEPS):
-        model.armed = step == ARMED_AT
-        tokens, targets = tokens_and_targets(g)
-        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    origin = monitor.report().nonfinite_origin
+    origin = train_tokens(model, g, lambda on: setattr(model, "armed", on)).nonfinite_origin
     assert origin is not None and origin["name"] == "(model)", origin
     assert "called taker with NaN in kwargs['extra']['terms'][0]" in origin["how"], origin
 
