@@ -136,7 +136,8 @@ def _latest_findings(
         elif optimizer is None or i in optimizer:
             finding = _update_finding(p, series, th, optimizer)
             if finding is not None:
-                out.append((i, finding))
+                # No update can move a weight by its rounding noise, and none needs to: the noise is the finding.
+                out.append((i, structural_zero(p, params, series) or finding))
     base = len(params)
     for k, act in enumerate(rec.acts or []):
         finding = _activation_finding(act, th)
@@ -233,8 +234,10 @@ def _grad_finding(
             # likelier, whatever sits on the way, and the INFO below says so.
             severity = Severity.ERROR if zero_why.cause == Cause.DETACHED else Severity.WARNING
             return Finding(name, "grad", severity, Cause(zero_why.cause), zero_why.message, root=zero_why.root)
-        noise = structural_zero(p, params, series) if lasting else None
-        if noise is not None:  # an exact cancellation of what is otherwise rounding noise
+        # An exact cancellation of what is otherwise rounding noise: once the zeros last, or where an
+        # earlier monitored step showed the noise (a one-element shift's sum cancels now and then).
+        noise = structural_zero(p, params, series) if lasting or streak < len(series.records) else None
+        if noise is not None:
             return noise
         if dead:
             why = (
@@ -282,6 +285,9 @@ def _grad_finding(
     if half is not None:
         return half
     if zeros / n >= th.mostly_zero and not p.embedding:
+        noise = structural_zero(p, params, series)
+        if noise is not None:  # rounding noise, most of whose sums cancelled exactly
+            return noise
         counts = series.zero_counts(p.index)
         fixed = len(counts) >= 2 and len(set(counts)) == 1
         why = (

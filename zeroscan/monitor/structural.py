@@ -102,11 +102,15 @@ def structural_zero(p: Param, params: list[Param], series: Series) -> Finding | 
     dtype = dtype_name(p.tensor.dtype)
     steps = f"at each of the last {len(ratios)} monitored steps" if len(ratios) > 1 else "at the latest monitored step"
     nothing = "nothing to fix: the parameter neither trains nor needs to"
+    peers = listed([q.name for q in near], 3)
+    # The largest: a sum that cancels exactly at one step (a one-element shift) says 0 there.
+    size = (
+        f"its root mean square is at most {max(ratios):.2g} times its neighbours' ({peers}), about {dtype} eps "
+        f"({eps:.2g})" if max(ratios) > 0 else f"it is exactly zero while its neighbours' ({peers}) are not"
+    )
     return Finding(p.name, "grad", Severity.INFO, Cause.ZERO_BY_STRUCTURE, (
-        f"the gradient of {p.name} is rounding noise, zero in exact arithmetic by the model's structure: its "
-        f"root mean square is {ratios[-1]:.2g} times its neighbours' ({listed([q.name for q in near], 3)}), about "
-        f"{dtype} eps ({eps:.2g}), {steps}, and every way from it to the outputs goes through {ops}: {why}; "
-        f"{nothing}"
+        f"the gradient of {p.name} is rounding noise, zero in exact arithmetic by the model's structure: "
+        f"{size}, {steps}, and every way from it to the outputs goes through {ops}: {why}; {nothing}"
     ), root=(
         "these parameters' gradients are rounding noise, zero in exact arithmetic by the model's structure: "
         f"within {NOISE_EPS} times {dtype} eps of their neighbours' gradients, and every way from them to the "
