@@ -341,6 +341,27 @@ def test_a_gradient_that_trains_and_then_is_zero_is_not_called_structure(member:
 
 
 @pytest.mark.parametrize("member", list(STRUCTURAL))
+def test_a_first_gradient_that_is_exactly_zero_is_not_called_structure(member: str) -> None:
+    """No gradient before the latest step (set to None), exactly zero at it:
+    no step showed the noise, so it is the exact_zero INFO (a design that
+    starts at zero does this), not the structure's."""
+    name = STRUCTURAL[member][3]
+    cancel = cancel_at_last_step(name, 1.0, 4)
+    seen = [0]
+
+    def none_then_zero(model: nn.Module) -> None:
+        seen[0] += 1
+        if seen[0] < 4:
+            model.get_parameter(name).grad = None
+        cancel(model)
+
+    report = structural_report(member, after_backward=none_then_zero)
+    (f,) = detailed(report, "exact_zero")
+    assert short(f.name) == name and f.severity == Severity.INFO, str(report)
+    assert not [f for f in report.findings if f.cause == "zero_by_structure"], str(report)
+
+
+@pytest.mark.parametrize("member", list(STRUCTURAL))
 def test_a_weight_its_rounding_noise_cannot_move_is_no_warning(member: str) -> None:
     """No SGD step at lr 1e-3 moves the weight by its noise. Where the
     ratio ||g||/||w|| is not called vanishing (here: never), the weight that

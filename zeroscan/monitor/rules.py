@@ -236,7 +236,8 @@ def _grad_finding(
             return Finding(name, "grad", severity, Cause(zero_why.cause), zero_why.message, root=zero_why.root)
         # An exact cancellation of what is otherwise rounding noise: once the zeros last, or where an
         # earlier monitored step showed the noise (a one-element shift's sum cancels now and then).
-        noise = structural_zero(p, params, series) if lasting or streak < len(series.records) else None
+        noise_seen = any(c < n for c in series.zero_counts(p.index))
+        noise = structural_zero(p, params, series) if lasting or noise_seen else None
         if noise is not None:
             return noise
         if dead:
