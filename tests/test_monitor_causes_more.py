@@ -369,8 +369,12 @@ def test_a_weight_its_rounding_noise_cannot_move_is_no_warning(member: str) -> N
     not change is the structure's INFO, not a not_updated warning (the other
     weights, which lr 1e-6 does not move either, are)."""
     name = STRUCTURAL[member][3]
-    report = structural_report(member, lr=1e-6, thresholds=Thresholds(vanishing=1e-30))
+    grads: list[torch.Tensor] = []
+    report = structural_report(member, lr=1e-6, thresholds=Thresholds(vanishing=1e-30),
+                               after_backward=lambda model: grads.append(model.get_parameter(name).grad.clone()))
     assert name not in [short(f.name) for f in detailed(report, "not_updated")], str(report)
+    if grads[-2].count_nonzero() == 0:
+        return  # the step before cancelled exactly: no update was due, and no rule looks (default: vanishing does)
     (f,) = [f for f in report.findings if f.cause == "zero_by_structure"]
     assert f.severity == Severity.INFO and short(f.name) == name, str(report)
 
