@@ -140,13 +140,18 @@ AMP_MEMBERS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator]
 }
 
 
+def compiled_if(model: nn.Module, compiled: bool) -> nn.Module:
+    """The model, or (compiled) the model under torch.compile's aot_eager backend after a dynamo reset."""
+    if not compiled:
+        return model
+    torch._dynamo.reset()
+    return torch.compile(model, backend="aot_eager")
+
+
 def amp_report(member: str, compiled: bool = False) -> Report:
     make, batch, scale, around, scaler = AMP_MEMBERS[member]
     g = generator()
-    model = make()
-    if compiled:
-        torch._dynamo.reset()
-        model = torch.compile(model, backend="aot_eager")
+    model = compiled_if(make(), compiled)
     grad_scaler = None if scaler is None else torch.amp.GradScaler("cpu", enabled=scaler)
     # Four steps: a gradient zero everywhere warns once it lasts three (Thresholds.zero_window).
     return fit(model, batch(g), small_loss(scale, torch.float16 if around else None), steps=4, scaler=grad_scaler)
@@ -285,10 +290,7 @@ def structural_report(
 ) -> Report:
     make, batch, loss_of, _, _ = STRUCTURAL[member]
     g = generator()
-    model = make()
-    if compiled:
-        torch._dynamo.reset()
-        model = torch.compile(model, backend="aot_eager")
+    model = compiled_if(make(), compiled)
     return fit(model, batch(g), loss_of, steps=steps, lr=lr, after_backward=after_backward, thresholds=thresholds)
 
 
@@ -496,10 +498,7 @@ ZEROED_AFTER_BACKWARD: dict[str, tuple[Callable[[nn.Module], None], tuple[str, .
 
 def zeroed_report(member: str, compiled: bool = False) -> Report:
     g = generator()
-    model: nn.Module = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
-    if compiled:
-        torch._dynamo.reset()
-        model = torch.compile(model, backend="aot_eager")
+    model = compiled_if(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)), compiled)
     after, _ = ZEROED_AFTER_BACKWARD[member]
     return fit(model, lambda: (torch.randn(8, 6, generator=g),), squared, after_backward=after)
 
@@ -670,13 +669,8 @@ LEFT_OUT: dict[str, tuple[Callable[[], nn.Module], set[str], tuple[str, ...]]] =
 def test_a_loss_computed_but_left_out_is_named_not_a_detach(member: str, compiled: bool) -> None:
     make, names, feeds = LEFT_OUT[member]
     g = generator()
-    model = make()
-    target = model
-    if compiled:
-        torch._dynamo.reset()
-        model = torch.compile(model, backend="aot_eager")
-        target = model
-    report = fit(model, routed(g), squared, target=target)
+    model = compiled_if(make(), compiled)
+    report = fit(model, routed(g), squared)
     (f,) = [f for f in report.findings if f.cause == "unused"]
     assert {short(n) for n in f.names} == names, str(report)
     assert all(words in f.message for words in feeds), str(report)
