@@ -303,7 +303,9 @@ def cancel_at_last_step(name: str, share: float, steps: int) -> Callable[[nn.Mod
     def cancel(model: nn.Module) -> None:
         seen[0] += 1
         if seen[0] == steps:
-            grad = model.get_parameter(name).grad.view(-1)
+            inner = getattr(model, "_orig_mod", model)  # under torch.compile
+            inner = inner.module if isinstance(inner, nn.parallel.DistributedDataParallel) else inner
+            grad = inner.get_parameter(name).grad.view(-1)
             grad[: max(1, math.ceil(share * grad.numel()))] = 0
 
     return cancel
@@ -384,6 +386,12 @@ def test_a_weight_its_rounding_noise_cannot_move_is_no_warning(member: str) -> N
 @pytest.mark.parametrize("member", ["key_bias", "bias_before_instance_norm"])
 def test_a_gradient_zero_by_structure_under_torch_compile(member: str) -> None:
     assert_explained_once_as_info(structural_report(member, compiled=True), member)
+
+
+@pytest.mark.parametrize("member", ["bias_before_batch_norm", "shift_before_log_softmax"])
+def test_noise_that_cancels_exactly_under_torch_compile(member: str) -> None:
+    cancel = cancel_at_last_step(STRUCTURAL[member][3], 1.0, 4)
+    assert_explained_once_as_info(structural_report(member, compiled=True, after_backward=cancel), member)
 
 
 def test_bert_key_biases_are_one_info_finding() -> None:

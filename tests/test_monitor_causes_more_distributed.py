@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from test_monitor_causes_more import (
-    Attention, Stage0, Stage1, clip_grad_value, detailed, features, mlp, small_loss, squared, tokens,
+    Attention, ShiftedLogits, Stage0, Stage1, cancel_at_last_step, clip_grad_value, detailed, features, mlp, nll,
+    rows, small_loss, squared, tokens,
 )
 from world import Check, World, spawn_world
 from zeroscan import Monitor, Report, Severity
@@ -53,6 +54,20 @@ def check_ddp_key_bias(rank: int, world_size: int, seed: int) -> str:
     assert [f for f in report.findings if f.severity >= Severity.WARNING] == [], str(report)
     (f,) = [f for f in report.findings if f.cause == "zero_by_structure"]
     assert f.name == "module.key.bias" and "softmax" in f.message, str(report)
+    return f.name
+
+
+def check_ddp_shift_cancels_exactly(rank: int, world_size: int, seed: int) -> str:
+    """The per-row shift before log_softmax, its all-reduced noise set to
+    exactly 0 at the last step (as a sum that cancels leaves it): still the
+    structure's INFO in the merged report, never exact_zero."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + rank)
+    report = ddp_fit(ShiftedLogits(), rows(g), nll, seed, steps=4, lr=1e-3,
+                     after_backward=cancel_at_last_step("shift", 1.0, 4))
+    assert [f for f in report.findings if f.severity >= Severity.WARNING] == [], str(report)
+    (f,) = [f for f in report.findings if f.cause == "zero_by_structure"]
+    assert f.name == "module.shift" and not detailed(report, "exact_zero"), str(report)
     return f.name
 
 
@@ -118,6 +133,7 @@ def check_pipeline_stage_cut(how: str, rank: int, world_size: int, seed: int) ->
 
 CHECKS: dict[str, Check] = {
     "ddp_key_bias": check_ddp_key_bias,
+    "ddp_shift_cancels_exactly": check_ddp_shift_cancels_exactly,
     "ddp_fp16_underflow": check_ddp_fp16_underflow,
     "ddp_clip_grad_value": functools.partial(check_ddp_clip_grad_value, False),
     "ddp_clip_grad_value_merged": functools.partial(check_ddp_clip_grad_value, True),
