@@ -435,7 +435,7 @@ class SigmoidStack(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(20))
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(30))
         self.out = nn.Linear(16, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
