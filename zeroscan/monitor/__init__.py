@@ -52,6 +52,13 @@ and neither a pickled nor a copied model carries them (hooks.py). report()
 may be called from another thread while training runs (the two take
 turns, a waiting step first: turns.py; see Monitor.report).
 
+Where a gradient lives when it is read is grad_source.py: .grad, or, in
+frameworks that move it after backward, Megatron-core's main_grad and
+DeepSpeed's ZeRO partitions (read through this rank's partition, merged
+across ranks like a DTensor's shards); the optimizers of those frameworks
+(frameworks.py) are stepped, skip steps and hold the parameters in ways of
+their own, which the Monitor reads.
+
 Why a gradient is None, or exactly zero, is the cause analysis of
 causes.py: what the autograd engine says at the end of backward, a walk of
 the autograd graph from the outputs (graph.py), and a probe of one forward

@@ -8,6 +8,7 @@ only assembles their answers into one Report.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -19,7 +20,7 @@ from zeroscan.monitor.grad_histograms import latest_histograms
 from zeroscan.monitor.nonfinite_origin import origin_finding, pointer
 from zeroscan.monitor.nonfinite_trace import StepTrace
 from zeroscan.monitor.optimizer import optimizer_view
-from zeroscan.monitor.report import Report, Thresholds
+from zeroscan.monitor.report import Finding, Report, Thresholds
 from zeroscan.monitor.rules import judge
 from zeroscan.monitor.series import COUNT_COLUMNS, history, tensor_rows
 from zeroscan.monitor.step_record import Param, StepRecord
@@ -37,15 +38,20 @@ def compose_report(
     traced: list[StepTrace] | None,
     causes: CauseFinder,
     memberships: Memberships | None = None,
+    notices: Sequence[Finding] = (),
+    grads_from: str = ".grad",
 ) -> Report:
     """The Report of decoded `recorded` (oldest first, at least one), judged
     against `thresholds`; `optimizer`: the object holding the param groups
     (optimizer.param_groups_holder), None without one; `traced`: the NaN
     trace's steps, None without one; `memberships`: which param group held
-    each parameter at each step (changes.py), None without an optimizer."""
+    each parameter at each step (changes.py), None without an optimizer;
+    `notices`: findings the Monitor made about itself (ranks.default_group);
+    `grads_from`: where the gradients were read (grad_source.GradSource.where),
+    said in each gradient finding's message where it is not .grad."""
     latest = judged_records(params, recorded)[-1]
     explain_zeros(params, latest, causes)
-    model_findings = unregistered_state(model)
+    model_findings = unregistered_state(model) + list(notices)
     origin, pointing = None, ""
     if traced is not None:
         found, origin = origin_finding(params, recorded, traced)
@@ -59,6 +65,9 @@ def compose_report(
             replace(f, message=f.message + pointing) if f.cause in (Cause.NONFINITE, Cause.SKIPPED_STEPS) else f
             for f in findings
         ]
+    if grads_from != ".grad":
+        findings = [replace(f, message=f"{f.message} (gradient read from {grads_from})") if f.kind == "grad" else f
+                    for f in findings]
     shown = history_records(params, recorded)
     return Report(
         latest.step, findings, tensor_rows(params, latest), history(params, shown),

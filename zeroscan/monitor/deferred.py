@@ -54,7 +54,7 @@ import torch
 
 from zeroscan.monitor import step_record
 from zeroscan.monitor.backward import GradState, grad_state, reset_kind
-from zeroscan.monitor.step_record import Param, Scan, Slot, StepRecord
+from zeroscan.monitor.step_record import Param, Scan, Slot, StepRecord, renumber
 from zeroscan.ops import is_dtensor, scannable_form
 
 WITNESSES = 8  # gradients whose first values are read when backward ends, at most
@@ -85,6 +85,17 @@ class OpenStep(NamedTuple):
     record: StepRecord | None
     grads: GradState
     pending: Pending | None = None
+
+    def renumbered(self, new_index: dict[int, int], requires_grad: tuple[bool, ...], now: GradState) -> OpenStep:
+        """This open step after the model changed (parameter i is now
+        new_index[i]; `now`: the new parameters' gradients as they are now,
+        kept for the ones that are new)."""
+        old = {new_index[i]: was for i, was in enumerate(self.grads) if i in new_index}
+        grads = [old[j] if j in old else state for j, state in enumerate(now)]
+        if self.record is not None:
+            renumber(self.record, new_index, requires_grad)
+        pending = None if self.pending is None else self.pending.renumbered(new_index)
+        return OpenStep(self.record, grads, pending)
 
 
 class ResetHabit:

@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroscan.inputs import received
 from zeroscan.monitor import step_record
 from zeroscan.monitor.activations import ActivationScans, activation_modules, scannable
-from zeroscan.monitor.backward import BackwardWatch, GradState, grad_state, grads_touched, present_grads, reset_kind
-from zeroscan.monitor.causes import CauseFinder, cleared_cause
+from zeroscan.monitor.backward import BackwardWatch, GradState, grads_touched, present_grads, reset_kind
+from zeroscan.monitor.causes import CauseFinder
 from zeroscan.monitor.changes import Memberships
 from zeroscan.monitor.deferred import OpenStep, Pending, ResetHabit, witness_of
+from zeroscan.monitor.frameworks import gradient_source, recognize
+from zeroscan.monitor.grad_source import GradReads
 from zeroscan.monitor.graph import Root, output_roots
 from zeroscan.monitor.compose import compose_report
 from zeroscan.monitor.grad_histograms import check_histogram, free_earlier_fields
@@ -35,8 +36,9 @@ from zeroscan.monitor.hooks import Hooks, weak_hook
 from zeroscan.monitor.nonfinite_trace import NonfiniteTrace
 from zeroscan.monitor.optimizer import param_groups_holder, step_lrs
 from zeroscan.monitor.optimizer_hook import attach_step
-from zeroscan.monitor.ranks import RankExchange, check_group
-from zeroscan.monitor.step_record import StepRecord, decode_records, grad_row, renumber, weight_row
+from zeroscan.monitor.ranks import RankExchange, check_group, decode, default_group
+from zeroscan.monitor.step_record import StepRecord, decode_records, renumber
+from zeroscan.monitor.options import check_options
 from zeroscan.monitor.report import Report, Thresholds
 from zeroscan.monitor.scanner import Scanner
 from zeroscan.monitor.structure import StructureWatch, carried_over
@@ -62,7 +64,9 @@ class Monitor:
     optimizer: optional; enables the "not_in_optimizer" check, lr-0 hints,
         the stopped_training check (changes.py), and (auto=True) scanning
         at each optimizer step; a wrapper of one (a Lookahead) is scanned at
-        the step of the one it wraps (optimizer_hook.py).
+        the step of the one it wraps (optimizer_hook.py); a DeepSpeed engine
+        or ZeRO optimizer, or a Megatron-core optimizer, at its own step,
+        reading the gradients where it keeps them (frameworks.py).
     every: scan one step in `every` (steps are counted from 0; step 0 is scanned).
     history: how many monitored steps the on-device ring keeps.
     activations: hook nn.ReLU / nn.ReLU6 / nn.GELU (dead units) and
@@ -74,7 +78,9 @@ class Monitor:
         doc). Every DTensor parameter's device mesh must hold exactly the
         group's ranks. Building the Monitor is then a collective (every rank
         of the group checks that the others monitor the same parameters), and
-        so is each monitored step. None (the default): this rank alone.
+        so is each monitored step. None (the default): this rank alone, or,
+        where every parameter is a DTensor on one mesh, that mesh's group
+        (ranks.default_group; otherwise a WARNING says what to pass).
     histogram: also count, in the same scans, the exact log2-magnitude
         histogram of every gradient and weight (Report.histograms; see
         grad_histograms.py for what it keeps). Not with a process_group yet.
@@ -103,34 +109,34 @@ class Monitor:
         trace_nonfinite: bool = False,
     ) -> None:
         op = "zeroscan.Monitor"
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
-        groups = None if optimizer is None else param_groups_holder(op, optimizer)  # whose lrs are read
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"{op}: every must be an int >= 1, got {received(every)}")
-        if isinstance(history, bool) or not isinstance(history, int) or history < 2:
-            raise ValueError(f"{op}: history must be an int >= 2, got {received(history)}")
-        if not isinstance(trace_nonfinite, bool):
-            raise TypeError(f"{op}: trace_nonfinite must be True or False, got {received(trace_nonfinite)}")
-        if thresholds is not None and not isinstance(thresholds, Thresholds):
-            raise TypeError(f"{op}: thresholds must be a zeroscan.Thresholds, got {type(thresholds).__name__}")
+        self.thresholds = check_options(op, model, every, history, trace_nonfinite, thresholds)
+        framework = recognize(optimizer)  # DeepSpeed's, Megatron's: their own step, groups and gradients
+        groups = None if optimizer is None else param_groups_holder(op, optimizer, framework)  # whose lrs are read
         self.model = model
         self.optimizer = optimizer
         self._groups = groups
         self._memberships = Memberships()  # which param group held each parameter, at each step
         self.every = every
-        self.thresholds = thresholds or Thresholds()
         self._params = step_record.collect_params(model)
+        self._framework = framework
+        process_group, self._mesh_warning = default_group(process_group, self._params)
         group = check_group(op, process_group, self._params)
         self.histogram = check_histogram(op, histogram, group)
         self._ranks = None if group is None else RankExchange(group, self._params, self.thresholds.replica_rtol)
+        source = gradient_source(op, framework, groups, self._params)
         # Hooks hold this Monitor weakly, stay out of a pickled or copied model (hooks.py), and go with it.
         self._hooks = Hooks()
         self._finalizer = weakref.finalize(self, Hooks.remove_all, self._hooks)
         self._finalizer.atexit = False  # at exit the process, hooks and all, goes anyway
         self._auto = bool(auto and optimizer is not None)
         if self._auto:  # first: where it cannot be hooked, nothing else is on the model yet
-            attach_step(op, optimizer, weak_hook(self, "_on_optimizer_step"), self._hooks)
+            owner, after = (optimizer, None) if framework is None else (framework.step_owner, "_after_framework_step")
+            attach_step(op, owner, weak_hook(self, "_on_optimizer_step"), self._hooks,
+                        after=None if after is None else weak_hook(self, after))
+        # Where each gradient is read (grad_source.py): one that a framework moves after
+        # backward is read at the step, and which parameters backward reached is told by a hook.
+        self._reads = GradReads(source, self._params, self._hooks)
+        self._last_stepped: StepRecord | None = None  # its framework's step may say it skipped
         # The step path (hooks, possibly on autograd's threads) and report() from any
         # thread take turns, a waiting step first (turns.py).
         self._turns = Turns()
@@ -253,7 +259,7 @@ class Monitor:
         with self._turns.step:
             self._habit.observe(self._params, last=True)
             open_step = self._open
-            self._open_touched = open_step is not None and grads_touched(self._params, open_step.grads)
+            self._open_touched = open_step is not None and self._reads.touched(self._params, open_step.grads)
             if self._open_touched:
                 assert open_step is not None
                 self._read_pending(open_step)  # before this pass writes gradients (into the same memory, maybe)
@@ -277,17 +283,29 @@ class Monitor:
         if self._monitored():  # the gradients as backward left them: a skipped step keeps these
             record = StepRecord(self._count)
             record.stepped = None
-            tensors, slots, missing = present_grads(self._params)
-            if missing:  # require grad, have none: the engine says why while it can
-                self._causes.backward_finished(missing)
-            if self._habit.defer:  # read at optimizer.step(), or once the loop lets them go (deferred.py)
-                pending = Pending(tensors, slots)
-                if self._ranks is None:  # across ranks no row `before` is kept to read it
-                    record.witness = witness_of(tensors, slots)
-            else:
-                self._scanner.scan_into(record, tensors, slots, self._params, self.histogram)
+            pending = self._read_backward(record)
             record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
-        self._open = OpenStep(record, grad_state(self._params), pending)
+        self._open = OpenStep(record, self._reads.state(self._params), pending)
+
+    def _read_backward(self, record: StepRecord) -> Pending | None:
+        """The gradients as backward left them: read into `record` now, held
+        to be read later (Pending), or left to the step where a framework
+        moves them (grad_source.py)."""
+        moved = self._reads.source.moved
+        tensors, slots, missing = ([], [], self._reads.unreached(self._params)) if moved else present_grads(
+            self._params
+        )
+        if missing:  # require grad, have none (or none reached): the engine says why while it can
+            self._causes.backward_finished(missing)
+        if moved:
+            return None
+        if not self._habit.defer:
+            self._scanner.scan_into(record, tensors, slots, self._params, self.histogram)
+            return None
+        # read at optimizer.step(), or once the loop lets them go (deferred.py)
+        if self._ranks is None:  # across ranks no row `before` is kept to read it
+            record.witness = witness_of(tensors, slots)
+        return Pending(tensors, slots)
 
     def _read_pending(self, open_step: OpenStep) -> None:
         """The open step's gradients were touched with no optimizer step: its
@@ -342,6 +360,14 @@ class Monitor:
         self._causes.stamp(record, open_step)  # what the step ran under: autocast, GradScaler (context.py)
         self._habit.stepped(self._params)
         self._end_step(record, stepped=True)
+        self._last_stepped = record
+        self._reads.stepped(self._params)
+
+    def _after_framework_step(self, returned: Any) -> None:
+        with self._turns.step:  # a framework's step returned: it may have updated nothing (frameworks.py)
+            if self._last_stepped is not None and self._framework is not None:
+                self._framework.judge(self._last_stepped, returned)
+            self._last_stepped = None
 
     def _end_step(self, record: StepRecord | None, stepped: bool) -> None:
         """One step ends (`record`: its scan, None when it was not monitored)."""
@@ -366,22 +392,12 @@ class Monitor:
         backward pass left them, where the Monitor saw it end.
         collective=False (a report() on some ranks only) leaves out what only
         a collective could read (a Partial DTensor)."""
-        tensors: list[torch.Tensor] = []
-        slots: list[int] = []  # Slot rows
-        missing = []
-        for p in self._params:
-            if p.tensor.grad is not None:
-                tensors.append(p.tensor.grad)
-                slots.append(grad_row(p.index))
-            elif backward is not None and backward[p.index] is not None:
-                record.cleared.append(p.index)
-                record.none_causes[p.index] = cleared_cause(p.name)
-            elif p.tensor.requires_grad:
-                missing.append(p.index)
-            tensors.append(p.tensor)
-            slots.append(weight_row(p.index))
+        tensors, slots, missing = self._reads.at_step(self._params, backward, record)
         record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
-        self._scanner.scan_into(record, tensors, slots, self._params, self.histogram, collective=collective)
+        partitioned = self._reads.source.partitioned_rows(self._params)
+        self._scanner.scan_into(
+            record, tensors, slots, self._params, self.histogram, collective=collective, partitioned=partitioned
+        )
         record.activations = self._activations.scans
         record.notes.extend(self._activations.notes)
         if missing:
@@ -424,11 +440,11 @@ class Monitor:
             self._open = None
             self._end_step(open_step.record, stepped=False)
         recorded = list(self._records)
-        self._decode(recorded)
+        decode(recorded, self._ranks)
         if not recorded:  # this rank's own scan: no merge was started for it
             # An open step's gradients were read when backward ended: no step has been taken
             # yet, so the Monitor does not know yet whether they may wait (deferred.py).
-            now = self._open.record if self._open is not None and self._open.record is not None else None
+            now = self._open.record if self._open is not None and not self._reads.source.moved else None
             if now is not None:  # read a copy: the open step goes on, and its merge is read later
                 now = copy.copy(now)
             else:
@@ -439,27 +455,15 @@ class Monitor:
             recorded = [now]
         traced = list(self._trace.steps) if self._trace is not None else None
         return compose_report(
-            self._params, recorded, self.thresholds, self._groups, self.model, traced, self._causes, self._memberships
+            self._params, recorded, self.thresholds, self._groups, self.model, traced, self._causes, self._memberships,
+            [self._mesh_warning] if self._mesh_warning is not None else [], self._reads.source.where,
         )
 
     def _close_trace(self) -> None:
-        """Ends the trace's segment as this step's, and hooks a changed model
-        again: here on the step path, between forward passes, never from
-        report() (another thread's forward pass may be iterating the hooks)."""
-        trace = self._trace
-        if trace is None or self._closed:
-            return
-        trace.close(self._count, self._params)
-        if self._retrace or trace.stale:
+        """Ends the trace's segment as this step's (NonfiniteTrace.end_step)."""
+        if self._trace is not None and not self._closed:
+            self._trace.end_step(self._count, self.model, self._params, self._retrace)
             self._retrace = False
-            trace.attach(self.model, self._params)
-
-    def _decode(self, recorded: list[StepRecord]) -> None:
-        """Reads the records back: this rank's rows, or the global rows across ranks."""
-        if self._ranks is None:
-            decode_records(recorded)
-        else:
-            self._ranks.decode(recorded)
 
     # ---- the model as it is now ---------------------------------------------
 
@@ -478,7 +482,7 @@ class Monitor:
             return
         # The records kept so far are read back (a rare host sync) and renumbered.
         recorded = list(self._records)
-        self._decode(recorded)
+        decode(recorded, self._ranks)
         if self._ranks is not None:
             self._ranks.set_params(params)
         new_index = carried_over(self._params, params)
@@ -486,14 +490,10 @@ class Monitor:
         for r in recorded:
             renumber(r, new_index, requires_grad)
         self._memberships.renumber(new_index)
+        self._reads.renumber(params, new_index)
         self._habit.forget()
         if self._open is not None:
-            old = {new_index[i]: was for i, was in enumerate(self._open.grads) if i in new_index}
-            grads = [old[j] if j in old else now_state for j, now_state in enumerate(grad_state(params))]
-            if self._open.record is not None:
-                renumber(self._open.record, new_index, requires_grad)
-            pending = self._open.pending
-            self._open = OpenStep(self._open.record, grads, None if pending is None else pending.renumbered(new_index))
+            self._open = self._open.renumbered(new_index, requires_grad, self._reads.state(params))
         self._params = params
         self._causes.drop()
         self._causes = CauseFinder(self.model, params, self._hooks)

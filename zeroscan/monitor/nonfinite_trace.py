@@ -472,6 +472,14 @@ class NonfiniteTrace:
         else:
             self.steps.append(StepTrace(step, [segment]))
 
+    def end_step(self, step: int, model: nn.Module, params: list[Param], changed: bool) -> None:
+        """close(), then hooks the model again where it `changed` or a
+        requires_grad did: on the step path, between forward passes, never
+        from report() (another thread's forward pass may be iterating the hooks)."""
+        self.close(step, params)
+        if changed or self.stale:
+            self.attach(model, params)
+
     def born_words(self, rank: int, world: int, device: torch.device) -> torch.Tensor:
         """int64 [2] on `device`: [rank, rank] if a segment closed since the
         last call holds any non-finite flag, else [world, -1] (the merge

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from zeroscan.monitor.frameworks import Framework
 from zeroscan.monitor.step_record import Param
 from zeroscan.monitor.rules import OptimizerView
 
@@ -62,12 +63,15 @@ def param_groups_of(optimizer: object) -> list[Mapping[str, Any]] | None:
     return list(groups)
 
 
-def param_groups_holder(op: str, optimizer: object) -> object:
-    """The object whose param groups the Monitor reads: the outermost of
+def param_groups_holder(op: str, optimizer: object, framework: Framework | None = None) -> object:
+    """The object whose param groups the Monitor reads: a framework's view
+    of its model parameters (frameworks.py), else the outermost of
     `optimizer` and what it wraps that has them (a ZeroRedundancyOptimizer's
     hold every parameter, its local optimizer's only its rank's shard; a
     Lookahead's are its base optimizer's). Raises, in one line, where none
     has them or `optimizer` is nothing like an optimizer."""
+    if framework is not None:
+        return framework.groups
     if not isinstance(optimizer, torch.optim.Optimizer) and not callable(_attribute(optimizer, "step")):
         raise TypeError(
             f"{op}: optimizer must be a torch.optim.Optimizer (or a wrapper of one, with step() and "

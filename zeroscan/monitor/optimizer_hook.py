@@ -39,10 +39,11 @@ class StepTrigger:
     inside a wrapped step belongs to the same step). Once `removed`, it
     only lets the steps run."""
 
-    __slots__ = ("_scan", "_depth", "removed")
+    __slots__ = ("_scan", "_after", "_depth", "removed")
 
-    def __init__(self, scan: Callable[[], Any]) -> None:
+    def __init__(self, scan: Callable[[], Any], after: Callable[[Any], Any] | None = None) -> None:
         self._scan = scan
+        self._after = after  # told what a wrapped step returned (a framework's step says whether it skipped)
         self._depth = 0
         self.removed = False
 
@@ -57,7 +58,10 @@ class StepTrigger:
         try:
             if self._depth == 1:
                 self._scan()
-            return run()
+            returned = run()
+            if self._depth == 1 and self._after is not None:
+                self._after(returned)
+            return returned
         finally:
             self._depth -= 1
 
@@ -143,12 +147,27 @@ def passes_through(step: object, owner: object) -> bool:
     return False
 
 
-def attach_step(op: str, optimizer: object, scan: Callable[[], Any], hooks: Hooks) -> None:
+def attach_step(
+    op: str,
+    optimizer: object,
+    scan: Callable[[], Any],
+    hooks: Hooks,
+    *,
+    after: Callable[[Any], Any] | None = None,
+) -> None:
     """Makes `scan` run once at each step of `optimizer`, before it updates
     the weights (see the module doc); every hook and wrapper goes into
-    `hooks`, removed with them. Raises, in one line, where no step can be
+    `hooks`, removed with them. With `after`, `optimizer`'s own step is
+    wrapped (a framework's, frameworks.py) and `after` is given what each
+    step returned. Raises, in one line, where no step can be
     hooked nor wrapped."""
-    trigger = StepTrigger(scan)
+    trigger = StepTrigger(scan, after)
+    if after is not None:  # a framework's own step (frameworks.py): its inner optimizer steps only when it updates
+        why = _wrap_step(trigger, optimizer, hooks)
+        if why is None:
+            return
+        raise TypeError(f"{op}: the step of {type(optimizer).__name__} cannot be wrapped ({why}); "
+                        "pass auto=False and call monitor.step() once per step")
     chain = wrapped_chain(optimizer)
     hooked = next((o for o in chain if has_step_hooks(o)), None)
     if hooked is not None:

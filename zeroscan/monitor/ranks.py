@@ -109,12 +109,19 @@ class RankExchange:
         self._checked = True
 
     def local_parts(
-        self, tensors: list[torch.Tensor], slots: list[int], *, collective: bool = True
+        self,
+        tensors: list[torch.Tensor],
+        slots: list[int],
+        *,
+        collective: bool = True,
+        partitioned: frozenset[int] = frozenset(),
     ) -> tuple[list[torch.Tensor], list[int], list[Slot], list[Slot]]:
         """What this rank scans of each tensor (a DTensor's local shard) and
         at which Slot rows, the sharded slots, and those of them whose shard
         another rank contributes. collective=False leaves out a Partial
-        DTensor (reducing it is a collective) instead of reducing it."""
+        DTensor (reducing it is a collective) instead of reducing it.
+        `partitioned`: rows whose tensor already is this rank's disjoint
+        piece (a ZeRO partition, grad_source.py), sharded too."""
         local: list[torch.Tensor] = []
         kept: list[int] = []
         sharded: list[Slot] = []
@@ -129,6 +136,8 @@ class RankExchange:
                     sharded.append(Slot.at_row(row))
                     if not part.counted:
                         uncounted.append(Slot.at_row(row))
+            elif row in partitioned:
+                sharded.append(Slot.at_row(row))
             local.append(t)
             kept.append(row)
         return local, kept, sharded, uncounted
@@ -329,6 +338,14 @@ class RankExchange:
         return f"{self._params[slot.param].name}:{slot.kind}"
 
 
+def decode(records: list[StepRecord], ranks: RankExchange | None) -> None:
+    """Reads the records back: this rank's rows (`ranks` None), or the global rows across ranks."""
+    if ranks is None:
+        decode_records(records)
+    else:
+        ranks.decode(records)
+
+
 def check_group(op: str, group: Any, params: list[Param]) -> dist.ProcessGroup | None:
     """The Monitor's process group, checked (None stays None)."""
     if group is None:
@@ -422,3 +439,32 @@ def _to_host(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def short(v: float | int) -> str:
     return str(v) if isinstance(v, int) else f"{v:.6g}"
+
+
+def default_group(group: Any, params: list[Param]) -> tuple[Any, Finding | None]:
+    """process_group as given, or, where none was given and the parameters
+    are DTensors, the group their device mesh runs on: a 1-D mesh's own
+    group, or WORLD for a mesh over every rank. Where there is no one such
+    group (plain parameters beside DTensors, several meshes, a mesh over some
+    ranks only), None and a WARNING that says which argument to pass: a
+    DTensor is scanned only through a process group, never silently left out."""
+    if group is not None or not (dist.is_available() and dist.is_initialized()):
+        return group, None
+    dtensors = [p for p in params if is_dtensor(p.tensor)]
+    if not dtensors:
+        return None, None
+    meshes = {id(p.tensor.device_mesh): p.tensor.device_mesh for p in dtensors}  # type: ignore[attr-defined]
+    if len(meshes) == 1 and len(dtensors) == len(params):
+        mesh = next(iter(meshes.values()))
+        ranks = sorted(mesh.mesh.flatten().tolist())
+        if mesh.ndim == 1:
+            return mesh.get_group(), None
+        if ranks == list(range(dist.get_world_size())):
+            return dist.group.WORLD, None
+    why = (f"{len(dtensors)} of {count_noun(len(params), 'parameter')} are DTensors"
+           f"{f' on {len(meshes)} device meshes' if len(meshes) > 1 else ''}, and no process_group was given")
+    return None, Finding("(model)", "param", Severity.WARNING, Cause.NOT_SCANNED, (
+        f"{why}: a DTensor is scanned only across the ranks of its mesh, so none of them is scanned; pass "
+        "process_group=<the mesh's group> (mesh.get_group(), or dist.group.WORLD for a mesh over every rank), "
+        "or monitor each mesh's submodule with a Monitor of its own"
+    ))

@@ -33,15 +33,20 @@ class Scanner:
         histogram: bool,
         *,
         collective: bool = True,
+        partitioned: frozenset[int] = frozenset(),
     ) -> None:
         """Scans `tensors` (at Slot rows `slots`) of the Monitor's `params`
         into `record`, with their histograms when `histogram`; collective:
-        see RankExchange.local_parts."""
+        see RankExchange.local_parts; `partitioned`: the rows whose tensor is
+        this rank's piece of one split across the group (grad_source.py),
+        merged as a DTensor's shards are."""
         with torch.no_grad():
             if self.ranks is None:
                 record.add(self._run(tensors, slots, params, record, histogram))
             else:
-                local, slots, sharded, uncounted = self.ranks.local_parts(tensors, slots, collective=collective)
+                local, slots, sharded, uncounted = self.ranks.local_parts(
+                    tensors, slots, collective=collective, partitioned=partitioned
+                )
                 record.add(self._run(local, slots, params, record, histogram))
                 record.sharded += sharded
                 record.uncounted += uncounted

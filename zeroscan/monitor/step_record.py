@@ -124,7 +124,7 @@ class StepRecord:
     __slots__ = (
         "step", "stepped", "groups", "fields", "requires_grad", "none_causes", "activations", "notes", "unscanned",
         "rows", "acts", "exchange", "rank_findings", "shard_ranks", "sharded", "uncounted", "cleared",
-        "zero_causes", "lrs", "born_ranks", "witness", "context",
+        "zero_causes", "lrs", "born_ranks", "witness", "context", "skipped_by",
     )
 
     def __init__(self, step: int) -> None:
@@ -133,6 +133,7 @@ class StepRecord:
         # gradients were reset after a backward pass without a step (a GradScaler skip,
         # or a backward pass that no step follows); None: the step is still open.
         self.stepped: bool | None = True
+        self.skipped_by: str | None = None  # the framework whose step skipped itself (frameworks.py)
         # Per device: Slot rows (Slot.row), int64 [N, 16]. Groups scanned later (a
         # gradient changed between the end of backward and the step) come later and win.
         self.groups: list[tuple[list[int], torch.Tensor]] = []

@@ -146,9 +146,15 @@ def step_findings(params: list[Param], records: list[StepRecord], th: Thresholds
                 f"optimizer.step() was skipped at {n} of {m} monitored steps (a GradScaler calibrating "
                 "its loss scale skips a few, early in training)"
             )
+        by_framework = sorted({r.skipped_by for r in skips if r.skipped_by and not r.stepped})
+        if by_framework and not guarded and run < th.skip_run and n < m:
+            what = f"optimizer.step() was skipped at {n} of {m} monitored steps"
         by_scaler = sum(1 for r in skips if not r.stepped)
         how = []
-        if by_scaler:
+        if by_framework:
+            how.append(f"{' and '.join(by_framework)} skipped {'it' if by_scaler == 1 else 'them'} itself: its "
+                       "step checks the gradients for inf/NaN (an overflow) and updates nothing then")
+        elif by_scaler:
             how.append(
                 f"{'at ' + str(by_scaler) + ' of them ' if by_scaler < n else ''}optimizer.step() did not run: "
                 "GradScaler skips a step whose gradients hold inf/NaN and lowers its scale, as does a check of "
