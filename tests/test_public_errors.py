@@ -84,6 +84,10 @@ def _accelerate() -> ModuleType:
     return importlib.import_module("zeroscan.integrations.accelerate")
 
 
+def _deepspeed() -> ModuleType:
+    return importlib.import_module("zeroscan.integrations.deepspeed")
+
+
 def _lightning() -> ModuleType:
     return importlib.import_module("zeroscan.integrations.lightning")
 
@@ -136,6 +140,7 @@ CALLS: dict[str, Takes] = {
     "zeroscan.distributed.merge_stats": takes(lambda b: _distributed().merge_stats(b)),
     "zeroscan.integrations.accelerate.monitor": takes(lambda b: _accelerate().monitor(b, nn.Linear(2, 2))),
     "zeroscan.integrations.accelerate.log": takes(lambda b: _accelerate().log(b, {})),
+    "zeroscan.integrations.deepspeed.monitor": takes(lambda b: _deepspeed().monitor(b)),
     "zeroscan.integrations.lightning.ZeroscanCallback": takes(lambda b: _lightning().ZeroscanCallback(every=b)),
     # None is the process's own command line (sys.argv).
     "zeroscan.cli.main": takes(lambda b: _cli().main(b), valid=("None",)),
