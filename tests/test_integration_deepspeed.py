@@ -40,6 +40,8 @@ STEPS = 4
 NAN_STEP = 2
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16")
+# bf16 weights with fp32 gradient accumulation: at stage 1 DeepSpeed's BF16_Optimizer, not the ZeRO one.
+BF16_OPTIMIZER = (1, "bf16-fp32acc")
 FAULTS = ("healthy", "detach", "unused", "not_in_optimizer", "nan")
 
 
@@ -79,15 +81,17 @@ def engine_of(stage: int, dtype: str, fault: str, rank: int, seed: int) -> Any:
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
-    if dtype == "bf16":
+    if dtype.startswith("bf16"):
         config["bf16"] = {"enabled": True}
+    if dtype == "bf16-fp32acc":
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     with contextlib.redirect_stdout(io.StringIO()):
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=params)
     return engine
 
 
 def batch(dtype: str, g: torch.Generator) -> torch.Tensor:
-    return torch.randn(8, 16, generator=g).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    return torch.randn(8, 16, generator=g).to(torch.bfloat16 if dtype.startswith("bf16") else torch.float32)
 
 
 def train(stage: int, dtype: str, fault: str, rank: int, seed: int) -> tuple[Report, dict[str, tuple], Any]:
@@ -155,6 +159,8 @@ def named(report: Report, cause: str) -> set[str]:
 
 def check_case(stage: int, dtype: str, fault: str, rank: int, world_size: int, seed: int) -> str:
     report, full, engine = train(stage, dtype, fault, rank, seed)
+    if dtype == "bf16-fp32acc":
+        assert type(engine.optimizer).__name__ == "BF16_Optimizer", type(engine.optimizer)
     text = str(report)
     warnings = [f for f in report.findings if f.severity >= Severity.WARNING]
     if fault == "healthy":
@@ -210,7 +216,7 @@ def check_monitor_of_the_module(stage: int, rank: int, world_size: int, seed: in
 
 CHECKS: dict[str, Check] = {
     f"zero{stage}-{dtype}-{fault}": functools.partial(check_case, stage, dtype, fault)
-    for stage, dtype, fault in itertools.product(STAGES, DTYPES, FAULTS)
+    for (stage, dtype), fault in itertools.product([*itertools.product(STAGES, DTYPES), BF16_OPTIMIZER], FAULTS)
 }
 CHECKS |= {f"zero{stage}-monitor_of_the_module": functools.partial(check_monitor_of_the_module, stage) for stage in (1, 2, 3)}
 
