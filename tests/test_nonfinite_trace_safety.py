@@ -176,3 +176,32 @@ def test_the_birth_that_was_applied_is_named_not_an_earlier_skipped_one(skip: st
     assert origin is not None and (origin["step"], origin["pass"], origin["name"]) == (4, "backward", "3"), origin
     (finding,) = [f for f in report.findings if f.cause == "nonfinite_origin"]
     assert finding.severity == zeroscan.Severity.ERROR
+
+
+class DetachesInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 6)
+        self.b = nn.Linear(6, 4)
+        self.c = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(torch.tanh(self.a(x)).detach()))
+
+
+@pytest.mark.parametrize("trace", [False, True], ids=["untraced", "traced"])
+def test_the_traces_own_hooks_are_not_named_as_cuts(trace: bool) -> None:
+    """The trace's hooks read each module's output: a detach the model makes
+    is named where it is, in the model's own forward, and nowhere else."""
+    g = fresh_generator()
+    model = DetachesInside()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = zeroscan.Monitor(model, opt, trace_nonfinite=trace)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(7, 5, generator=g)).square().mean().backward()
+        opt.step()
+    (f,) = [f for f in monitor.report().findings if f.cause == "detached"]
+    assert set(f.names) == {"a.weight", "a.bias"}, f.message
+    assert ".detach() in the model (DetachesInside);" in f.message, f.message
+    assert "(Linear)" not in f.message, f.message

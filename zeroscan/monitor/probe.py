@@ -52,11 +52,12 @@ _DETACHING = (".detach()", ".detach_()", ".data")
 _WIDER_THAN_HALF = (torch.float32, torch.float64)
 _UNFOLLOWED = (".item()", ".tolist()", ".numpy()")  # their results are Python values
 MAX_FOLLOWED = 4096  # tensors made by a cut, followed at once
-# torch's own wrappers (FSDP, DDP, DTensor, torch.compile): a cut made there is not the model's.
+# torch's own wrappers (FSDP, DDP, DTensor, torch.compile), and the Monitor's own hooks (the NaN
+# trace's): a cut made there is not the model's.
 _WRAPPER_DIRS = tuple(
     os.path.join(os.path.dirname(torch.__file__), sub) + os.sep
     for sub in ("distributed", "_dynamo", "_functorch", "_inductor", "_subclasses")
-)
+) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)  # zeroscan/monitor/
 # Frames between an op's caller and the probe: the probe's own, dynamo's compiler.disable
 # wrapper and torch.ops.* calls.
 _BETWEEN = (
@@ -271,7 +272,7 @@ class Probe(TorchFunctionMode):
 
 def called_by_torch() -> bool:
     """Whether the op being observed was called from one of torch's wrappers
-    (FSDP's hooks, say), not from the model's code."""
+    (FSDP's hooks, say) or the Monitor's own, not from the model's code."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename in _BETWEEN:
         frame = frame.f_back
