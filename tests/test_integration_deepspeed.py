@@ -31,39 +31,14 @@ import frameworks
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported, here and in the spawned ranks
 frameworks.require("deepspeed")
 
-from world import Check, World, spawn_world  # noqa: E402
+from planted_faults import FAULTS, NAN_STEP, STEPS, WORLD_SIZES, Net, named, one_and_two_ranks  # noqa: E402
+from world import Check, World  # noqa: E402
 from zeroscan import Report, Severity, reference_stats  # noqa: E402
 
-WORLD_TIMEOUT_S = 300.0
-COLLECTIVE_TIMEOUT_S = 60.0
-STEPS = 4
-NAN_STEP = 2
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16")
 # bf16 weights with fp32 gradient accumulation: at stage 1 DeepSpeed's BF16_Optimizer, not the ZeRO one.
 BF16_OPTIMIZER = (1, "bf16-fp32acc")
-FAULTS = ("healthy", "detach", "unused", "not_in_optimizer", "nan")
-
-
-class Net(nn.Module):
-    """Sizes that do not divide by 2, so that ZeRO pads the last rank's partition."""
-
-    def __init__(self, fault: str) -> None:
-        super().__init__()
-        self.fault = fault
-        self.a = nn.Linear(16, 37)
-        self.b = nn.Linear(37, 5)
-        self.c = nn.Linear(5, 5)
-        self.head = nn.Linear(5, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.a(x))
-        if self.fault == "detach":
-            h = h.detach()
-        y = self.b(h)
-        if self.fault != "unused":
-            y = self.c(y)
-        return self.head(y)
 
 
 def engine_of(stage: int, dtype: str, fault: str, rank: int, seed: int) -> Any:
@@ -149,14 +124,6 @@ def assert_rows_are_full_tensors(report: Report, full: dict[str, tuple]) -> None
             assert row["norm"] == pytest.approx(ref["norm"], rel=1e-5, abs=1e-30), (name, kind, row["norm"], ref)
 
 
-def named(report: Report, cause: str) -> set[str]:
-    out: set[str] = set()
-    for f in report.findings:
-        if f.cause == cause:
-            out |= set(f.names or (f.name,))
-    return out
-
-
 def check_case(stage: int, dtype: str, fault: str, rank: int, world_size: int, seed: int) -> str:
     report, full, engine = train(stage, dtype, fault, rank, seed)
     if dtype == "bf16-fp32acc":
@@ -221,11 +188,9 @@ CHECKS: dict[str, Check] = {
 CHECKS |= {f"zero{stage}-monitor_of_the_module": functools.partial(check_monitor_of_the_module, stage) for stage in (1, 2, 3)}
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+@pytest.fixture(scope="module", **WORLD_SIZES)
 def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> World:
-    return spawn_world(
-        request.param, CHECKS, tmp_path_factory, timeout_s=WORLD_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S
-    )
+    return one_and_two_ranks(request, tmp_path_factory, CHECKS)
 
 
 @pytest.mark.slow

@@ -32,38 +32,12 @@ import frameworks
 frameworks.require("megatron.core")
 
 from megatron_on_cpu import cuda_on_cpu, init_parallel_state  # noqa: E402
-from world import Check, World, spawn_world  # noqa: E402
+from planted_faults import FAULTS, NAN_STEP, STEPS, WORLD_SIZES, Net, named, one_and_two_ranks  # noqa: E402
+from world import Check, World  # noqa: E402
 from zeroscan import Monitor, Report, Severity, reference_stats  # noqa: E402
 
-WORLD_TIMEOUT_S = 300.0
-COLLECTIVE_TIMEOUT_S = 60.0
-STEPS = 4
-NAN_STEP = 2
 SETUPS = ("ddp-fp32", "ddp-bf16", "ddp-fp16", "distopt-fp32", "distopt-bf16")
-FAULTS = ("healthy", "detach", "unused", "not_in_optimizer", "nan")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class Net(nn.Module):
-    """Sizes that do not divide by 2, so that the distributed optimizer's
-    ranges cut parameters in the middle."""
-
-    def __init__(self, fault: str) -> None:
-        super().__init__()
-        self.fault = fault
-        self.a = nn.Linear(16, 37)
-        self.b = nn.Linear(37, 5)
-        self.c = nn.Linear(5, 5)
-        self.head = nn.Linear(5, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.a(x))
-        if self.fault == "detach":
-            h = h.detach()
-        y = self.b(h)
-        if self.fault != "unused":
-            y = self.c(y)
-        return self.head(y)
 
 
 def full_master(p: nn.Parameter, starts: dict[int, int]) -> torch.Tensor:
@@ -135,14 +109,6 @@ def train(setup: str, fault: str, rank: int, seed: int) -> tuple[Report, dict[st
         report = monitor.report()
         monitor.close()
     return report, full, returned
-
-
-def named(report: Report, cause: str) -> set[str]:
-    out: set[str] = set()
-    for f in report.findings:
-        if f.cause == cause:
-            out |= set(f.names or (f.name,))
-    return out
 
 
 def check_case(setup: str, fault: str, rank: int, world_size: int, seed: int) -> str:
@@ -224,11 +190,9 @@ CHECKS["main_grad-healthy"] = functools.partial(check_main_grad_alone, "healthy"
 CHECKS["main_grad-unused"] = functools.partial(check_main_grad_alone, "unused")
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+@pytest.fixture(scope="module", **WORLD_SIZES)
 def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> World:
-    return spawn_world(
-        request.param, CHECKS, tmp_path_factory, timeout_s=WORLD_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S
-    )
+    return one_and_two_ranks(request, tmp_path_factory, CHECKS)
 
 
 @pytest.mark.slow
