@@ -55,6 +55,10 @@ def engine_of(stage: int, dtype: str, fault: str, rank: int, seed: int) -> Any:
         "train_micro_batch_size_per_gpu": 8,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        # DeepSpeed clips at 1.0 by default: at stage 0 in fp32 before its torch optimizer's step,
+        # where the Monitor reads, elsewhere inside its own step, after. The healthy rows are
+        # compared with the gradients as backward left them, so nothing is clipped here.
+        "gradient_clipping": 0.0,
     }
     if dtype.startswith("bf16"):
         config["bf16"] = {"enabled": True}
