@@ -256,6 +256,14 @@ class GradReads:
     def __init__(self, source: GradSource, params: list[Param], hooks: Hooks) -> None:
         self.source = source
         self.reached = Reached(params, hooks) if source.moved else None
+        self._partitioned: tuple[list[Param], frozenset[int]] | None = None
+
+    def partitioned(self, params: list[Param]) -> frozenset[int]:
+        """source.partitioned_rows(params), worked out once per list of
+        parameters (the Monitor makes a new list when the model changes)."""
+        if self._partitioned is None or self._partitioned[0] is not params:
+            self._partitioned = (params, self.source.partitioned_rows(params))
+        return self._partitioned[1]
 
     def unreached(self, params: list[Param]) -> list[int]:
         """The parameters that require a gradient and that no backward pass

@@ -394,7 +394,7 @@ class Monitor:
         a collective could read (a Partial DTensor)."""
         tensors, slots, missing = self._reads.at_step(self._params, backward, record)
         record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
-        partitioned = self._reads.source.partitioned_rows(self._params)
+        partitioned = self._reads.partitioned(self._params)
         self._scanner.scan_into(
             record, tensors, slots, self._params, self.histogram, collective=collective, partitioned=partitioned
         )
