@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from helpers import fresh_seed
+from test_monitor_causes_more import compiled_if
 from zeroscan import Monitor, Severity, reference_stats
 
 
@@ -50,13 +51,16 @@ def move_to_main_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
-def train(model: nn.Module, monitor: Monitor, buffer: torch.Tensor, seed: int, steps: int = 3) -> list[torch.Tensor]:
-    """Plain SGD on main_grad, the Monitor stepped by hand; the last step's gradients."""
+def train(
+    model: nn.Module, monitor: Monitor, buffer: torch.Tensor, seed: int, steps: int = 3, forward: nn.Module | None = None
+) -> list[torch.Tensor]:
+    """Plain SGD on main_grad, the Monitor stepped by hand; the last step's
+    gradients. `forward`: what is called (the model under torch.compile)."""
     g = torch.Generator().manual_seed(seed)
     last: list[torch.Tensor] = []
     for _ in range(steps):
         buffer.zero_()
-        model(torch.randn(5, 6, generator=g)).square().mean().backward()
+        (model if forward is None else forward)(torch.randn(5, 6, generator=g)).square().mean().backward()
         assert all(p.grad is None for p in model.parameters())
         last = [p.main_grad.clone() for p in model.parameters()]
         monitor.step()
@@ -66,14 +70,15 @@ def train(model: nn.Module, monitor: Monitor, buffer: torch.Tensor, seed: int, s
     return last
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("unused", [False, True], ids=["healthy", "unused"])
-def test_main_grad_is_read_and_an_unreached_parameter_is_named(unused: bool) -> None:
+def test_main_grad_is_read_and_an_unreached_parameter_is_named(unused: bool, compiled: bool) -> None:
     seed = fresh_seed()
     torch.manual_seed(seed)
     model = Net(unused)
     buffer = with_main_grad(model)
     monitor = Monitor(model)
-    last = train(model, monitor, buffer, seed)
+    last = train(model, monitor, buffer, seed, forward=compiled_if(model, compiled))
     report = monitor.report()
     rows = {t["name"]: t for t in report.tensors if t["kind"] == "grad"}
     names = [n for n, _ in model.named_parameters()]
