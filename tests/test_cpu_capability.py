@@ -1,10 +1,12 @@
-"""The CPU scan's narrower paths, reached on any machine.
+"""Every path of the CPU scan, reached on any machine.
 
-A CPU without AVX-512 scans one element at a time, and one with AVX-512 but
-without VNNI or VBMI sums float8_e4m3fn and 1-byte integer moments another
-way than one with them. ZEROSCAN_CPU_CAPABILITY caps what the scan may use,
-so the distribution suite runs again here under each cap, in a fresh process
-(the cap is read once per process).
+The scan runs one of several builds of its vector loop (csrc/cpu/vec_scan.h:
+AVX2, AVX-512; NEON on Arm, tested under qemu by test_span_check.py), or one
+element at a time where the CPU has none of them; the histogram counts with
+AVX512-VBMI only under "native". ZEROSCAN_CPU_CAPABILITY caps what the scan
+may use, so the distribution suite runs again here under each cap, in a
+fresh process (the cap is read once per process), against the float64
+reference.
 
 Under a cap the suites run without their largest size (200_003 elements, the
 one that spans several 64K-element chunks): how chunks merge does not depend
@@ -34,7 +36,7 @@ def run_with_cap(cap: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], env=env, cwd=TESTS.parent, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("cap", ["scalar", "avx512"])
+@pytest.mark.parametrize("cap", ["scalar", "avx2", "avx512"])
 def test_distributions_under_capability(cap: str) -> None:
     """Every CPU test of test_distributions.py (each distribution, dtype,
     size and layout, and the edge cases after them), scanned within the
@@ -46,10 +48,11 @@ def test_distributions_under_capability(cap: str) -> None:
     assert " passed" in result.stdout
 
 
-@pytest.mark.parametrize("cap", ["scalar", "avx512"])
+@pytest.mark.parametrize("cap", ["scalar", "avx2", "avx512"])
 def test_histograms_under_capability(cap: str) -> None:
-    """The histogram's counts one element at a time (CPUs without AVX512-VBMI)
-    against the same float64 reference as its vector path."""
+    """The histogram's counts one element at a time (every cap but native)
+    beside each build's scan, against the same float64 reference as its
+    vector path."""
     result = run_with_cap(cap, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_histogram.py"), "-k", CAPPED_CASES)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout
@@ -58,4 +61,4 @@ def test_histograms_under_capability(cap: str) -> None:
 def test_unknown_capability_is_refused() -> None:
     result = run_with_cap("avx9000", "-c", "import torch, zeroscan; zeroscan.stats(torch.ones(3))")
     assert result.returncode != 0
-    assert "ZEROSCAN_CPU_CAPABILITY must be scalar, avx512 or native; got 'avx9000'" in result.stderr
+    assert "ZEROSCAN_CPU_CAPABILITY must be scalar, avx2, avx512 or native; got 'avx9000'" in result.stderr

@@ -74,7 +74,8 @@ class ScalarFieldCounter {
   int64_t pending_ = 0;
 };
 
-#if defined(ZS_HAVE_AVX512_KERNELS)
+#if defined(ZS_X86_KERNELS)
+#include <immintrin.h>
 
 #define ZS_AVX512_VBMI \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,bmi,bmi2,popcnt,avx512vbmi")))
@@ -251,7 +252,7 @@ class WindowCounter {
   bool placed_ = false;
 };
 
-#endif  // ZS_HAVE_AVX512_KERNELS
+#endif  // ZS_X86_KERNELS
 
 // The counter of each storage type: vectors for float32 and bfloat16 where
 // the CPU has VBMI, one element at a time otherwise.
@@ -259,7 +260,7 @@ template <typename S>
 class FieldCounter {
  public:
   FieldCounter() {
-#if defined(ZS_HAVE_AVX512_KERNELS)
+#if defined(ZS_X86_KERNELS)
     if constexpr (kVectorised) {
       use_window_ = cpu_has_vbmi();
     }
@@ -267,7 +268,7 @@ class FieldCounter {
   }
 
   void add(const S* p, int64_t n) {
-#if defined(ZS_HAVE_AVX512_KERNELS)
+#if defined(ZS_X86_KERNELS)
     if constexpr (kVectorised) {
       if (use_window_) return window_.add(p, n);
     }
@@ -277,7 +278,7 @@ class FieldCounter {
 
   // fields: [Binning<S>::kFields], added to.
   void write(int64_t* fields) {
-#if defined(ZS_HAVE_AVX512_KERNELS)
+#if defined(ZS_X86_KERNELS)
     if constexpr (kVectorised) {
       if (use_window_) return window_.write(fields);
     }
@@ -287,7 +288,7 @@ class FieldCounter {
 
  private:
   static constexpr bool kVectorised = std::is_same_v<S, float> || std::is_same_v<S, bf16_t>;
-#if defined(ZS_HAVE_AVX512_KERNELS)
+#if defined(ZS_X86_KERNELS)
   std::conditional_t<kVectorised, WindowCounter<S>, char> window_{};
 #endif
   bool use_window_ = false;

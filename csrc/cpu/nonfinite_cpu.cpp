@@ -33,9 +33,9 @@ __attribute__((target("avx2"))) int32_t kinds_avx2(const S* p, int64_t n, int64_
   return nonfinite_kinds(p, n, stride, finite_max);
 }
 
-// "avx512" and "native" allow AVX2; "scalar" keeps the plain loop.
+// Every cap but "scalar" allows AVX2; "scalar" keeps the plain loop.
 bool use_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && capability_allows(Capability::kAvx512);
+  static const bool yes = __builtin_cpu_supports("avx2") && capability_allows(Capability::kAvx2);
   return yes;
 }
 #endif
@@ -70,7 +70,7 @@ int32_t kinds_held(const at::Tensor& x) {
 
 void mark_nonfinite_cpu(at::TensorList xs, const at::Tensor& flags, at::IntArrayRef slots) {
   TORCH_CHECK(capability_cap() != Capability::kInvalid,
-              "zeroscan.mark_nonfinite: ZEROSCAN_CPU_CAPABILITY must be scalar, avx512 or native; got '",
+              "zeroscan.mark_nonfinite: ZEROSCAN_CPU_CAPABILITY must be scalar, avx2, avx512 or native; got '",
               std::getenv("ZEROSCAN_CPU_CAPABILITY"), "'");
   check_mark_nonfinite(xs, flags, slots);
   int32_t* out = flags.mutable_data_ptr<int32_t>();

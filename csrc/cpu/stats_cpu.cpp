@@ -158,7 +158,7 @@ Partial scan_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
   } else {
     tally = tally_chunk<S>(l, data, begin, end, lim, shift, nullptr);
   }
-  if (Format<S>::kFloating && !exact_float_moments<S>() && cancels(tally)) {
+  if (Format<S>::kFloating && cancels(tally)) {
     shift = as_shift<S>(shift + tally.s1 / static_cast<double>(tally.finite));
     tally = tally_chunk<S>(l, data, begin, end, lim, shift, nullptr);
   }
@@ -249,7 +249,7 @@ void scan_all(const char* op, at::TensorList xs, c10::optional<double> tol,
   const ExactSubnormals exact;  // the combining below too; `run` on every thread
   check_tol(op, tol);
   TORCH_CHECK(capability_cap() != Capability::kInvalid, op,
-              ": ZEROSCAN_CPU_CAPABILITY must be scalar, avx512 or native; got '",
+              ": ZEROSCAN_CPU_CAPABILITY must be scalar, avx2, avx512 or native; got '",
               std::getenv("ZEROSCAN_CPU_CAPABILITY"), "'");
   const int64_t n = static_cast<int64_t>(xs.size());
   // Layouts are ~1 KB each, so they are planned again where used rather than

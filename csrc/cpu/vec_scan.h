@@ -1,0 +1,1156 @@
+// The CPU's vector scan of one contiguous span: one source for every vector
+// instruction set, compiled once per target.
+//
+// Written against GCC/Clang vector extensions (`T __attribute__((vector_size
+// (N)))`): plain C++ operators on whole vectors, which the compiler lowers
+// for the target it builds. Each target's file (span_avx2.cpp,
+// span_avx512.cpp, span_neon.cpp) defines the macros below and includes this
+// header once, so the classifier exists once and a new statistic is written
+// once. Why not the alternatives:
+//   - at::vec::Vectorized has no unsigned lane compares or unsigned min/max
+//     for 16/32-bit lanes, which every key test here is, and ties the span
+//     code to torch's headers: the Arm build is cross-compiled and tested
+//     under qemu without torch (tests/span_check.cpp).
+//   - A portable SIMD library (Highway, xsimd) would be a new dependency for
+//     what the compiler already does; its dispatch is what the three target
+//     files and scan_span.h's table do here.
+// Each target's functions live in a namespace of their own and carry their
+// target attribute, so no copy compiled for a wider ISA can be linked into a
+// narrower path. Intrinsics appear only where an ISA has an instruction the
+// operators cannot name (float16 conversion, AVX-512's masked counts).
+//
+// Included with:
+//   ZS_TARGET          the namespace of this build: avx2, avx512, neon
+//   ZS_TARGET_BYTES    bytes per vector: 32, 64, 16
+//   ZS_TARGET_ATTR     the attribute that enables the ISA for a function
+//                      (empty where the compiler's baseline has it)
+//   ZS_TARGET_MASKS    1 where compares produce mask registers (AVX-512)
+//   ZS_TARGET_F16C     1 where float16 converts by F16C
+//
+// What one vector costs (see classify.h for the classes): each class is one
+// compare and one lane count; min/max |x| are integer min/max on the keys;
+// the moments are summed as the Moments section says, and no floating-point
+// instruction sees a subnormal input: float32 and bfloat16 subnormals are
+// taken through integers (their exact value is an integer times 2^-149).
+// float64 subnormals are the exception (float64 squares of them underflow
+// in double anyway): a run that holds one sums them in double as they are.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "../classify.h"
+#include "scan_span.h"
+
+#if ZS_TARGET_F16C || ZS_TARGET_MASKS
+#include <immintrin.h>
+#endif
+
+namespace zeroscan {
+namespace cpu {
+namespace ZS_TARGET {
+namespace {
+
+#define ZS_INLINE __attribute__((always_inline)) inline ZS_TARGET_ATTR
+
+constexpr int kBytes = ZS_TARGET_BYTES;
+
+template <typename T, int Bytes>
+struct VecOf {
+  typedef T type __attribute__((vector_size(Bytes)));
+};
+// A vector of kBytes bytes of T (Bytes: another width).
+template <typename T, int Bytes = kBytes>
+using Vec = typename VecOf<T, Bytes>::type;
+
+// The bits of a vector as another vector type of the same size (a GCC
+// vector cast reinterprets, it does not convert).
+template <typename To, typename From>
+ZS_INLINE To as(From v) {
+  static_assert(sizeof(To) == sizeof(From), "as: sizes differ");
+  return (To)v;
+}
+
+template <typename V>
+ZS_INLINE V load(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// The low and high halves of a vector.
+template <typename T>
+ZS_INLINE Vec<T, kBytes / 2> low_half(Vec<T> v) {
+  Vec<T, kBytes / 2> h;
+  std::memcpy(&h, &v, sizeof(h));
+  return h;
+}
+template <typename T>
+ZS_INLINE Vec<T, kBytes / 2> high_half(Vec<T> v) {
+  Vec<T, kBytes / 2> h;
+  std::memcpy(&h, reinterpret_cast<const char*>(&v) + sizeof(h), sizeof(h));
+  return h;
+}
+
+template <typename V>
+constexpr int lanes_of = static_cast<int>(sizeof(V) / sizeof(std::declval<V>()[0]));
+
+// Horizontal sum / min / max of the lanes, in T.
+template <typename T, typename V>
+ZS_INLINE T lane_sum(V v) {
+  T s = 0;
+  for (int i = 0; i < lanes_of<V>; ++i) s += static_cast<T>(v[i]);
+  return s;
+}
+template <typename V>
+ZS_INLINE auto lane_min(V v) {
+  auto m = v[0];
+  for (int i = 1; i < lanes_of<V>; ++i) m = v[i] < m ? v[i] : m;
+  return m;
+}
+template <typename V>
+ZS_INLINE auto lane_max(V v) {
+  auto m = v[0];
+  for (int i = 1; i < lanes_of<V>; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+template <typename V>
+ZS_INLINE V vmin(V a, V b) { return a < b ? a : b; }
+template <typename V>
+ZS_INLINE V vmax(V a, V b) { return a > b ? a : b; }
+
+// Adds 1 to the lanes of the counter `c` where `mask` (a compare's result,
+// lanes 0 or -1) is set.
+template <typename V, typename M>
+ZS_INLINE V count(V c, M mask) {
+#if ZS_TARGET_MASKS
+  return mask ? c + 1 : c;  // one masked add
+#else
+  return c - as<V>(mask);
+#endif
+}
+
+// The lane types of a storage type S: unsigned and signed, as wide as S.
+template <typename S>
+struct LaneTypes {
+  using U = UnsignedOf<sizeof(S)>;
+  using I = std::make_signed_t<U>;
+  using VU = Vec<U>;
+  using VI = Vec<I>;
+  static constexpr int kLanes = kBytes / static_cast<int>(sizeof(S));
+};
+
+using VU32 = Vec<uint32_t>;
+using VI32 = Vec<int32_t>;
+using VF = Vec<float>;
+using VD = Vec<double>;
+
+// The low and high halves of float32 or int32 lanes, widened to double
+// (one instruction each on x86, where the generic conversion takes three).
+template <typename T>
+ZS_INLINE VD low_to_double(Vec<T> v) {
+#if ZS_TARGET_BYTES == 64
+  if constexpr (std::is_same_v<T, float>) return (VD)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)v));
+#elif ZS_TARGET_F16C
+  if constexpr (std::is_same_v<T, float>) return (VD)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)v));
+#endif
+  return __builtin_convertvector(low_half<T>(v), VD);
+}
+template <typename T>
+ZS_INLINE VD high_to_double(Vec<T> v) {
+#if ZS_TARGET_BYTES == 64
+  if constexpr (std::is_same_v<T, float>) {
+    return (VD)_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)v), 1)));
+  }
+#elif ZS_TARGET_F16C
+  if constexpr (std::is_same_v<T, float>) return (VD)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)v, 1));
+#endif
+  return __builtin_convertvector(high_half<T>(v), VD);
+}
+
+
+// ---- Lane counters ---------------------------------------------------------
+
+// Vectors between widenings of W-byte lane counters: a lane counts at most
+// one element per vector and must not pass its maximum.
+template <int W>
+constexpr int64_t kFold = W == 1 ? 255 : 4096;
+
+// W-byte lane counters widened into uint64 lanes, by pairwise sums.
+template <int W>
+ZS_INLINE Vec<uint64_t> widen_counts(Vec<UnsignedOf<W>> c) {
+  if constexpr (W == 8) {
+    return c;
+  } else {
+    using Wider = Vec<UnsignedOf<2 * W>>;
+    const Wider w = as<Wider>(c);
+    constexpr int kBits = 8 * W;
+    const Wider low_mask = Wider{} + static_cast<UnsignedOf<2 * W>>((uint64_t(1) << kBits) - 1);
+    return widen_counts<2 * W>((w & low_mask) + (w >> kBits));
+  }
+}
+
+// The counts of classify.h's classes in one block, lane by lane.
+template <typename S>
+struct Counters {
+  using VU = typename LaneTypes<S>::VU;
+  VU zeros{}, above_sub{}, above_tol{}, negative{};
+  VU nan{}, non_finite{}, neginf{};  // floats: in the runs that count them
+};
+
+struct Totals {
+  Vec<uint64_t> zeros{}, above_sub{}, above_tol{}, negative{}, nan{}, non_finite{}, neginf{};
+};
+
+template <typename S>
+ZS_INLINE void fold(Totals& t, Counters<S>& c) {
+  constexpr int W = sizeof(S);
+  t.zeros += widen_counts<W>(c.zeros);
+  t.above_sub += widen_counts<W>(c.above_sub);
+  t.above_tol += widen_counts<W>(c.above_tol);
+  t.negative += widen_counts<W>(c.negative);
+  t.nan += widen_counts<W>(c.nan);
+  t.non_finite += widen_counts<W>(c.non_finite);
+  t.neginf += widen_counts<W>(c.neginf);
+  c = Counters<S>{};
+}
+
+// The limits of classify.h in S's lanes. Float keys are below the sign bit,
+// so their compares are signed (one instruction on every ISA).
+template <typename S>
+struct VectorLimits {
+  using U = typename LaneTypes<S>::U;
+  using I = typename LaneTypes<S>::I;
+  I sub_max, tol_max, finite_max, nonnan_max;
+  // Floats: the raw pattern of -inf (or of the largest negative number
+  // where there is no infinity), read as a signed integer. The raw patterns
+  // of negative numbers (sign set, nonzero, not NaN) are those r with
+  // r - 1 < it, -0 wrapping to the largest integer.
+  I neginf;
+  U tol_max_u;  // integers: tol_max as unsigned
+
+  explicit VectorLimits(const Limits& lim) {
+    sub_max = static_cast<I>(lim.sub_max);
+    tol_max = static_cast<I>(lim.tol_max);
+    finite_max = static_cast<I>(lim.finite_max);
+    nonnan_max = static_cast<I>(lim.nonnan_max);
+    tol_max_u = static_cast<U>(lim.tol_max);
+    uint64_t sign_bit = 0;
+    if constexpr (Format<S>::kFloating) sign_bit = Format<S>::kSignBit;
+    neginf = static_cast<I>(static_cast<U>(sign_bit + lim.nonnan_max));
+  }
+};
+
+// ---- Classification --------------------------------------------------------
+
+// The key of |x| of every lane (dtypes.h).
+template <typename S>
+ZS_INLINE typename LaneTypes<S>::VU key_of(typename LaneTypes<S>::VU raw) {
+  using F = Format<S>;
+  using L = LaneTypes<S>;
+  using VU = typename L::VU;
+  using VI = typename L::VI;
+  if constexpr (F::kFloating) {
+    return raw & static_cast<typename L::U>(F::kAbsMask);
+  } else if constexpr (std::is_same_v<S, bool_t>) {
+    const VI nonzero = raw != 0;
+    return as<VU>(nonzero) & 1;
+  } else if constexpr (F::kSigned) {
+    const VI s = as<VI>(raw) >> (8 * sizeof(S) - 1);
+    const VI magnitude = (as<VI>(raw) ^ s) - s;  // |INT_MIN| wraps to 2^(w-1): right unsigned
+    return as<VU>(magnitude);
+  } else {
+    return raw;
+  }
+}
+
+// Counts one vector's zero, subnormal, near-zero and negative lanes; keeps
+// min nonzero key - 1 in `lo` (a zero key wraps to the largest) and the
+// max key in `top`. Returns the lanes above sub_max (floats).
+template <typename S>
+ZS_INLINE typename LaneTypes<S>::VI classify(typename LaneTypes<S>::VU raw,
+                                             typename LaneTypes<S>::VU key,
+                                             const VectorLimits<S>& lim, Counters<S>& c,
+                                             typename LaneTypes<S>::VU& lo,
+                                             typename LaneTypes<S>::VU& top) {
+  using F = Format<S>;
+  using L = LaneTypes<S>;
+  using VI = typename L::VI;
+  using VU = typename L::VU;
+  c.zeros = count(c.zeros, key == 0);
+  lo = vmin(lo, key - 1);
+  VI above_sub{};
+  if constexpr (F::kFloating) {
+    const VI k = as<VI>(key);
+    above_sub = k > lim.sub_max;
+    c.above_sub = count(c.above_sub, above_sub);
+    c.above_tol = count(c.above_tol, k > lim.tol_max);
+    const VU raw_less_one = raw - 1;
+    c.negative = count(c.negative, lim.neginf > as<VI>(raw_less_one));
+    const VI top_signed = vmax(as<VI>(top), k);
+    top = as<VU>(top_signed);
+  } else {
+    c.above_tol = count(c.above_tol, key > lim.tol_max_u);
+    if constexpr (F::kSigned) c.negative = count(c.negative, as<VI>(raw) < 0);
+    top = vmax(top, key);
+  }
+  return above_sub;
+}
+
+// Counts one vector's NaN, non-finite and -inf lanes (floats); returns the
+// finite lanes.
+template <typename S>
+ZS_INLINE typename LaneTypes<S>::VI count_non_finite(typename LaneTypes<S>::VU raw,
+                                                     typename LaneTypes<S>::VU key,
+                                                     const VectorLimits<S>& lim,
+                                                     Counters<S>& c) {
+  using VI = typename LaneTypes<S>::VI;
+  const VI k = as<VI>(key);
+  const VI non_finite = k > lim.finite_max;
+  c.nan = count(c.nan, k > lim.nonnan_max);
+  c.non_finite = count(c.non_finite, non_finite);
+  if constexpr (Format<S>::kHasInf) c.neginf = count(c.neginf, as<VI>(raw) == lim.neginf);
+  return ~non_finite;
+}
+
+// ---- Moments ---------------------------------------------------------------
+//
+// Floats of up to 32 bits are summed as float32 lanes ("groups" of kBytes
+// / 4 values: a float32 vector is one group, a bfloat16 or float16 vector
+// two, a float8 vector four, widened exactly). Per group:
+//   the values         x, converted to double and summed there: exact but
+//                      for double's own rounding (float32 sums of x lose
+//                      the mean of zero-centred data)
+//   the squares        of d = x * 2^k - shift * 2^k, in float32, 16 terms
+//                      per lane before each fold into double: the squares
+//                      are positive, so those sums stay within ~16 roundings
+//                      (1e-6) of exact however long the tensor. 2^k keeps
+//                      the run's largest |d| near 1 (RunScale).
+// float32 and bfloat16 subnormals never reach a floating-point instruction:
+// the loop zeroes them first (an integer AND), and a run that held any is
+// summed again (a "careful" run) with them taken as integers: x = m * 2^-149
+// for the integer m of x's bits without the sign (bfloat16's, widened). Their
+// values are summed as int32 m, exactly; their squares as float32 (m - s)^2,
+// s = shift * 2^149, while the shift is small enough (|s| <= 2^60); beyond
+// that (x - shift)^2 rounds to shift^2 in float32 (|x| < 2^-126 against
+// |shift| > 2^-89), added per subnormal at the end. A run of nothing but
+// zeros and subnormals (a "tiny" run: underflowed data) sums m - s alone.
+// float64 sums d and d^2 in double. Integers: 1-byte ones exactly in integer
+// lanes, wider ones d and d^2 in double (the shift is a whole number).
+
+template <typename S>
+constexpr bool kFloat32Lanes = Format<S>::kFloating && sizeof(S) <= 4;
+// The float32 and bfloat16 groups, whose subnormals are float32 subnormals.
+template <typename S>
+constexpr bool kSubnormalCare = std::is_same_v<S, float> || std::is_same_v<S, bf16_t>;
+// The dtypes whose runs with subnormals need a pass of their own.
+template <typename S>
+constexpr bool kSubnormalPass = kSubnormalCare<S> || std::is_same_v<S, double>;
+// float8_e4m3fn widens to x / 256 (kWidenScale).
+template <typename S>
+constexpr float kWidenScale = std::is_same_v<S, e4m3_t> ? 256.0f : 1.0f;
+template <typename S>
+constexpr int kGroups = kFloat32Lanes<S> ? 4 / static_cast<int>(sizeof(S)) : 1;
+
+constexpr uint32_t kF32SubMax = 0x007fffffu;     // float32 keys of subnormals
+constexpr uint32_t kF32FiniteMax = 0x7f7fffffu;  // largest finite float32 key
+constexpr double kSubUnit = 0x1p-149;            // the value of m = 1
+
+// float16 bits (in the low 16 of each lane) -> float32 bits, exactly, by
+// integers: normal values rebias the exponent; subnormal ones are m * 2^-24
+// (an exact int -> float conversion, then a scale whose result is normal).
+ZS_INLINE VU32 f16_bits_to_f32(VU32 h) {
+  const VU32 a = h & 0x7fffu;
+  const VI32 a_signed = as<VI32>(a);
+  const VI32 normal = a_signed > 0x3ff;
+  const VI32 special = a_signed > 0x7bff;  // inf and NaN: exponent 0xff
+  const VU32 rebiased = (a << 13) + (112u << 23) + (as<VU32>(special) & (112u << 23));
+  const VF tiny = __builtin_convertvector(a_signed, VF) * 0x1p-24f;
+  const VU32 small = as<VU32>(tiny);
+  const VU32 pick = as<VU32>(normal);
+  return (rebiased & pick) | (small & ~pick) | ((h & 0x8000u) << 16);
+}
+
+// A vector of 16-bit float16 patterns -> two groups of float32 bits.
+ZS_INLINE void halves_to_groups(Vec<uint16_t> h, VU32& g0, VU32& g1) {
+#if ZS_TARGET_F16C
+  const auto lo = low_half<uint16_t>(h), hi = high_half<uint16_t>(h);
+#if ZS_TARGET_BYTES == 64
+  const __m512 a = _mm512_cvtph_ps(as<__m256i>(lo));
+  const __m512 b = _mm512_cvtph_ps(as<__m256i>(hi));
+#else
+  const __m256 a = _mm256_cvtph_ps(as<__m128i>(lo));
+  const __m256 b = _mm256_cvtph_ps(as<__m128i>(hi));
+#endif
+  g0 = as<VU32>(a);
+  g1 = as<VU32>(b);
+#else
+  const VU32 w = as<VU32>(h);
+  g0 = f16_bits_to_f32(w & 0xffffu);
+  g1 = f16_bits_to_f32(w >> 16);
+#endif
+}
+
+// The float32 bits of group g of one vector of S (kGroups<S> groups; the
+// groups take the lanes in some order, which sums do not care about).
+template <typename S>
+ZS_INLINE void widen(typename LaneTypes<S>::VU raw, VU32 (&g)[kGroups<S>]) {
+  if constexpr (std::is_same_v<S, float>) {
+    g[0] = raw;
+  } else if constexpr (std::is_same_v<S, bf16_t>) {
+    // bfloat16 is the top half of a float32.
+    const VU32 w = as<VU32>(raw);
+    g[0] = w << 16;
+    g[1] = w & 0xffff0000u;
+  } else if constexpr (std::is_same_v<S, f16_t>) {
+    halves_to_groups(raw, g[0], g[1]);
+  } else {
+    // float8 as float16 bits: e5m2 is the top byte of a float16; e4m3 moves
+    // its 7 magnitude bits one place down into the float16's (x * 2^-8: the
+    // biases differ by 8), the sign staying on top. NaN and Inf lanes come
+    // out as some value; they are masked out or summed again.
+    using V16 = Vec<uint16_t>;
+    using VI16 = Vec<int16_t>;
+    const V16 w = as<V16>(raw);
+    V16 h[2] = {static_cast<V16>(w << 8), static_cast<V16>(w & 0xff00u)};
+    if constexpr (std::is_same_v<S, e4m3_t>) {
+      for (auto& v : h) {
+        const VI16 shifted = as<VI16>(v) >> 1;
+        v = as<V16>(shifted) & 0xbfffu;
+      }
+    }
+    halves_to_groups(h[0], g[0], g[1]);
+    halves_to_groups(h[1], g[2], g[3]);
+  }
+}
+
+// The power of two 2^k by which float32 and bfloat16 runs scale d before
+// squaring it. Let M be the larger of a run's largest finite |x| and |shift|
+// (every |d| is at most 2 M). k puts M * 2^k in [1, 2) for some run before;
+// a run whose own M * 2^k leaves [2^-40, 2^40] is summed again with its own
+// k. Inside that window no sum of squares overflows (16 terms of at most
+// 2^84), and squares too small for float32 are below 2^-126 of the run's
+// largest. The narrower floats' squares always fit: k stays 0.
+template <typename S>
+constexpr bool kScaledSquares = kSubnormalCare<S>;
+constexpr int kWindow = 40;
+
+struct RunScale {
+  float scale;        // 2^k * kWidenScale
+  float shift;        // shift * 2^k (the shift is a float32 value)
+  double unscale;     // 2^-2k
+  uint64_t low_key, high_key;  // the smallest keys at least 2^(-40-k), 2^(40-k)
+  bool shift_in_window;        // |shift| * 2^k >= 2^-40
+  bool shift_is_zero;
+};
+
+// The smallest key of S (float32 or bfloat16) whose magnitude is at least
+// 2^e; above every finite key when 2^e overflows.
+template <typename S>
+uint64_t key_at_least(int e) {
+  uint32_t bits = bit_cast_to<uint32_t>(std::ldexp(1.0f, e));  // 0 or inf at the ends
+  if constexpr (std::is_same_v<S, bf16_t>) bits = (bits + 0xffffu) >> 16;
+  return std::max<uint64_t>(bits, 1);
+}
+
+template <typename S>
+RunScale make_scale(int k, double shift) {
+  RunScale rs;
+  rs.scale = std::ldexp(kWidenScale<S>, k);
+  rs.shift = static_cast<float>(std::ldexp(shift, k));
+  rs.unscale = std::ldexp(1.0, -2 * k);
+  rs.low_key = kScaledSquares<S> ? key_at_least<S>(-kWindow - k) : 0;
+  rs.high_key = kScaledSquares<S> ? key_at_least<S>(kWindow - k) : ~uint64_t(0);
+  rs.shift_in_window = std::fabs(std::ldexp(shift, k)) >= std::ldexp(1.0, -kWindow);
+  rs.shift_is_zero = shift == 0.0;
+  return rs;
+}
+
+// k with m * 2^k in [1, 2), within what a float32 power of two holds.
+inline int scale_exponent(double m) { return m > 0.0 ? std::clamp(-std::ilogb(m), -126, 127) : 0; }
+
+// Whether a run whose largest finite key is `top` fits the scale's window.
+inline bool fits(const RunScale& rs, uint64_t top) {
+  return top < rs.high_key &&
+         (top >= rs.low_key || rs.shift_in_window || (rs.shift_is_zero && top == 0));
+}
+
+// How a pass sums a run's lanes: which of the rare kinds of value it takes
+// care of. A pass is right for a run when it takes care of every kind the
+// run holds; the cheapest is read first (see scan_float_vectors).
+struct Pass {
+  bool non_finite = false;  // count NaN and infinities and sum only finite lanes
+  bool subnormal = false;   // float32/bfloat16: sum subnormals as integers;
+                            // float64: sum them as they are
+  bool tiny = false;        // float32/bfloat16: every lane zero or subnormal
+  constexpr int index() const { return tiny ? 4 : (non_finite ? 1 : 0) + (subnormal ? 2 : 0); }
+  constexpr bool covers(Pass need) const {
+    if (tiny || need.tiny) return tiny == need.tiny || (!tiny && subnormal && !need.non_finite);
+    return (non_finite || !need.non_finite) && (subnormal || !need.subnormal);
+  }
+};
+constexpr Pass kHot{};
+constexpr Pass kNonFinite{true, false, false};
+constexpr Pass kSubnormal{false, true, false};
+constexpr Pass kCareful{true, true, false};
+constexpr Pass kTiny{false, false, true};
+
+// One run's sums. The float32 lanes of squares are folded into double every
+// segment (kSegment), so that each adds at most 16 terms.
+struct RunSums {
+  VF q{};            // float32 lanes: squares of d * 2^k, this segment
+  VD qd[2]{};        // their folds (halves)
+  VD x[2]{};         // float32 lanes: values (/ kWidenScale), halves; float64: d
+  VD q64{};          // float64: d^2
+  VF sub_q{};        // subnormal lanes: (m - s)^2, this segment
+  VD sub_qd{};       // its folds
+  VI32 sub_m{};      // subnormal lanes: signed m
+};
+
+ZS_INLINE void end_segment(RunSums& r) {
+  r.qd[0] += low_to_double<float>(r.q);
+  r.qd[1] += high_to_double<float>(r.q);
+  r.q = VF{};
+  r.sub_qd += low_to_double<float>(r.sub_q) + high_to_double<float>(r.sub_q);
+  r.sub_q = VF{};
+}
+
+// The constants of one span's moments.
+template <typename S>
+struct MomentConstants {
+  RunScale rs;
+  double shift;
+  float sub_shift;    // shift * 2^149 (subnormal sums with a small shift)
+  bool small_shift;   // |shift * 2^149| <= 2^60
+};
+
+// Adds one float32 group (bits: float32 patterns; sub_max: the largest
+// subnormal key of the group's dtype, widened) to `r`. `valid`: lanes that
+// are not NaN where the float32 view cannot tell (float8_e4m3fn's NaN
+// widens to a number).
+template <int kPass>
+ZS_INLINE void add_group(VU32 bits, VI32 valid, int32_t sub_max, const RunScale& rs, float sub_shift,
+                         bool small_shift, RunSums& r) {
+  constexpr Pass P = kPass == 4 ? kTiny : Pass{(kPass & 1) != 0, (kPass & 2) != 0, false};
+  const VU32 key = bits & 0x7fffffffu;
+  const VI32 k = as<VI32>(key);
+  if constexpr (P.tiny) {
+    // Every lane is zero or subnormal: x = m * 2^-149, m signed.
+    const VI32 neg = as<VI32>(bits) >> 31;
+    const VI32 m = (k ^ neg) - neg;
+    r.sub_m += m;
+    const VF d = __builtin_convertvector(m, VF) - sub_shift;
+    r.sub_q += d * d;
+    return;
+  }
+  VU32 kept = bits;  // lanes summed as floats
+  VI32 keep_d{};     // lanes whose d is summed
+  if constexpr (P.non_finite || P.subnormal) {
+    VI32 keep = VI32{} - 1;
+    if constexpr (P.non_finite) keep = (static_cast<int32_t>(kF32FiniteMax) >= k) & valid;
+    VI32 subnormal{};
+    if constexpr (P.subnormal) {
+      const VI32 zero = k == 0;
+      const VI32 normal = k > sub_max;
+      subnormal = ~(normal | zero);
+      keep_d = keep & ~subnormal;
+      keep &= normal;
+      const VI32 neg = as<VI32>(bits) >> 31;
+      const VI32 m = ((k & subnormal) ^ neg) - neg;
+      r.sub_m += m;
+      if (small_shift) {
+        const VF d = __builtin_convertvector(m, VF) - sub_shift;
+        const VF dm = as<VF>(as<VI32>(d) & subnormal);
+        r.sub_q += dm * dm;
+      }
+    } else {
+      keep_d = keep;
+    }
+    kept = bits & as<VU32>(keep);
+  }
+  const VF x = as<VF>(kept);
+  r.x[0] += low_to_double<float>(x);
+  r.x[1] += high_to_double<float>(x);
+  VF d = x * rs.scale - rs.shift;
+  if constexpr (P.non_finite || P.subnormal) d = as<VF>(as<VI32>(d) & keep_d);
+  r.q += d * d;
+}
+
+// Adds one vector of float64 to `r`; `keep`: the lanes summed where
+// `masked` (the others add nothing).
+ZS_INLINE void add_doubles(Vec<uint64_t> bits, Vec<int64_t> keep, double shift, RunSums& r, bool masked) {
+  const Vec<uint64_t> kept = masked ? bits & as<Vec<uint64_t>>(keep) : bits;
+  VD d = as<VD>(kept) - shift;
+  if (masked) d = as<VD>(as<Vec<int64_t>>(d) & keep);
+  r.x[0] += d;
+  r.q64 += d * d;
+}
+
+// ---- Float runs ------------------------------------------------------------
+
+// What one pass over a run found: its keys' largest (all and finite) and
+// smallest nonzero key - 1 (the largest value when there is none).
+struct RunFacts {
+  uint64_t top, top_finite, lo;
+};
+
+// Vectors per segment: each float32 lane of squares then adds at most 16
+// terms (a vector has kGroups<S> groups). Vectors per run: the unit that is
+// read again when it needs another pass, small enough to stay in L1.
+template <typename S>
+constexpr int64_t kSegment = kFloat32Lanes<S> ? 16 / kGroups<S> : 16;
+template <typename S>
+constexpr int64_t kRun = 4 * 16;
+
+// Each vector of a first pass asks for the one kPrefetchBytes ahead. The
+// hardware prefetchers alone left the scan of tensors beyond the caches
+// well below its speed on cached data (2.9 against 1.3 cycles per float32
+// element, AVX2 on a Sapphire Rapids core); a prefetch never faults, so
+// reading ahead of a span's end is harmless.
+constexpr int64_t kPrefetchBytes = 8192;
+
+ZS_INLINE void prefetch_ahead(const void* p) {
+  __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, 3);
+}
+
+// Horizontal max / min of the lanes, halving the vector each step.
+template <typename T, int Bytes>
+ZS_INLINE T reduce_max(Vec<T, Bytes> v) {
+  if constexpr (Bytes == sizeof(T)) {
+    return v[0];
+  } else {
+    Vec<T, Bytes / 2> lo, hi;
+    std::memcpy(&lo, &v, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+    return reduce_max<T, Bytes / 2>(lo > hi ? lo : hi);
+  }
+}
+template <typename T, int Bytes>
+ZS_INLINE T reduce_min(Vec<T, Bytes> v) {
+  if constexpr (Bytes == sizeof(T)) {
+    return v[0];
+  } else {
+    Vec<T, Bytes / 2> lo, hi;
+    std::memcpy(&lo, &v, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+    return reduce_min<T, Bytes / 2>(lo < hi ? lo : hi);
+  }
+}
+
+// The largest subnormal key of S's float32 groups.
+template <typename S>
+int32_t group_sub_max(const VectorLimits<S>& lim) {
+  if constexpr (std::is_same_v<S, float>) return lim.sub_max;  // the same value, shared with the counts
+  return static_cast<int32_t>(kF32SubMax);
+}
+
+// One vector q, summed into r: counted (kClassify) and summed as pass
+// kPass (Pass::index), which counts NaN and infinities where kClassify or
+// kCountNonFinite says. lo, top, top_finite: the run's smallest nonzero
+// key - 1, largest key and largest finite key (passes that mask non-finite
+// lanes), lane by lane.
+template <typename S, bool kClassify, bool kCountNonFinite, int kPass>
+ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentConstants<S>& mc,
+                           int32_t sub_max32, Counters<S>& c, RunSums& r, typename LaneTypes<S>::VU& lo,
+                           typename LaneTypes<S>::VU& top, typename LaneTypes<S>::VU& top_finite) {
+  using L = LaneTypes<S>;
+  using VU = typename L::VU;
+  using VI = typename L::VI;
+  constexpr Pass P = kPass == 4 ? kTiny : Pass{(kPass & 1) != 0, (kPass & 2) != 0, false};
+  if constexpr (kClassify) prefetch_ahead(q);
+  const VU raw = load<VU>(q);
+  const VU key = key_of<S>(raw);
+  VI above_sub{};
+  if constexpr (kClassify) {
+    above_sub = classify<S>(raw, key, lim, c, lo, top);
+  } else {
+    const VI k = as<VI>(key);
+    const VI t = vmax(as<VI>(top), k);
+    top = as<VU>(t);
+    if constexpr (kSubnormalPass<S> && !P.subnormal) above_sub = k > lim.sub_max;
+  }
+  VI finite = VI{} - 1;
+  if constexpr (kCountNonFinite) {
+    finite = count_non_finite<S>(raw, key, lim, c);
+  } else if constexpr (P.non_finite) {
+    finite = static_cast<VI>(as<VI>(key) <= lim.finite_max);
+  }
+  if constexpr (P.non_finite) {
+    const VU fk = key & as<VU>(finite);
+    const VI t = vmax(as<VI>(top_finite), as<VI>(fk));
+    top_finite = as<VU>(t);
+  }
+  if constexpr (std::is_same_v<S, double>) {
+    // Passes that do not take subnormals zero them (none expected: a run
+    // with one is summed again); the others sum them as they are.
+    const Vec<uint64_t> bits = !P.subnormal ? raw & as<VU>(above_sub) : raw;
+    add_doubles(bits, finite, mc.shift, r, P.non_finite);
+  } else {
+    VU kept = raw;
+    if constexpr (kSubnormalCare<S> && !P.subnormal && !P.tiny) kept = raw & as<VU>(above_sub);
+    VU32 g[kGroups<S>];
+    widen<S>(kept, g);
+    VI32 ok[kGroups<S>];
+    if constexpr (P.non_finite && std::is_same_v<S, e4m3_t>) {
+      VU32 valid[kGroups<S>];
+      widen<S>(as<VU>(finite), valid);  // a set lane widens to nonzero bits
+      for (int i = 0; i < kGroups<S>; ++i) ok[i] = valid[i] != 0;
+    } else {
+      for (int i = 0; i < kGroups<S>; ++i) ok[i] = VI32{} - 1;
+    }
+    for (int i = 0; i < kGroups<S>; ++i) {
+      add_group<kPass>(g[i], ok[i], sub_max32, mc.rs, mc.sub_shift, mc.small_shift, r);
+    }
+  }
+}
+
+// The vectors [0, vectors) at p through scan_vector, segment by segment.
+template <typename S, bool kClassify, bool kCountNonFinite, int kPass>
+ZS_INLINE void scan_run(const S* p, int64_t vectors, const VectorLimits<S>& lim,
+                        const MomentConstants<S>& mc, int32_t sub_max32, Counters<S>& c, RunSums& r,
+                        typename LaneTypes<S>::VU& lo, typename LaneTypes<S>::VU& top,
+                        typename LaneTypes<S>::VU& top_finite) {
+  constexpr int kLanes = LaneTypes<S>::kLanes;
+  for (int64_t begin = 0; begin < vectors; begin += kSegment<S>) {
+    const int64_t end = std::min(vectors, begin + kSegment<S>);
+    for (int64_t v = begin; v < end; ++v) {
+      scan_vector<S, kClassify, kCountNonFinite, kPass>(p + v * kLanes, lim, mc, sub_max32, c, r, lo, top,
+                                                        top_finite);
+    }
+    if constexpr (kFloat32Lanes<S>) end_segment(r);
+  }
+}
+
+// A run's moments summed again as pass kPass, counting NaN and infinities
+// into `c` where kCountNonFinite says (a first pass that did not); returns
+// what the run holds.
+template <typename S, bool kCountNonFinite, int kPass>
+__attribute__((noinline)) ZS_TARGET_ATTR RunFacts resum_as(const S* p, int64_t vectors,
+                                                           const VectorLimits<S>& limits,
+                                                           const MomentConstants<S>& constants,
+                                                           Counters<S>& counters, RunSums& out) {
+  using U = typename LaneTypes<S>::U;
+  using VU = typename LaneTypes<S>::VU;
+  const VectorLimits<S> lim = limits;
+  const MomentConstants<S> mc = constants;
+  Counters<S> c = counters;
+  RunSums r{};
+  VU lo = VU{} - 1, top{}, top_finite{};
+  scan_run<S, false, kCountNonFinite, kPass>(p, vectors, lim, mc, group_sub_max(lim), c, r, lo, top, top_finite);
+  counters = c;
+  out = r;
+  RunFacts f;
+  f.top = reduce_max<U, kBytes>(top);
+  f.top_finite = kPass != 4 && (kPass & 1) ? reduce_max<U, kBytes>(top_finite) : f.top;
+  f.lo = reduce_min<U, kBytes>(lo);
+  return f;
+}
+
+template <typename S>
+ZS_TARGET_ATTR RunFacts resum(const S* p, int64_t vectors, const VectorLimits<S>& lim,
+                              const MomentConstants<S>& mc, Counters<S>& c, bool count_non_finite,
+                              Pass pass, RunSums& r) {
+  switch (pass.index()) {
+    case 0: return resum_as<S, false, 0>(p, vectors, lim, mc, c, r);
+    case 1:
+      return count_non_finite ? resum_as<S, true, 1>(p, vectors, lim, mc, c, r)
+                              : resum_as<S, false, 1>(p, vectors, lim, mc, c, r);
+    case 2: return resum_as<S, false, 2>(p, vectors, lim, mc, c, r);
+    case 3:
+      return count_non_finite ? resum_as<S, true, 3>(p, vectors, lim, mc, c, r)
+                              : resum_as<S, false, 3>(p, vectors, lim, mc, c, r);
+    default: return resum_as<S, false, 4>(p, vectors, lim, mc, c, r);
+  }
+}
+
+// The sums of one span of floats.
+struct FloatSums {
+  VD s1[2]{}, s2[2]{};   // values (/ kWidenScale) or float64 d; squares, unscaled
+  Vec<int64_t> sub_m{};  // signed m of subnormal lanes
+  VD sub_q{};            // (m - s)^2 of subnormal lanes (small shift)
+};
+
+template <typename S>
+ZS_INLINE void add_run(FloatSums& s, const RunSums& r, double unscale) {
+  if constexpr (std::is_same_v<S, double>) {
+    s.s1[0] += r.x[0];
+    s.s2[0] += r.q64;
+  } else {
+    s.s1[0] += r.x[0];
+    s.s1[1] += r.x[1];
+    s.s2[0] += r.qd[0] * unscale;
+    s.s2[1] += r.qd[1] * unscale;
+    if constexpr (kSubnormalCare<S>) {
+      s.sub_m += __builtin_convertvector(low_half<int32_t>(r.sub_m), Vec<int64_t>);
+      s.sub_m += __builtin_convertvector(high_half<int32_t>(r.sub_m), Vec<int64_t>);
+      s.sub_q += r.sub_qd;
+    }
+  }
+}
+
+// A span's float scan between calls of scan_runs.
+template <typename S>
+struct SpanState {
+  using VU = typename LaneTypes<S>::VU;
+  Counters<S> c;           // narrow lane counts since the last fold
+  Totals totals;
+  int64_t since_fold = 0;  // vectors counted into c
+  FloatSums sums;
+  VU lo = VU{} - 1;        // smallest nonzero key - 1, lane by lane
+  uint64_t hi = 0;         // largest finite key
+};
+
+// Widens the lane counters before they can overflow.
+template <typename S>
+ZS_INLINE void fold_when_full(Counters<S>& c, Totals& totals, int64_t& since_fold, int64_t len) {
+  since_fold += len;
+  if (since_fold + kRun<S> > kFold<sizeof(S)>) {
+    fold(totals, c);
+    since_fold = 0;
+  }
+}
+
+// The pass a run needs, from its keys' max and min nonzero key - 1.
+template <typename S>
+Pass needed_pass(uint64_t top, uint64_t lo, const VectorLimits<S>& lim, bool small_shift) {
+  Pass need;
+  need.non_finite = top > static_cast<uint64_t>(lim.finite_max);
+  need.subnormal = kSubnormalPass<S> && lo < static_cast<uint64_t>(lim.sub_max);
+  if (kSubnormalCare<S> && need.subnormal && small_shift && top <= static_cast<uint64_t>(lim.sub_max)) {
+    return kTiny;  // zeros and subnormals alone
+  }
+  return need;
+}
+
+// Whether a run whose largest finite key is `top` needs a scale of its own
+// (RunScale): subnormals are summed apart from it, so only normal keys count.
+template <typename S>
+bool outside_window(const RunScale& rs, uint64_t top, const VectorLimits<S>& lim) {
+  if constexpr (!kScaledSquares<S>) {
+    return false;
+  } else {
+    return !fits(rs, top > static_cast<uint64_t>(lim.sub_max) ? top : 0);
+  }
+}
+
+// Where scan_runs stopped.
+struct Stop {
+  int64_t run;  // the run it stopped at
+  bool resum;   // that run is counted but not summed: it needs another pass or scale
+  Pass next;    // the pass that run (resum), or the runs from it, need
+};
+
+// Reads the runs [run, runs) of p's `vectors` vectors as pass kPass until
+// one needs another pass or another scale, or they end. Each run is counted
+// and summed in one pass, and its sums are added to the span's when the
+// pass covered what it holds.
+template <typename S, int kPass>
+__attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vectors, int64_t run,
+                                                        const VectorLimits<S>& limits,
+                                                        const MomentConstants<S>& constants,
+                                                        SpanState<S>& st) {
+  using L = LaneTypes<S>;
+  using U = typename L::U;
+  using VU = typename L::VU;
+  constexpr int kLanes = L::kLanes;
+  constexpr Pass P = kPass == 4 ? kTiny : Pass{(kPass & 1) != 0, (kPass & 2) != 0, false};
+  const VectorLimits<S> lim = limits;
+  const MomentConstants<S> mc = constants;
+  const int32_t sub_max32 = group_sub_max(lim);
+  Counters<S> c = st.c;
+  FloatSums sums = st.sums;
+  VU span_lo = st.lo;
+  uint64_t hi = st.hi;
+  int64_t since_fold = st.since_fold;
+  const int64_t runs = (vectors + kRun<S> - 1) / kRun<S>;
+  Stop stop{runs, false, P};
+  for (; run < runs; ++run) {
+    const int64_t begin = run * kRun<S>;
+    const int64_t len = std::min(kRun<S>, vectors - begin);
+    RunSums r{};
+    VU lo = VU{} - 1, top{}, top_finite{};
+    scan_run<S, true, P.non_finite, kPass>(p + begin * kLanes, len, lim, mc, sub_max32, c, r, lo, top,
+                                           top_finite);
+    span_lo = vmin(span_lo, lo);
+    fold_when_full(c, st.totals, since_fold, len);
+    const uint64_t run_top = reduce_max<U, kBytes>(top);
+    const Pass needed = needed_pass<S>(run_top, reduce_min<U, kBytes>(lo), lim, mc.small_shift);
+    const uint64_t finite_top = P.non_finite ? reduce_max<U, kBytes>(top_finite) : run_top;
+    if (!P.covers(needed) || outside_window<S>(mc.rs, finite_top, lim)) {
+      stop = Stop{run, true, needed};
+      break;
+    }
+    add_run<S>(sums, r, mc.rs.unscale);
+    hi = std::max(hi, finite_top);
+    if (needed.index() != P.index()) {
+      stop = Stop{run + 1, false, needed};
+      break;
+    }
+  }
+  st.c = c;
+  st.sums = sums;
+  st.lo = span_lo;
+  st.hi = hi;
+  st.since_fold = since_fold;
+  return stop;
+}
+
+template <typename S>
+ZS_TARGET_ATTR Stop scan_runs_as(Pass pass, const S* p, int64_t vectors, int64_t run, const VectorLimits<S>& lim,
+                                 const MomentConstants<S>& mc, SpanState<S>& st) {
+  switch (pass.index()) {
+    case 0: return scan_runs<S, 0>(p, vectors, run, lim, mc, st);
+    case 1: return scan_runs<S, 1>(p, vectors, run, lim, mc, st);
+    case 2: return scan_runs<S, 2>(p, vectors, run, lim, mc, st);
+    case 3: return scan_runs<S, 3>(p, vectors, run, lim, mc, st);
+    default: return scan_runs<S, 4>(p, vectors, run, lim, mc, st);
+  }
+}
+
+// The vectors [0, vectors) of floats at p into `st`.
+//
+// Each run is read once, as the run before it needed: hot (every lane
+// finite and normal or zero: most runs of most data), or taking care of
+// NaN and infinities, of subnormals, or of both, or tiny. A run that held
+// more than its pass took care of is summed again as it needs, from the
+// core's caches; so data with NaN, infinities or subnormals in every run (a
+// NaN-poisoned or underflowed tensor) is read once, in the pass it needs,
+// and data with a few pays a second pass over the runs that hold them.
+template <typename S>
+ZS_TARGET_ATTR void scan_float_vectors(const S* p, int64_t vectors, const VectorLimits<S>& lim,
+                                       MomentConstants<S>& mc, SpanState<S>& st) {
+  constexpr int kLanes = LaneTypes<S>::kLanes;
+  const int64_t runs = (vectors + kRun<S> - 1) / kRun<S>;
+  int64_t run = 0;
+  Pass pass = kHot;
+  while (run < runs) {
+    const Stop stop = scan_runs_as<S>(pass, p, vectors, run, lim, mc, st);
+    run = stop.run;
+    if (!stop.resum) {
+      pass = stop.next;
+      continue;
+    }
+    // The run at `run` is counted; sum it as it needs, with its own scale
+    // where it needs one.
+    const S* at = p + run * kRun<S> * kLanes;
+    const int64_t len = std::min(kRun<S>, vectors - run * kRun<S>);
+    const Pass summed = pass.covers(stop.next) ? pass : stop.next;
+    RunSums r;
+    const RunFacts f = resum(at, len, lim, mc, st.c, summed.non_finite && !pass.non_finite, summed, r);
+    const uint64_t top = summed.non_finite ? f.top_finite : f.top;
+    if (outside_window<S>(mc.rs, top, lim)) {
+      const uint64_t normal_top = top > static_cast<uint64_t>(lim.sub_max) ? top : 0;
+      using key_t = typename Format<S>::key_t;
+      const double m = Format<S>::magnitude(static_cast<key_t>(normal_top));
+      mc.rs = make_scale<S>(scale_exponent(std::max(m, std::fabs(mc.shift))), mc.shift);
+      Counters<S> none;
+      resum(at, len, lim, mc, none, false, summed, r);
+    }
+    add_run<S>(st.sums, r, mc.rs.unscale);
+    st.hi = std::max(st.hi, top);
+    pass = stop.next;
+    ++run;
+  }
+  fold(st.totals, st.c);
+}
+
+// ---- Integers --------------------------------------------------------------
+
+// 1-byte integers: values and squares summed exactly in integer lanes.
+struct ByteSums {
+  Vec<int32_t> values{};   // signed sums of 4 bytes' values
+  Vec<uint32_t> squares{};
+};
+
+template <typename S>
+ZS_INLINE void add_bytes(typename LaneTypes<S>::VU vals, ByteSums& s) {
+  using V16 = Vec<uint16_t>;
+  using VI16 = Vec<int16_t>;
+  const V16 w = as<V16>(vals);
+  VI16 lo, hi;
+  if constexpr (Format<S>::kSigned) {
+    const V16 up = w << 8;
+    lo = as<VI16>(up) >> 8;
+    hi = as<VI16>(w) >> 8;
+  } else {
+    const V16 l = w & 0xffu, h = w >> 8;
+    lo = as<VI16>(l);
+    hi = as<VI16>(h);
+  }
+  // Pairs of 16-bit lanes into 32-bit ones: the low lane sign-extended.
+  const VI16 pair_sum = lo + hi;  // |.| <= 510
+  const VI32 p = as<VI32>(pair_sum);
+  s.values += ((p << 16) >> 16) + (p >> 16);
+  const V16 sq_lo = as<V16>(lo) * as<V16>(lo);  // <= 65025
+  const V16 sq_hi = as<V16>(hi) * as<V16>(hi);
+  const VU32 a = as<VU32>(sq_lo), b = as<VU32>(sq_hi);
+  s.squares += (a & 0xffffu) + (a >> 16) + (b & 0xffffu) + (b >> 16);
+}
+
+// Integers of 16 bits and more: d = x - shift and d^2 in double.
+ZS_INLINE void add_shifted(VD x, double shift, VD& s1, VD& s2) {
+  const VD d = x - shift;
+  s1 += d;
+  s2 += d * d;
+}
+
+template <typename S>
+ZS_INLINE void add_wide_ints(typename LaneTypes<S>::VU raw, double shift, VD (&s1)[2], VD (&s2)[2]) {
+  if constexpr (sizeof(S) == 8) {
+    add_shifted(__builtin_convertvector(as<Vec<int64_t>>(raw), VD), shift, s1[0], s2[0]);
+  } else {
+    VI32 g[2];
+    int groups = 1;
+    if constexpr (sizeof(S) == 2) {
+      const VI32 w = as<VI32>(raw);
+      g[0] = (w << 16) >> 16;
+      g[1] = w >> 16;
+      groups = 2;
+    } else {
+      g[0] = as<VI32>(raw);
+    }
+    for (int i = 0; i < groups; ++i) {
+      add_shifted(low_to_double<int32_t>(g[i]), shift, s1[0], s2[0]);
+      add_shifted(high_to_double<int32_t>(g[i]), shift, s1[1], s2[1]);
+    }
+  }
+}
+
+// Vectors per block of 1-byte integers: a 32-bit lane of squares gains at
+// most 4 * 255^2 per vector.
+constexpr int64_t kByteBlock = 255;
+
+template <typename S>
+__attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, int64_t n, const Limits& limits,
+                                                                   double shift, Tally<S, int64_t>& t) {
+  using F = Format<S>;
+  using L = LaneTypes<S>;
+  using VU = typename L::VU;
+  using key_t = typename F::key_t;
+  constexpr int kLanes = L::kLanes;
+  const int64_t vectors = n / kLanes;
+  if (vectors == 0) return 0;
+  const VectorLimits<S> lim(limits);
+  Totals totals;
+  uint64_t hi = 0, lo = ~uint64_t(0);
+
+  const int64_t count = vectors * kLanes;
+  double s1 = 0.0, s2 = 0.0;
+  if constexpr (F::kFloating) {
+    MomentConstants<S> mc;
+    mc.shift = shift;
+    mc.rs = make_scale<S>(kScaledSquares<S> ? scale_exponent(std::fabs(shift)) : 0, shift);
+    const double s_units = shift / kSubUnit;
+    mc.small_shift = std::fabs(s_units) <= 0x1p60;
+    mc.sub_shift = mc.small_shift ? static_cast<float>(s_units) : 0.0f;
+    SpanState<S> st;
+    scan_float_vectors<S>(p, vectors, lim, mc, st);
+    totals = st.totals;
+    const FloatSums& sums = st.sums;
+    hi = st.hi;
+    lo = reduce_min<typename L::U, kBytes>(st.lo);
+    const int64_t nan = lane_sum<int64_t>(totals.nan);
+    const int64_t finite = count - lane_sum<int64_t>(totals.non_finite);
+    const int64_t zeros = lane_sum<int64_t>(totals.zeros);
+    const int64_t subnormal = count - lane_sum<int64_t>(totals.above_sub) - zeros;
+    if constexpr (std::is_same_v<S, double>) {
+      s1 = lane_sum<double>(sums.s1[0]);
+      s2 = lane_sum<double>(sums.s2[0]);
+    } else {
+      double sum_x = static_cast<double>(kWidenScale<S>) * lane_sum<double>(sums.s1[0] + sums.s1[1]);
+      s2 = lane_sum<double>(sums.s2[0] + sums.s2[1]);
+      if constexpr (kSubnormalCare<S>) {
+        sum_x += static_cast<double>(lane_sum<int64_t>(sums.sub_m)) * kSubUnit;
+        s2 += mc.small_shift ? lane_sum<double>(sums.sub_q) * (kSubUnit * kSubUnit)
+                             : static_cast<double>(subnormal) * shift * shift;
+      }
+      s1 = sum_x - static_cast<double>(finite) * shift;
+    }
+    t.finite += finite;
+    t.non_nan += count - nan;
+    t.neginf += lane_sum<int64_t>(totals.neginf);
+    // hi: the largest finite key; an infinity, where there is one, is the
+    // one non-NaN key above it.
+    const bool infinite = count - nan > finite;
+    t.hi = std::max<key_t>(t.hi, infinite ? static_cast<key_t>(limits.nonnan_max) : static_cast<key_t>(hi));
+    t.at_most_sub += count - lane_sum<int64_t>(totals.above_sub);
+  } else {
+    Counters<S> c;
+    VU vlo = VU{} - 1, vtop{};
+    VD d1[2]{}, d2[2]{};
+    int64_t byte_values = 0;
+    uint64_t byte_squares = 0;
+    constexpr int64_t kBlock = sizeof(S) == 1 ? kByteBlock : kFold<sizeof(S)>;
+    for (int64_t begin = 0; begin < vectors; begin += kBlock) {
+      const int64_t len = std::min(kBlock, vectors - begin);
+      ByteSums b;
+      for (int64_t v = 0; v < len; ++v) {
+        const VU raw = load<VU>(p + (begin + v) * kLanes);
+        const VU key = key_of<S>(raw);
+        classify<S>(raw, key, lim, c, vlo, vtop);
+        if constexpr (sizeof(S) == 1) {
+          add_bytes<S>(std::is_same_v<S, bool_t> ? key : raw, b);
+        } else {
+          add_wide_ints<S>(raw, shift, d1, d2);
+        }
+      }
+      fold(totals, c);
+      byte_values += lane_sum<int64_t>(b.values);
+      byte_squares += lane_sum<uint64_t>(b.squares);
+    }
+    hi = lane_max(vtop);
+    lo = lane_min(vlo);
+    const int64_t zeros = lane_sum<int64_t>(totals.zeros);
+    if constexpr (sizeof(S) == 1) {
+      // The shift of an integer dtype is a whole number, so the shifted sums
+      // are exact in int64: |x - shift| < 2^9 and a span holds far fewer
+      // than 2^36 elements.
+      const int64_t k = static_cast<int64_t>(shift);
+      s1 = static_cast<double>(byte_values - count * k);
+      s2 = static_cast<double>(static_cast<int64_t>(byte_squares) - 2 * k * byte_values + count * k * k);
+    } else {
+      s1 = lane_sum<double>(d1[0] + d1[1]);
+      s2 = lane_sum<double>(d2[0] + d2[1]);
+    }
+    t.finite += count;
+    t.non_nan += count;
+    t.hi = std::max<key_t>(t.hi, static_cast<key_t>(hi));
+    t.at_most_sub += zeros;  // integers have no subnormals
+  }
+  const int64_t zeros = lane_sum<int64_t>(totals.zeros);
+  t.numel += count;
+  t.zeros += zeros;
+  t.at_most_tol += count - lane_sum<int64_t>(totals.above_tol);
+  t.negative += lane_sum<int64_t>(totals.negative);
+  // lo: the smallest nonzero key - 1, or the largest value with none.
+  if (static_cast<key_t>(lo) != static_cast<key_t>(~key_t(0))) {
+    t.lo_nonzero = std::min<key_t>(t.lo_nonzero, static_cast<key_t>(lo + 1));
+  }
+  t.s1 += s1;
+  t.s2 += s2;
+  return count;
+}
+
+}  // namespace
+
+// p: [n] contiguous. Adds the statistics of its first n / lanes * lanes
+// elements to `t` and returns how many that is (scan_span.h). Declared
+// there without the target attribute, which would make it another function
+// (GCC's function multiversioning), so it calls into the target's code.
+template <typename S>
+int64_t scan_vectors(const S* p, int64_t n, const Limits& limits, double shift, Tally<S, int64_t>& t) {
+  return scan_vectors_here<S>(p, n, limits, shift, t);
+}
+
+#define ZS_INSTANTIATE(name, S, value_t, tiny, eps)                                     \
+  template int64_t scan_vectors<S>(const S*, int64_t, const Limits&, double, Tally<S, int64_t>&);
+ZEROSCAN_DTYPES(ZS_INSTANTIATE)
+#undef ZS_INSTANTIATE
+#undef ZS_INLINE
+
+}  // namespace ZS_TARGET
+}  // namespace cpu
+}  // namespace zeroscan

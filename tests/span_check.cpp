@@ -1,0 +1,229 @@
+// The CPU's vector scan (csrc/cpu/vec_scan.h) of every build this machine
+// runs, against the element-at-a-time reference (Tally::add), free of torch:
+// tests/test_span_check.py builds it natively, and for AArch64 with a cross
+// compiler, run under qemu-user.
+//
+// Every dtype of the table, every distribution below (the families of
+// zeroscan.testing as bit patterns: ordinary, zero-heavy, subnormal, NaN and
+// infinities, offset, values spanning the float range), lengths around the
+// vector width, the run and the counter folds, start offsets that misalign
+// the data, and shifts of zero, near the data and far from it. Counts and
+// min/max keys must match exactly; the mean within 1e-9 of the data's
+// scale plus 1e-9 relative, m2 within 1e-5 relative (the float32 squares).
+//
+//   span_check [--quick]    exit 0 when every case matches; prints each mismatch
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../csrc/cpu/scan_span.h"
+
+namespace zs = zeroscan;
+using zeroscan::cpu::VectorPath;
+
+namespace {
+
+std::mt19937_64 rng(20261129);
+
+int failures = 0;
+int cases = 0;
+
+uint64_t uniform(uint64_t lo, uint64_t hi) {  // [lo, hi]
+  return lo + rng() % (hi - lo + 1);
+}
+
+// Keys of S between two magnitudes.
+template <typename S>
+uint64_t key_at_most(double v) {
+  return zs::largest_key<S>([v](double m) { return m <= v; });
+}
+
+// One element of S with magnitude key `key` and sign `negative` (floats), or
+// the integer `value` (integers).
+template <typename S>
+S float_of(uint64_t key, bool negative) {
+  using F = zs::Format<S>;
+  using key_t = typename F::key_t;
+  key_t bits = static_cast<key_t>(key);
+  if (negative) bits = static_cast<key_t>(bits | F::kSignBit);
+  S out;
+  std::memcpy(&out, &bits, sizeof(S));
+  return out;
+}
+
+template <typename S>
+S int_of(int64_t value) {
+  if constexpr (std::is_same_v<S, zs::bool_t>) {
+    return zs::bool_t{static_cast<uint8_t>(value != 0)};
+  } else {
+    return static_cast<S>(value);
+  }
+}
+
+const char* const kDistributions[] = {"ordinary", "zeros_50", "zeros_99", "all_zeros", "all_subnormal",
+                                      "subnormal_0.1", "nonfinite_0.01", "nonfinite_1", "large_mean",
+                                      "wide_range", "huge"};
+
+template <typename S>
+std::vector<S> make(const std::string& dist, int64_t n, const zs::Limits& lim) {
+  using F = zs::Format<S>;
+  std::vector<S> x(n);
+  auto chance = [](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
+  if constexpr (F::kFloating) {
+    const uint64_t lo = std::max<uint64_t>(key_at_most<S>(0.01), lim.sub_max + 1);
+    const uint64_t hi = key_at_most<S>(8.0);
+    const uint64_t sub = lim.sub_max;
+    for (int64_t i = 0; i < n; ++i) {
+      uint64_t key = uniform(lo, hi);
+      bool negative = rng() & 1;
+      if (dist == "zeros_50" && chance(0.5)) key = 0;
+      if (dist == "zeros_99" && chance(0.99)) key = 0;
+      if (dist == "all_zeros") key = 0;
+      if (dist == "all_subnormal") key = sub > 0 ? uniform(1, sub) : 0;
+      if (dist == "subnormal_0.1" && chance(0.001)) key = uniform(1, sub);
+      if (dist == "large_mean") {
+        const uint64_t mid = key_at_most<S>(1000.0);
+        key = uniform(mid, mid + 3);
+        negative = false;
+      }
+      if (dist == "wide_range") key = uniform(1, lim.finite_max);
+      if (dist == "huge") key = uniform(lim.finite_max - 8, lim.finite_max);
+      const double p_nonfinite = dist == "nonfinite_0.01" ? 1e-4 : dist == "nonfinite_1" ? 1e-2 : 0.0;
+      if (p_nonfinite > 0 && chance(p_nonfinite)) {
+        key = F::kHasInf && (rng() & 1) ? lim.nonnan_max : uniform(lim.nonnan_max + 1, F::kMaxKey);
+      }
+      x[i] = float_of<S>(key, negative);
+    }
+  } else {
+    const int64_t top = F::kSigned ? int64_t(F::kMaxKey / 2) : int64_t(std::min<uint64_t>(F::kMaxKey, 1ull << 62));
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t v = static_cast<int64_t>(uniform(0, 200)) - (F::kSigned ? 100 : 0);
+      if (dist == "zeros_50" && chance(0.5)) v = 0;
+      if (dist == "zeros_99" && chance(0.99)) v = 0;
+      if (dist == "all_zeros") v = 0;
+      if (dist == "large_mean") v = std::min<int64_t>(top, 100) + static_cast<int64_t>(uniform(0, 3));
+      if (dist == "wide_range" || dist == "huge") {
+        v = static_cast<int64_t>(uniform(0, static_cast<uint64_t>(top)));
+        if (F::kSigned && (rng() & 1)) v = -v - (dist == "huge" ? 1 : 0);  // reaches INT_MIN
+      }
+      x[i] = int_of<S>(v);
+    }
+  }
+  return x;
+}
+
+double scale_of(const zs::Partial& p) {
+  const double n = static_cast<double>(std::max<int64_t>(1, p.finite()));
+  return std::sqrt(p.m2 / n + p.mean * p.mean);
+}
+
+template <typename S>
+void compare(const char* dtype, VectorPath path, const std::string& dist, int64_t n, int64_t offset, double shift,
+             const std::vector<S>& data, const zs::Limits& lim) {
+  zs::Tally<S, int64_t> want, got;
+  zs::cpu::scan_span_scalar(data.data() + offset, n, lim, shift, want);
+  zs::cpu::scan_span_on(path, data.data() + offset, n, lim, shift, got);
+  ++cases;
+  std::string why;
+  auto check = [&](const char* field, double a, double b) {
+    if (!(a == b || (std::isnan(a) && std::isnan(b)))) {
+      why += std::string(" ") + field + ": got " + std::to_string(a) + ", want " + std::to_string(b) + ";";
+    }
+  };
+  check("numel", got.numel, want.numel);
+  check("zeros", got.zeros, want.zeros);
+  check("at_most_sub", got.at_most_sub, want.at_most_sub);
+  check("at_most_tol", got.at_most_tol, want.at_most_tol);
+  check("finite", got.finite, want.finite);
+  check("non_nan", got.non_nan, want.non_nan);
+  check("negative", got.negative, want.negative);
+  check("neginf", got.neginf, want.neginf);
+  check("lo_nonzero", static_cast<double>(got.lo_nonzero), static_cast<double>(want.lo_nonzero));
+  check("hi", static_cast<double>(got.hi), static_cast<double>(want.hi));
+  const zs::Partial g = got.finish(shift), w = want.finish(shift);
+  const double scale = scale_of(w);
+  if (std::isfinite(scale)) {
+    if (!(std::fabs(g.mean - w.mean) <= 1e-9 * std::fabs(w.mean) + 1e-9 * scale)) {
+      char buf[128];
+      std::snprintf(buf, sizeof buf, " mean: got %.17g, want %.17g;", g.mean, w.mean);
+      why += buf;
+    }
+    // The float32 squares hold ~1e-7 of the sum of squares about the shift,
+    // which m2 can be a small difference of (stats_cpu.cpp scans such a
+    // chunk again about its mean).
+    const double about_shift = w.m2 + static_cast<double>(w.finite()) * (w.mean - shift) * (w.mean - shift);
+    if (!(std::fabs(g.m2 - w.m2) <= 1e-5 * about_shift + 1e-300)) {
+      char buf[128];
+      std::snprintf(buf, sizeof buf, " m2: got %.17g, want %.17g;", g.m2, w.m2);
+      why += buf;
+    }
+  }
+  if (!why.empty()) {
+    ++failures;
+    if (failures <= 40) {
+      std::printf("MISMATCH %s %s %s n=%lld offset=%lld shift=%g:%s\n", zs::cpu::vector_path_name(path), dtype,
+                  dist.c_str(), static_cast<long long>(n), static_cast<long long>(offset), shift, why.c_str());
+    }
+  }
+}
+
+template <typename S>
+void check_dtype(const char* dtype, double tiny, double eps, const std::vector<VectorPath>& paths, bool quick) {
+  using F = zs::Format<S>;
+  const zs::Limits lim = zs::limits_for<S>(tiny, F::kFloating ? 1e-3 : 2.0);
+  (void)eps;
+  const int64_t lanes = 64 / static_cast<int64_t>(sizeof(S));
+  std::vector<int64_t> lengths = {0, 1, lanes - 1, lanes, lanes + 1, 3 * lanes + 5, 1000, 4099, 70001};
+  if (!quick) lengths.push_back(300007);  // past every lane counter's fold
+  for (const char* dist : kDistributions) {
+    const std::vector<S> data = make<S>(dist, lengths.back() + 8, lim);
+    for (int64_t n : lengths) {
+      for (int64_t offset : {0, 3}) {
+        // Shifts: none; one like the scan's (a float32 value near the data's
+        // first values); and, for floats, one far from the data.
+        std::vector<double> shifts = {0.0};
+        zs::Tally<S, int64_t> first;
+        zs::cpu::scan_span_scalar(data.data() + offset, std::min<int64_t>(n, 64), lim, 0.0, first);
+        if (first.finite > 0) {
+          double near = first.s1 / static_cast<double>(first.finite);
+          if (!F::kFloating) near = std::nearbyint(near);
+          if (F::kFloating && sizeof(S) <= 4) near = static_cast<double>(static_cast<float>(near));
+          if (std::isfinite(near) && near != 0.0) shifts.push_back(near);
+        }
+        if (F::kFloating && sizeof(S) <= 4 && n == 1000) shifts.push_back(0.25);
+        for (double shift : shifts) {
+          for (VectorPath path : paths) compare<S>(dtype, path, dist, n, offset, shift, data, lim);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  std::vector<VectorPath> paths;
+#if defined(ZS_X86_KERNELS)
+  if (zs::cpu::pick_vector_path(zs::cpu::Capability::kAvx2) == VectorPath::kAvx2) paths.push_back(VectorPath::kAvx2);
+  if (zs::cpu::pick_vector_path(zs::cpu::Capability::kAvx512) == VectorPath::kAvx512) {
+    paths.push_back(VectorPath::kAvx512);
+  }
+#elif defined(ZS_NEON_KERNELS)
+  paths.push_back(VectorPath::kNeon);
+#endif
+  if (paths.empty()) {
+    std::printf("span_check: this CPU runs no vector build\n");
+    return 2;
+  }
+#define ZS_CHECK(name, S, value_t, tiny, eps) check_dtype<S>(#name, tiny, eps, paths, quick);
+  ZEROSCAN_DTYPES(ZS_CHECK)
+#undef ZS_CHECK
+  std::printf("span_check:");
+  for (VectorPath p : paths) std::printf(" %s", zs::cpu::vector_path_name(p));
+  std::printf(": %d cases, %d mismatches\n", cases, failures);
+  return failures == 0 ? 0 : 1;
+}
