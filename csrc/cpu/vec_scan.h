@@ -97,26 +97,13 @@ ZS_INLINE Vec<T, kBytes / 2> high_half(Vec<T> v) {
 template <typename V>
 constexpr int lanes_of = static_cast<int>(sizeof(V) / sizeof(std::declval<V>()[0]));
 
-// Horizontal sum / min / max of the lanes, in T.
+// The sum of the lanes, in T.
 template <typename T, typename V>
 ZS_INLINE T lane_sum(V v) {
   T s = 0;
   for (int i = 0; i < lanes_of<V>; ++i) s += static_cast<T>(v[i]);
   return s;
 }
-template <typename V>
-ZS_INLINE auto lane_min(V v) {
-  auto m = v[0];
-  for (int i = 1; i < lanes_of<V>; ++i) m = v[i] < m ? v[i] : m;
-  return m;
-}
-template <typename V>
-ZS_INLINE auto lane_max(V v) {
-  auto m = v[0];
-  for (int i = 1; i < lanes_of<V>; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
-
 template <typename V>
 ZS_INLINE V vmin(V a, V b) { return a < b ? a : b; }
 template <typename V>
@@ -218,31 +205,50 @@ ZS_INLINE void fold(Totals& t, Counters<S>& c) {
   c = Counters<S>{};
 }
 
-// The limits of classify.h in S's lanes. Float keys are below the sign bit,
-// so their compares are signed (one instruction on every ISA).
+// The limits of classify.h, broadcast to S's lanes (and as given, for the
+// decisions made once per run). Float keys are below the sign bit, so their
+// compares are signed (one instruction on every ISA).
 template <typename S>
 struct VectorLimits {
   using U = typename LaneTypes<S>::U;
   using I = typename LaneTypes<S>::I;
-  I sub_max, tol_max, finite_max, nonnan_max;
+  using VU = typename LaneTypes<S>::VU;
+  using VI = typename LaneTypes<S>::VI;
+  Limits scalar;
+  VI sub_max, tol_max, finite_max, nonnan_max;
   // Floats: the raw pattern of -inf (or of the largest negative number
   // where there is no infinity), read as a signed integer. The raw patterns
   // of negative numbers (sign set, nonzero, not NaN) are those r with
   // r - 1 < it, -0 wrapping to the largest integer.
-  I neginf;
-  U tol_max_u;  // integers: tol_max as unsigned
+  VI neginf;
+  VU tol_max_u;  // integers: tol_max as unsigned
 
-  explicit VectorLimits(const Limits& lim) {
-    sub_max = static_cast<I>(lim.sub_max);
-    tol_max = static_cast<I>(lim.tol_max);
-    finite_max = static_cast<I>(lim.finite_max);
-    nonnan_max = static_cast<I>(lim.nonnan_max);
-    tol_max_u = static_cast<U>(lim.tol_max);
+  explicit VectorLimits(const Limits& lim) : scalar(lim) {
+    sub_max = VI{} + static_cast<I>(lim.sub_max);
+    tol_max = VI{} + static_cast<I>(lim.tol_max);
+    finite_max = VI{} + static_cast<I>(lim.finite_max);
+    nonnan_max = VI{} + static_cast<I>(lim.nonnan_max);
+    tol_max_u = VU{} + static_cast<U>(lim.tol_max);
     uint64_t sign_bit = 0;
     if constexpr (Format<S>::kFloating) sign_bit = Format<S>::kSignBit;
-    neginf = static_cast<I>(static_cast<U>(sign_bit + lim.nonnan_max));
+    neginf = VI{} + static_cast<I>(static_cast<U>(sign_bit + lim.nonnan_max));
   }
 };
+
+// The loops read their constants through this. With 16 vector registers
+// (AVX2) the accumulators and the constants do not all fit, and the
+// compiler then keeps some accumulators in memory, where every vector's
+// addition waits for the store of the one before; a pointer it cannot see
+// through makes it read the constants from memory instead (a compare or an
+// FMA takes one operand from memory at no cost).
+template <typename T>
+ZS_INLINE const T& constants(const T& c) {
+  const T* p = &c;
+#if ZS_TARGET_BYTES == 32
+  __asm__("" : "+r"(p));
+#endif
+  return *p;
+}
 
 // ---- Classification --------------------------------------------------------
 
@@ -268,9 +274,9 @@ ZS_INLINE typename LaneTypes<S>::VU key_of(typename LaneTypes<S>::VU raw) {
 }
 
 // Counts one vector's zero, subnormal, near-zero and negative lanes; keeps
-// min nonzero key - 1 in `lo` (a zero key wraps to the largest) and the
-// max key in `top`. Returns the lanes above sub_max (floats).
-template <typename S>
+// min nonzero key - 1 in `lo` (a zero key wraps to the largest) and, where
+// kTop, the max key in `top`. Returns the lanes above sub_max (floats).
+template <typename S, bool kTop = true>
 ZS_INLINE typename LaneTypes<S>::VI classify(typename LaneTypes<S>::VU raw,
                                              typename LaneTypes<S>::VU key,
                                              const VectorLimits<S>& lim, Counters<S>& c,
@@ -290,8 +296,10 @@ ZS_INLINE typename LaneTypes<S>::VI classify(typename LaneTypes<S>::VU raw,
     c.above_tol = count(c.above_tol, k > lim.tol_max);
     const VU raw_less_one = raw - 1;
     c.negative = count(c.negative, lim.neginf > as<VI>(raw_less_one));
-    const VI top_signed = vmax(as<VI>(top), k);
-    top = as<VU>(top_signed);
+    if constexpr (kTop) {
+      const VI top_signed = vmax(as<VI>(top), k);
+      top = as<VU>(top_signed);
+    }
   } else {
     c.above_tol = count(c.above_tol, key > lim.tol_max_u);
     if constexpr (F::kSigned) c.negative = count(c.negative, as<VI>(raw) < 0);
@@ -301,7 +309,7 @@ ZS_INLINE typename LaneTypes<S>::VI classify(typename LaneTypes<S>::VU raw,
 }
 
 // Counts one vector's NaN, non-finite and -inf lanes (floats); returns the
-// finite lanes.
+// non-finite lanes.
 template <typename S>
 ZS_INLINE typename LaneTypes<S>::VI count_non_finite(typename LaneTypes<S>::VU raw,
                                                      typename LaneTypes<S>::VU key,
@@ -313,7 +321,7 @@ ZS_INLINE typename LaneTypes<S>::VI count_non_finite(typename LaneTypes<S>::VU r
   c.nan = count(c.nan, k > lim.nonnan_max);
   c.non_finite = count(c.non_finite, non_finite);
   if constexpr (Format<S>::kHasInf) c.neginf = count(c.neginf, as<VI>(raw) == lim.neginf);
-  return ~non_finite;
+  return non_finite;
 }
 
 // ---- Moments ---------------------------------------------------------------
@@ -355,8 +363,6 @@ constexpr float kWidenScale = std::is_same_v<S, e4m3_t> ? 256.0f : 1.0f;
 template <typename S>
 constexpr int kGroups = kFloat32Lanes<S> ? 4 / static_cast<int>(sizeof(S)) : 1;
 
-constexpr uint32_t kF32SubMax = 0x007fffffu;     // float32 keys of subnormals
-constexpr uint32_t kF32FiniteMax = 0x7f7fffffu;  // largest finite float32 key
 constexpr double kSubUnit = 0x1p-149;            // the value of m = 1
 
 // float16 bits (in the low 16 of each lane) -> float32 bits, exactly, by
@@ -491,6 +497,12 @@ struct Pass {
     if (tiny || need.tiny) return tiny == need.tiny || (!tiny && subnormal && !need.non_finite);
     return (non_finite || !need.non_finite) && (subnormal || !need.subnormal);
   }
+  // The cheapest pass that covers both this one's kinds and `need`'s.
+  constexpr Pass with(Pass need) const {
+    if (covers(need)) return *this;
+    if (tiny || need.tiny) return need.tiny && !non_finite ? Pass{false, false, true} : need;
+    return Pass{non_finite || need.non_finite, subnormal || need.subnormal, false};
+  }
 };
 constexpr Pass kHot{};
 constexpr Pass kNonFinite{true, false, false};
@@ -503,11 +515,14 @@ constexpr Pass kTiny{false, false, true};
 struct RunSums {
   VF q{};            // float32 lanes: squares of d * 2^k, this segment
   VD qd[2]{};        // their folds (halves)
-  VD x[2]{};         // float32 lanes: values (/ kWidenScale), halves; float64: d
+  VD x[1]{};         // float32 lanes: values (/ kWidenScale); float64: d
   VD q64{};          // float64: d^2
-  VF sub_q{};        // subnormal lanes: (m - s)^2, this segment
-  VD sub_qd{};       // its folds
-  VI32 sub_m{};      // subnormal lanes: signed m
+  VI32 sub_m{};      // subnormal lanes of subnormal passes: signed m
+  VF sub_q{};        //   m^2, this segment
+  VD sub_qd{};       //   its folds
+  VI32 tiny_m{};     // lanes of tiny passes: signed m
+  VF tiny_q{};       //   (m - s)^2, this segment
+  VD tiny_qd{};      //   its folds
 };
 
 ZS_INLINE void end_segment(RunSums& r) {
@@ -516,75 +531,46 @@ ZS_INLINE void end_segment(RunSums& r) {
   r.q = VF{};
   r.sub_qd += low_to_double<float>(r.sub_q) + high_to_double<float>(r.sub_q);
   r.sub_q = VF{};
+  r.tiny_qd += low_to_double<float>(r.tiny_q) + high_to_double<float>(r.tiny_q);
+  r.tiny_q = VF{};
 }
 
-// The constants of one span's moments.
+// The constants of one span's moments. The span is summed about `shift`, a
+// value of S (scan_vectors rounds the caller's shift to one), so that a lane
+// replaced by it (a NaN, say) adds exactly nothing to the squares.
 template <typename S>
 struct MomentConstants {
   RunScale rs;
   double shift;
-  float sub_shift;    // shift * 2^149 (subnormal sums with a small shift)
-  bool small_shift;   // |shift * 2^149| <= 2^60
+  typename LaneTypes<S>::U shift_bits;  // shift as S's bits
+  float sub_shift;                      // shift * 2^149 (tiny passes)
+  bool small_shift;                     // |shift * 2^149| <= 2^60
+  // The same, broadcast for the vector loop (set by broadcast()).
+  VF scale_v, shift_v, sub_shift_v;
+  VD shift64_v;
+  typename LaneTypes<S>::VU shift_bits_v;
+
+  ZS_TARGET_ATTR void broadcast() {
+    scale_v = VF{} + rs.scale;
+    shift_v = VF{} + rs.shift;
+    sub_shift_v = VF{} + sub_shift;
+    shift64_v = VD{} + shift;
+    shift_bits_v = typename LaneTypes<S>::VU{} + shift_bits;
+  }
 };
 
-// Adds one float32 group (bits: float32 patterns; sub_max: the largest
-// subnormal key of the group's dtype, widened) to `r`. `valid`: lanes that
-// are not NaN where the float32 view cannot tell (float8_e4m3fn's NaN
-// widens to a number).
-template <int kPass>
-ZS_INLINE void add_group(VU32 bits, VI32 valid, int32_t sub_max, const RunScale& rs, float sub_shift,
-                         bool small_shift, RunSums& r) {
-  constexpr Pass P = kPass == 4 ? kTiny : Pass{(kPass & 1) != 0, (kPass & 2) != 0, false};
-  const VU32 key = bits & 0x7fffffffu;
-  const VI32 k = as<VI32>(key);
-  if constexpr (P.tiny) {
-    // Every lane is zero or subnormal: x = m * 2^-149, m signed.
-    const VI32 neg = as<VI32>(bits) >> 31;
-    const VI32 m = (k ^ neg) - neg;
-    r.sub_m += m;
-    const VF d = __builtin_convertvector(m, VF) - sub_shift;
-    r.sub_q += d * d;
-    return;
-  }
-  VU32 kept = bits;  // lanes summed as floats
-  VI32 keep_d{};     // lanes whose d is summed
-  if constexpr (P.non_finite || P.subnormal) {
-    VI32 keep = VI32{} - 1;
-    if constexpr (P.non_finite) keep = (static_cast<int32_t>(kF32FiniteMax) >= k) & valid;
-    VI32 subnormal{};
-    if constexpr (P.subnormal) {
-      const VI32 zero = k == 0;
-      const VI32 normal = k > sub_max;
-      subnormal = ~(normal | zero);
-      keep_d = keep & ~subnormal;
-      keep &= normal;
-      const VI32 neg = as<VI32>(bits) >> 31;
-      const VI32 m = ((k & subnormal) ^ neg) - neg;
-      r.sub_m += m;
-      if (small_shift) {
-        const VF d = __builtin_convertvector(m, VF) - sub_shift;
-        const VF dm = as<VF>(as<VI32>(d) & subnormal);
-        r.sub_q += dm * dm;
-      }
-    } else {
-      keep_d = keep;
-    }
-    kept = bits & as<VU32>(keep);
-  }
-  const VF x = as<VF>(kept);
-  r.x[0] += low_to_double<float>(x);
-  r.x[1] += high_to_double<float>(x);
-  VF d = x * rs.scale - rs.shift;
-  if constexpr (P.non_finite || P.subnormal) d = as<VF>(as<VI32>(d) & keep_d);
+// Adds one float32 group (bits: float32 patterns) to `r`, scaled and
+// shifted by `scale` and `shift` (RunScale).
+ZS_INLINE void add_group(VU32 bits, VF scale, VF shift, RunSums& r) {
+  const VF x = as<VF>(bits);
+  r.x[0] += low_to_double<float>(x) + high_to_double<float>(x);
+  const VF d = x * scale - shift;
   r.q += d * d;
 }
 
-// Adds one vector of float64 to `r`; `keep`: the lanes summed where
-// `masked` (the others add nothing).
-ZS_INLINE void add_doubles(Vec<uint64_t> bits, Vec<int64_t> keep, double shift, RunSums& r, bool masked) {
-  const Vec<uint64_t> kept = masked ? bits & as<Vec<uint64_t>>(keep) : bits;
-  VD d = as<VD>(kept) - shift;
-  if (masked) d = as<VD>(as<Vec<int64_t>>(d) & keep);
+// Adds one vector of float64 to `r`.
+ZS_INLINE void add_doubles(Vec<uint64_t> bits, VD shift, RunSums& r) {
+  const VD d = as<VD>(bits) - shift;
   r.x[0] += d;
   r.q64 += d * d;
 }
@@ -606,10 +592,10 @@ template <typename S>
 constexpr int64_t kRun = 4 * 16;
 
 // Each vector of a first pass asks for the one kPrefetchBytes ahead. The
-// hardware prefetchers alone left the scan of tensors beyond the caches
-// well below its speed on cached data (2.9 against 1.3 cycles per float32
-// element, AVX2 on a Sapphire Rapids core); a prefetch never faults, so
-// reading ahead of a span's end is harmless.
+// hardware prefetchers alone left the AVX2 scan of a float32 tensor beyond
+// the caches at 2.0x a plain sum's time on one Sapphire Rapids core, against
+// 1.2x with it (4-16 KB ahead alike; prefetching to L2 or with NTA, 1.2-1.5x);
+// a prefetch never faults, so reading ahead of a span's end is harmless.
 constexpr int64_t kPrefetchBytes = 8192;
 
 ZS_INLINE void prefetch_ahead(const void* p) {
@@ -640,21 +626,20 @@ ZS_INLINE T reduce_min(Vec<T, Bytes> v) {
   }
 }
 
-// The largest subnormal key of S's float32 groups.
-template <typename S>
-int32_t group_sub_max(const VectorLimits<S>& lim) {
-  if constexpr (std::is_same_v<S, float>) return lim.sub_max;  // the same value, shared with the counts
-  return static_cast<int32_t>(kF32SubMax);
-}
-
 // One vector q, summed into r: counted (kClassify) and summed as pass
 // kPass (Pass::index), which counts NaN and infinities where kClassify or
 // kCountNonFinite says. lo, top, top_finite: the run's smallest nonzero
-// key - 1, largest key and largest finite key (passes that mask non-finite
-// lanes), lane by lane.
+// key - 1, largest key and largest finite key (passes that take care of
+// non-finite lanes), lane by lane.
+//
+// Every pass but tiny sums the lanes as floats, with float32 and bfloat16
+// subnormals zeroed (they add (0 - shift)^2 there, which the subnormal
+// passes' sums of m correct) and, in passes that take care of them, NaN and
+// infinities replaced by the shift (they add nothing there, and shift once
+// per lane to the values, taken off at the end).
 template <typename S, bool kClassify, bool kCountNonFinite, int kPass>
 ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentConstants<S>& mc,
-                           int32_t sub_max32, Counters<S>& c, RunSums& r, typename LaneTypes<S>::VU& lo,
+                           Counters<S>& c, RunSums& r, typename LaneTypes<S>::VU& lo,
                            typename LaneTypes<S>::VU& top, typename LaneTypes<S>::VU& top_finite) {
   using L = LaneTypes<S>;
   using VU = typename L::VU;
@@ -663,46 +648,68 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
   if constexpr (kClassify) prefetch_ahead(q);
   const VU raw = load<VU>(q);
   const VU key = key_of<S>(raw);
+  // Passes that take care of NaN and infinities keep the largest finite
+  // key, and learn whether there were any from their counts; the others
+  // keep the largest key.
   VI above_sub{};
   if constexpr (kClassify) {
-    above_sub = classify<S>(raw, key, lim, c, lo, top);
+    above_sub = classify<S, !P.non_finite>(raw, key, lim, c, lo, top);
   } else {
     const VI k = as<VI>(key);
-    const VI t = vmax(as<VI>(top), k);
-    top = as<VU>(t);
-    if constexpr (kSubnormalPass<S> && !P.subnormal) above_sub = k > lim.sub_max;
+    if constexpr (!P.non_finite) {
+      const VI t = vmax(as<VI>(top), k);
+      top = as<VU>(t);
+    }
+    if constexpr (kSubnormalPass<S>) above_sub = k > lim.sub_max;
   }
-  VI finite = VI{} - 1;
+  VI non_finite{};
   if constexpr (kCountNonFinite) {
-    finite = count_non_finite<S>(raw, key, lim, c);
+    non_finite = count_non_finite<S>(raw, key, lim, c);
   } else if constexpr (P.non_finite) {
-    finite = static_cast<VI>(as<VI>(key) <= lim.finite_max);
+    non_finite = as<VI>(key) > lim.finite_max;
   }
   if constexpr (P.non_finite) {
-    const VU fk = key & as<VU>(finite);
+    const VU fk = key & ~as<VU>(non_finite);
     const VI t = vmax(as<VI>(top_finite), as<VI>(fk));
     top_finite = as<VU>(t);
   }
+  if constexpr (P.tiny) {
+    // Zeros and subnormals alone: x = m * 2^-149, m signed, in the float32
+    // groups (bfloat16's m widened as its bits are).
+    const VI neg = as<VI>(raw) >> (8 * sizeof(S) - 1);
+    const VI m = (as<VI>(key) ^ neg) - neg;
+    VU32 g[kGroups<S>];
+    widen<S>(as<VU>(m), g);
+    for (int i = 0; i < kGroups<S>; ++i) {
+      r.tiny_m += as<VI32>(g[i]);
+      const VF d = __builtin_convertvector(as<VI32>(g[i]), VF) - mc.sub_shift_v;
+      r.tiny_q += d * d;
+    }
+    return;
+  }
+  VU kept = raw;
+  if constexpr (kSubnormalCare<S> || (std::is_same_v<S, double> && !P.subnormal)) {
+    kept = raw & as<VU>(above_sub);  // float64 subnormal passes sum them as they are
+  }
+  if constexpr (P.non_finite) kept = non_finite ? mc.shift_bits_v : kept;
   if constexpr (std::is_same_v<S, double>) {
-    // Passes that do not take subnormals zero them (none expected: a run
-    // with one is summed again); the others sum them as they are.
-    const Vec<uint64_t> bits = !P.subnormal ? raw & as<VU>(above_sub) : raw;
-    add_doubles(bits, finite, mc.shift, r, P.non_finite);
+    add_doubles(kept, mc.shift64_v, r);
   } else {
-    VU kept = raw;
-    if constexpr (kSubnormalCare<S> && !P.subnormal && !P.tiny) kept = raw & as<VU>(above_sub);
     VU32 g[kGroups<S>];
     widen<S>(kept, g);
-    VI32 ok[kGroups<S>];
-    if constexpr (P.non_finite && std::is_same_v<S, e4m3_t>) {
-      VU32 valid[kGroups<S>];
-      widen<S>(as<VU>(finite), valid);  // a set lane widens to nonzero bits
-      for (int i = 0; i < kGroups<S>; ++i) ok[i] = valid[i] != 0;
-    } else {
-      for (int i = 0; i < kGroups<S>; ++i) ok[i] = VI32{} - 1;
-    }
+    for (int i = 0; i < kGroups<S>; ++i) add_group(g[i], mc.scale_v, mc.shift_v, r);
+  }
+  if constexpr (P.subnormal && kSubnormalCare<S>) {
+    // The zeroed subnormals' m, signed, for their values and the
+    // correction of their squares (scan_vectors).
+    const VI neg = as<VI>(raw) >> (8 * sizeof(S) - 1);
+    const VI m = ((as<VI>(key) & ~above_sub) ^ neg) - neg;
+    VU32 g[kGroups<S>];
+    widen<S>(as<VU>(m), g);
     for (int i = 0; i < kGroups<S>; ++i) {
-      add_group<kPass>(g[i], ok[i], sub_max32, mc.rs, mc.sub_shift, mc.small_shift, r);
+      r.sub_m += as<VI32>(g[i]);
+      const VF mf = __builtin_convertvector(as<VI32>(g[i]), VF);
+      r.sub_q += mf * mf;
     }
   }
 }
@@ -710,15 +717,15 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
 // The vectors [0, vectors) at p through scan_vector, segment by segment.
 template <typename S, bool kClassify, bool kCountNonFinite, int kPass>
 ZS_INLINE void scan_run(const S* p, int64_t vectors, const VectorLimits<S>& lim,
-                        const MomentConstants<S>& mc, int32_t sub_max32, Counters<S>& c, RunSums& r,
+                        const MomentConstants<S>& mc, Counters<S>& c, RunSums& r,
                         typename LaneTypes<S>::VU& lo, typename LaneTypes<S>::VU& top,
                         typename LaneTypes<S>::VU& top_finite) {
   constexpr int kLanes = LaneTypes<S>::kLanes;
   for (int64_t begin = 0; begin < vectors; begin += kSegment<S>) {
     const int64_t end = std::min(vectors, begin + kSegment<S>);
     for (int64_t v = begin; v < end; ++v) {
-      scan_vector<S, kClassify, kCountNonFinite, kPass>(p + v * kLanes, lim, mc, sub_max32, c, r, lo, top,
-                                                        top_finite);
+      scan_vector<S, kClassify, kCountNonFinite, kPass>(p + v * kLanes, constants(lim), constants(mc), c, r, lo,
+                                                        top, top_finite);
     }
     if constexpr (kFloat32Lanes<S>) end_segment(r);
   }
@@ -739,7 +746,7 @@ __attribute__((noinline)) ZS_TARGET_ATTR RunFacts resum_as(const S* p, int64_t v
   Counters<S> c = counters;
   RunSums r{};
   VU lo = VU{} - 1, top{}, top_finite{};
-  scan_run<S, false, kCountNonFinite, kPass>(p, vectors, lim, mc, group_sub_max(lim), c, r, lo, top, top_finite);
+  scan_run<S, false, kCountNonFinite, kPass>(p, vectors, lim, mc, c, r, lo, top, top_finite);
   counters = c;
   out = r;
   RunFacts f;
@@ -768,10 +775,17 @@ ZS_TARGET_ATTR RunFacts resum(const S* p, int64_t vectors, const VectorLimits<S>
 
 // The sums of one span of floats.
 struct FloatSums {
-  VD s1[2]{}, s2[2]{};   // values (/ kWidenScale) or float64 d; squares, unscaled
-  Vec<int64_t> sub_m{};  // signed m of subnormal lanes
-  VD sub_q{};            // (m - s)^2 of subnormal lanes (small shift)
+  VD s1[2]{}, s2[2]{};    // values (/ kWidenScale) or float64 d; squares, unscaled
+  Vec<int64_t> sub_m{};   // subnormal passes: signed m
+  VD sub_q{};             //   m^2
+  Vec<int64_t> tiny_m{};  // tiny passes: signed m
+  VD tiny_q{};            //   (m - s)^2
 };
+
+ZS_INLINE Vec<int64_t> widen_ints(VI32 v) {
+  return __builtin_convertvector(low_half<int32_t>(v), Vec<int64_t>) +
+         __builtin_convertvector(high_half<int32_t>(v), Vec<int64_t>);
+}
 
 template <typename S>
 ZS_INLINE void add_run(FloatSums& s, const RunSums& r, double unscale) {
@@ -780,13 +794,13 @@ ZS_INLINE void add_run(FloatSums& s, const RunSums& r, double unscale) {
     s.s2[0] += r.q64;
   } else {
     s.s1[0] += r.x[0];
-    s.s1[1] += r.x[1];
     s.s2[0] += r.qd[0] * unscale;
     s.s2[1] += r.qd[1] * unscale;
     if constexpr (kSubnormalCare<S>) {
-      s.sub_m += __builtin_convertvector(low_half<int32_t>(r.sub_m), Vec<int64_t>);
-      s.sub_m += __builtin_convertvector(high_half<int32_t>(r.sub_m), Vec<int64_t>);
+      s.sub_m += widen_ints(r.sub_m);
       s.sub_q += r.sub_qd;
+      s.tiny_m += widen_ints(r.tiny_m);
+      s.tiny_q += r.tiny_qd;
     }
   }
 }
@@ -813,13 +827,14 @@ ZS_INLINE void fold_when_full(Counters<S>& c, Totals& totals, int64_t& since_fol
   }
 }
 
-// The pass a run needs, from its keys' max and min nonzero key - 1.
+// The pass a run needs: whether it holds NaN or infinities, its largest
+// finite key (any key, where it holds none) and its smallest nonzero key - 1.
 template <typename S>
-Pass needed_pass(uint64_t top, uint64_t lo, const VectorLimits<S>& lim, bool small_shift) {
+Pass needed_pass(bool non_finite, uint64_t top, uint64_t lo, const VectorLimits<S>& lim, bool small_shift) {
   Pass need;
-  need.non_finite = top > static_cast<uint64_t>(lim.finite_max);
-  need.subnormal = kSubnormalPass<S> && lo < static_cast<uint64_t>(lim.sub_max);
-  if (kSubnormalCare<S> && need.subnormal && small_shift && top <= static_cast<uint64_t>(lim.sub_max)) {
+  need.non_finite = non_finite;
+  need.subnormal = kSubnormalPass<S> && lo < lim.scalar.sub_max;
+  if (kSubnormalCare<S> && need.subnormal && !non_finite && small_shift && top <= lim.scalar.sub_max) {
     return kTiny;  // zeros and subnormals alone
   }
   return need;
@@ -832,9 +847,12 @@ bool outside_window(const RunScale& rs, uint64_t top, const VectorLimits<S>& lim
   if constexpr (!kScaledSquares<S>) {
     return false;
   } else {
-    return !fits(rs, top > static_cast<uint64_t>(lim.sub_max) ? top : 0);
+    return !fits(rs, top > lim.scalar.sub_max ? top : 0);
   }
 }
+
+// Runs a pass that takes care of more than the runs need goes on for.
+constexpr int kLinger = 4;
 
 // Where scan_runs stopped.
 struct Stop {
@@ -859,7 +877,6 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
   constexpr Pass P = kPass == 4 ? kTiny : Pass{(kPass & 1) != 0, (kPass & 2) != 0, false};
   const VectorLimits<S> lim = limits;
   const MomentConstants<S> mc = constants;
-  const int32_t sub_max32 = group_sub_max(lim);
   Counters<S> c = st.c;
   FloatSums sums = st.sums;
   VU span_lo = st.lo;
@@ -867,25 +884,39 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
   int64_t since_fold = st.since_fold;
   const int64_t runs = (vectors + kRun<S> - 1) / kRun<S>;
   Stop stop{runs, false, P};
+  int unneeded = 0;  // runs in a row that needed less than P
   for (; run < runs; ++run) {
     const int64_t begin = run * kRun<S>;
     const int64_t len = std::min(kRun<S>, vectors - begin);
     RunSums r{};
     VU lo = VU{} - 1, top{}, top_finite{};
-    scan_run<S, true, P.non_finite, kPass>(p + begin * kLanes, len, lim, mc, sub_max32, c, r, lo, top,
-                                           top_finite);
+    const VU non_finite_before = c.non_finite;
+    scan_run<S, true, P.non_finite, kPass>(p + begin * kLanes, len, lim, mc, c, r, lo, top, top_finite);
     span_lo = vmin(span_lo, lo);
+    bool non_finite;
+    uint64_t finite_top;
+    if constexpr (P.non_finite) {
+      finite_top = reduce_max<U, kBytes>(top_finite);
+      const VU changed = as<VU>(c.non_finite != non_finite_before);
+      non_finite = reduce_max<U, kBytes>(changed) != 0;
+    } else {
+      finite_top = reduce_max<U, kBytes>(top);  // NaN's keys too, where it holds any
+      non_finite = finite_top > lim.scalar.finite_max;
+    }
     fold_when_full(c, st.totals, since_fold, len);
-    const uint64_t run_top = reduce_max<U, kBytes>(top);
-    const Pass needed = needed_pass<S>(run_top, reduce_min<U, kBytes>(lo), lim, mc.small_shift);
-    const uint64_t finite_top = P.non_finite ? reduce_max<U, kBytes>(top_finite) : run_top;
+    const Pass needed = needed_pass<S>(non_finite, finite_top, reduce_min<U, kBytes>(lo), lim, mc.small_shift);
     if (!P.covers(needed) || outside_window<S>(mc.rs, finite_top, lim)) {
-      stop = Stop{run, true, needed};
+      stop = Stop{run, true, P.with(needed)};
       break;
     }
     add_run<S>(sums, r, mc.rs.unscale);
     hi = std::max(hi, finite_top);
-    if (needed.index() != P.index()) {
+    // A pass that takes care of more than the runs need lingers for
+    // kLinger runs, so that data with a rare kind in many runs (a subnormal
+    // or a NaN every few hundred values) is not read twice in most of them.
+    if (needed.index() == P.index()) {
+      unneeded = 0;
+    } else if (P.tiny || needed.tiny || ++unneeded >= kLinger) {
       stop = Stop{run + 1, false, needed};
       break;
     }
@@ -937,15 +968,16 @@ ZS_TARGET_ATTR void scan_float_vectors(const S* p, int64_t vectors, const Vector
     // where it needs one.
     const S* at = p + run * kRun<S> * kLanes;
     const int64_t len = std::min(kRun<S>, vectors - run * kRun<S>);
-    const Pass summed = pass.covers(stop.next) ? pass : stop.next;
+    const Pass summed = stop.next;
     RunSums r;
     const RunFacts f = resum(at, len, lim, mc, st.c, summed.non_finite && !pass.non_finite, summed, r);
     const uint64_t top = summed.non_finite ? f.top_finite : f.top;
     if (outside_window<S>(mc.rs, top, lim)) {
-      const uint64_t normal_top = top > static_cast<uint64_t>(lim.sub_max) ? top : 0;
+      const uint64_t normal_top = top > lim.scalar.sub_max ? top : 0;
       using key_t = typename Format<S>::key_t;
       const double m = Format<S>::magnitude(static_cast<key_t>(normal_top));
       mc.rs = make_scale<S>(scale_exponent(std::max(m, std::fabs(mc.shift))), mc.shift);
+      mc.broadcast();
       Counters<S> none;
       resum(at, len, lim, mc, none, false, summed, r);
     }
@@ -1023,6 +1055,43 @@ ZS_INLINE void add_wide_ints(typename LaneTypes<S>::VU raw, double shift, VD (&s
 // most 4 * 255^2 per vector.
 constexpr int64_t kByteBlock = 255;
 
+// The value of S nearest v (finite v; S a float type) and its bits,
+// remembered for the last v per thread: a strided tensor's many spans share
+// their chunk's shift.
+template <typename S>
+struct NearestValue {
+  double value;
+  typename LaneTypes<S>::U bits;
+};
+
+template <typename S>
+NearestValue<S> nearest_value(double v) {
+  using F = Format<S>;
+  using U = typename LaneTypes<S>::U;
+  if constexpr (std::is_same_v<S, double>) {
+    return {v, bit_cast_to<U>(v)};
+  } else if constexpr (std::is_same_v<S, float>) {
+    const float f = static_cast<float>(v);
+    return {static_cast<double>(f), bit_cast_to<U>(f)};
+  } else {
+    static thread_local double last_in = 0.0;
+    static thread_local NearestValue<S> last_out{0.0, 0};
+    if (v == last_in) return last_out;
+    const double a = std::fabs(v);
+    uint64_t key = largest_key<S>([a](double m) { return m <= a; });
+    const uint64_t finite_max = largest_key<S>([](double m) { return std::isfinite(m); });
+    if (key < finite_max) {
+      const double below = F::magnitude(static_cast<typename F::key_t>(key));
+      const double above = F::magnitude(static_cast<typename F::key_t>(key + 1));
+      if (above - a < a - below) ++key;
+    }
+    const double m = F::magnitude(static_cast<typename F::key_t>(key));
+    last_in = v;
+    last_out = {v < 0 ? -m : m, static_cast<U>(key | (v < 0 ? F::kSignBit : 0))};
+    return last_out;
+  }
+}
+
 template <typename S>
 __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, int64_t n, const Limits& limits,
                                                                    double shift, Tally<S, int64_t>& t) {
@@ -1040,12 +1109,18 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
   const int64_t count = vectors * kLanes;
   double s1 = 0.0, s2 = 0.0;
   if constexpr (F::kFloating) {
+    // The span is summed about the value of S nearest the caller's shift,
+    // and its sums moved to the caller's shift at the end.
+    const NearestValue<S> nearest = nearest_value<S>(shift);
+    const double own = nearest.value;
     MomentConstants<S> mc;
-    mc.shift = shift;
-    mc.rs = make_scale<S>(kScaledSquares<S> ? scale_exponent(std::fabs(shift)) : 0, shift);
-    const double s_units = shift / kSubUnit;
+    mc.shift = own;
+    mc.shift_bits = nearest.bits;
+    mc.rs = make_scale<S>(kScaledSquares<S> ? scale_exponent(std::fabs(own)) : 0, own);
+    const double s_units = own / kSubUnit;
     mc.small_shift = std::fabs(s_units) <= 0x1p60;
     mc.sub_shift = mc.small_shift ? static_cast<float>(s_units) : 0.0f;
+    mc.broadcast();
     SpanState<S> st;
     scan_float_vectors<S>(p, vectors, lim, mc, st);
     totals = st.totals;
@@ -1054,20 +1129,30 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
     lo = reduce_min<typename L::U, kBytes>(st.lo);
     const int64_t nan = lane_sum<int64_t>(totals.nan);
     const int64_t finite = count - lane_sum<int64_t>(totals.non_finite);
-    const int64_t zeros = lane_sum<int64_t>(totals.zeros);
-    const int64_t subnormal = count - lane_sum<int64_t>(totals.above_sub) - zeros;
     if constexpr (std::is_same_v<S, double>) {
       s1 = lane_sum<double>(sums.s1[0]);
       s2 = lane_sum<double>(sums.s2[0]);
     } else {
-      double sum_x = static_cast<double>(kWidenScale<S>) * lane_sum<double>(sums.s1[0] + sums.s1[1]);
+      // The values include the shift once per non-finite lane.
+      double sum_x = static_cast<double>(kWidenScale<S>) * lane_sum<double>(sums.s1[0] + sums.s1[1]) -
+                     static_cast<double>(count - finite) * own;
       s2 = lane_sum<double>(sums.s2[0] + sums.s2[1]);
       if constexpr (kSubnormalCare<S>) {
-        sum_x += static_cast<double>(lane_sum<int64_t>(sums.sub_m)) * kSubUnit;
-        s2 += mc.small_shift ? lane_sum<double>(sums.sub_q) * (kSubUnit * kSubUnit)
-                             : static_cast<double>(subnormal) * shift * shift;
+        // Subnormal passes summed their subnormals as zeros, each adding
+        // own^2 where (x - own)^2 = own^2 - 2 own x + x^2 belongs; tiny
+        // passes summed (x - own)^2 itself.
+        const double sub_x = static_cast<double>(lane_sum<int64_t>(sums.sub_m)) * kSubUnit;
+        const double tiny_x = static_cast<double>(lane_sum<int64_t>(sums.tiny_m)) * kSubUnit;
+        sum_x += sub_x + tiny_x;
+        s2 += lane_sum<double>(sums.sub_q) * (kSubUnit * kSubUnit) - 2.0 * own * sub_x +
+              lane_sum<double>(sums.tiny_q) * (kSubUnit * kSubUnit);
       }
-      s1 = sum_x - static_cast<double>(finite) * shift;
+      s1 = sum_x - static_cast<double>(finite) * own;
+    }
+    if (own != shift) {  // about the caller's shift
+      const double delta = own - shift, n_finite = static_cast<double>(finite);
+      s2 += 2.0 * delta * s1 + n_finite * delta * delta;
+      s1 += n_finite * delta;
     }
     t.finite += finite;
     t.non_nan += count - nan;
@@ -1101,8 +1186,8 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
       byte_values += lane_sum<int64_t>(b.values);
       byte_squares += lane_sum<uint64_t>(b.squares);
     }
-    hi = lane_max(vtop);
-    lo = lane_min(vlo);
+    hi = reduce_max<typename L::U, kBytes>(vtop);
+    lo = reduce_min<typename L::U, kBytes>(vlo);
     const int64_t zeros = lane_sum<int64_t>(totals.zeros);
     if constexpr (sizeof(S) == 1) {
       // The shift of an integer dtype is a whole number, so the shifted sums
