@@ -28,13 +28,13 @@ class Readout:
         self._host_fields: numpy.ndarray | None = None
         self._words: list[int] | None = None  # the one row of a [16] buffer
         self._host: numpy.ndarray | None = None  # a copy of an [N, 16] buffer
-        self._columns: dict[int, list[int]] = {}
-        self._rows: dict[int, Row] = {}
+        self._columns: dict[int, list[int]] | None = None  # made on first read: a hot loop reads one field
+        self._rows: dict[int, Row] | None = None
 
     def _row_words(self, index: int) -> list[int]:
         if self.buffer.dim() == 1:
             if self._words is None:
-                self._words = self.buffer.detach().tolist()
+                self._words = self.buffer.tolist()  # int64: never requires grad
             return self._words
         return self._array()[index].tolist()
 
@@ -45,13 +45,15 @@ class Readout:
 
     def count(self, index: int, column: int) -> int:
         """One int64 word of row `index`."""
+        if self._words is not None:  # a [16] buffer already read
+            return self._words[column]
+        if self.buffer.dim() == 1:
+            return self._row_words(0)[column]
+        if self._columns is None:
+            self._columns = {}
         values = self._columns.get(column)
         if values is None:
-            if self.buffer.dim() == 1:
-                values = [self._row_words(0)[column]]
-            else:
-                values = self._array()[:, column].tolist()
-            self._columns[column] = values
+            values = self._columns[column] = self._array()[:, column].tolist()
         return values[index]
 
     def histogram(self, index: int, dtype: torch.dtype) -> Histogram | None:
@@ -64,6 +66,8 @@ class Readout:
 
     def row(self, index: int) -> Row:
         """Every field of row `index`, decoded once."""
+        if self._rows is None:
+            self._rows = {}
         row = self._rows.get(index)
         if row is None:
             row = self._rows[index] = row_from_words(self._row_words(index))

@@ -476,6 +476,24 @@ RunScale make_scale(int k, double shift) {
 }
 
 // k with m * 2^k in [1, 2), within what a float32 power of two holds.
+inline int scale_exponent(double m);
+
+// A span's first scale, from its shift alone; remembered for the last
+// shift per thread, since a call over many small tensors (stats_many) starts
+// thousands of spans with the same shift, and make_scale's ldexps are a
+// tenth of a 4K-element span's time.
+template <typename S>
+RunScale first_scale(double shift) {
+  static thread_local double last_shift = 0.0;
+  static thread_local RunScale last = make_scale<S>(0, 0.0);
+  if (shift != last_shift) {
+    last = make_scale<S>(kScaledSquares<S> ? scale_exponent(std::fabs(shift)) : 0, shift);
+    last_shift = shift;
+  }
+  return last;
+}
+
+// k with m * 2^k in [1, 2), within what a float32 power of two holds.
 inline int scale_exponent(double m) { return m > 0.0 ? std::clamp(-std::ilogb(m), -126, 127) : 0; }
 
 // Whether a run whose largest finite key is `top` fits the scale's window.
@@ -1116,7 +1134,7 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
     MomentConstants<S> mc;
     mc.shift = own;
     mc.shift_bits = nearest.bits;
-    mc.rs = make_scale<S>(kScaledSquares<S> ? scale_exponent(std::fabs(own)) : 0, own);
+    mc.rs = first_scale<S>(own);
     const double s_units = own / kSubUnit;
     mc.small_shift = std::fabs(s_units) <= 0x1p60;
     mc.sub_shift = mc.small_shift ? static_cast<float>(s_units) : 0.0f;
