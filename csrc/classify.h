@@ -15,7 +15,7 @@
 // finite values (shifted, see set_moments). Nothing branches on the value,
 // so zeros, subnormals, NaN and Inf cost what any other value costs. CUDA
 // threads run `Tally::add` on every element; the CPU's vector loop
-// (cpu/scan_span.h) evaluates the same compares lane-parallel and adds its
+// (cpu/vec_scan.h) evaluates the same compares lane-parallel and adds its
 // sums into a Tally. Free of torch headers.
 #pragma once
 

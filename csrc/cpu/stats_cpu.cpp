@@ -4,7 +4,7 @@
 // tensor alone, never on the thread count), each chunk is reduced to a
 // Partial, and the partials are combined in a fixed tree order, so results
 // are bitwise identical whatever torch.set_num_threads says. The vector loop
-// over one contiguous span is in scan_span.h.
+// over one contiguous span is in scan_span.h and vec_scan.h.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -42,7 +42,7 @@ constexpr int64_t kParallelBytes = int64_t(16) << 20;
 // `mean` as a shift for dtype S: integer moments are then sums of whole
 // numbers, exact, as are float8_e4m3fn's in units of 2^-9, and the float32
 // runs of floats of up to 32 bits subtract a float32 shift exactly
-// (cpu/scan_span.h).
+// (cpu/vec_scan.h).
 template <typename S>
 double as_shift(double mean) {
   if (!std::isfinite(mean)) return 0.0;  // a float64 sum can overflow
@@ -120,7 +120,7 @@ Tally<S, int64_t> tally_chunk(const Layout& l, const S* data, int64_t begin, int
 // deviations from the chunk's mean (its first values were no sample of the
 // rest: a zero or NaN row before an offset), so the sum of squares is
 // mostly that offset and the variance its small difference. The float32
-// squares of cpu/scan_span.h hold ~1e-7 of the sum, which such a
+// squares of cpu/vec_scan.h hold ~1e-7 of the sum, which such a
 // difference would magnify.
 template <typename S>
 bool cancels(const Tally<S, int64_t>& t) {

@@ -16,8 +16,10 @@
 //     files and scan_span.h's table do here.
 // Each target's functions live in a namespace of their own and carry their
 // target attribute, so no copy compiled for a wider ISA can be linked into a
-// narrower path. Intrinsics appear only where an ISA has an instruction the
-// operators cannot name (float16 conversion, AVX-512's masked counts).
+// narrower path. Intrinsics appear only in two conversions on x86, where
+// the generic form compiles to more instructions (float16 to float32 by
+// F16C, float32 to double); the rest differs between ISAs only in how a
+// lane count is added (a masked add on AVX-512).
 //
 // Included with:
 //   ZS_TARGET          the namespace of this build: avx2, avx512, neon
@@ -34,6 +36,9 @@
 // taken through integers (their exact value is an integer times 2^-149).
 // float64 subnormals are the exception (float64 squares of them underflow
 // in double anyway): a run that holds one sums them in double as they are.
+// The rare kinds of value (NaN, infinities, subnormals) are taken care of
+// only in runs that hold them (see Float runs), so data without them pays
+// nothing for them.
 
 #include <algorithm>
 #include <cmath>
@@ -337,15 +342,22 @@ ZS_INLINE typename LaneTypes<S>::VI count_non_finite(typename LaneTypes<S>::VU r
 //                      are positive, so those sums stay within ~16 roundings
 //                      (1e-6) of exact however long the tensor. 2^k keeps
 //                      the run's largest |d| near 1 (RunScale).
-// float32 and bfloat16 subnormals never reach a floating-point instruction:
-// the loop zeroes them first (an integer AND), and a run that held any is
-// summed again (a "careful" run) with them taken as integers: x = m * 2^-149
-// for the integer m of x's bits without the sign (bfloat16's, widened). Their
-// values are summed as int32 m, exactly; their squares as float32 (m - s)^2,
-// s = shift * 2^149, while the shift is small enough (|s| <= 2^60); beyond
-// that (x - shift)^2 rounds to shift^2 in float32 (|x| < 2^-126 against
-// |shift| > 2^-89), added per subnormal at the end. A run of nothing but
-// zeros and subnormals (a "tiny" run: underflowed data) sums m - s alone.
+// The span is summed about a shift that is a value of S. Lanes the floats
+// must not see are replaced before any floating-point instruction, by
+// integer operations:
+//   NaN and infinities     by the shift (in passes that take care of them):
+//                          d = 0 exactly, and the values gain one shift per
+//                          such lane, taken off at the end
+//   float32 and bfloat16   by zero: d = -shift. Passes that take care of
+//   subnormals             them add the integer m of each (x = m * 2^-149,
+//                          bfloat16's m widened as its bits are) and m^2, and
+//                          the end adds 2^-149 sum(m) to the values and
+//                          2^-298 sum(m^2) - 2 shift 2^-149 sum(m) to the
+//                          squares: (x - shift)^2 = shift^2 - 2 shift x + x^2
+// A run of nothing but zeros and subnormals (a "tiny" run: underflowed
+// data) sums (m - shift * 2^149)^2 alone, which needs no such correction
+// (whose cancellation would lose the variance of subnormal data around a
+// subnormal mean), while the shift is small enough (|shift| <= 2^-89).
 // float64 sums d and d^2 in double. Integers: 1-byte ones exactly in integer
 // lanes, wider ones d and d^2 in double (the shift is a whole number).
 
@@ -532,6 +544,7 @@ constexpr Pass kTiny{false, false, true};
 // segment (kSegment), so that each adds at most 16 terms.
 struct RunSums {
   VF q{};            // float32 lanes: squares of d * 2^k, this segment
+  VF xf{};           // float8_e4m3fn: values (/ kWidenScale), this segment (exact, kFloat32Values)
   VD qd[2]{};        // their folds (halves)
   VD x[1]{};         // float32 lanes: values (/ kWidenScale); float64: d
   VD q64{};          // float64: d^2
@@ -544,6 +557,8 @@ struct RunSums {
 };
 
 ZS_INLINE void end_segment(RunSums& r) {
+  r.x[0] += low_to_double<float>(r.xf) + high_to_double<float>(r.xf);
+  r.xf = VF{};
   r.qd[0] += low_to_double<float>(r.q);
   r.qd[1] += high_to_double<float>(r.q);
   r.q = VF{};
@@ -577,11 +592,23 @@ struct MomentConstants {
   }
 };
 
+// float8_e4m3fn values are whole multiples of 2^-9 below 2^9 (widened:
+// of 2^-17 below 2): the 16 that a segment adds to one float32 lane sum to
+// less than 2^22 such units, which float32 holds exactly, so they are summed
+// there and folded into double once a segment, not converted one by one.
+template <typename S>
+constexpr bool kFloat32Values = std::is_same_v<S, e4m3_t>;
+
 // Adds one float32 group (bits: float32 patterns) to `r`, scaled and
 // shifted by `scale` and `shift` (RunScale).
+template <typename S>
 ZS_INLINE void add_group(VU32 bits, VF scale, VF shift, RunSums& r) {
   const VF x = as<VF>(bits);
-  r.x[0] += low_to_double<float>(x) + high_to_double<float>(x);
+  if constexpr (kFloat32Values<S>) {
+    r.xf += x;
+  } else {
+    r.x[0] += low_to_double<float>(x) + high_to_double<float>(x);
+  }
   const VF d = x * scale - shift;
   r.q += d * d;
 }
@@ -715,7 +742,7 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
   } else {
     VU32 g[kGroups<S>];
     widen<S>(kept, g);
-    for (int i = 0; i < kGroups<S>; ++i) add_group(g[i], mc.scale_v, mc.shift_v, r);
+    for (int i = 0; i < kGroups<S>; ++i) add_group<S>(g[i], mc.scale_v, mc.shift_v, r);
   }
   if constexpr (P.subnormal && kSubnormalCare<S>) {
     // The zeroed subnormals' m, signed, for their values and the
@@ -1191,6 +1218,7 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
       const int64_t len = std::min(kBlock, vectors - begin);
       ByteSums b;
       for (int64_t v = 0; v < len; ++v) {
+        prefetch_ahead(p + (begin + v) * kLanes);
         const VU raw = load<VU>(p + (begin + v) * kLanes);
         const VU key = key_of<S>(raw);
         classify<S>(raw, key, lim, c, vlo, vtop);
