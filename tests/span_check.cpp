@@ -5,7 +5,8 @@
 //
 // Every dtype of the table, every distribution below (the families of
 // zeroscan.testing as bit patterns: ordinary, zero-heavy, subnormal, NaN and
-// infinities, offset, values spanning the float range), lengths around the
+// infinities, offset, values spanning the float range, subnormals among the
+// smallest normal values), lengths around the
 // vector width, the run and the counter folds, start offsets that misalign
 // the data, and shifts of zero, near the data and far from it. Counts and
 // min/max keys must match exactly; the mean within 1e-9 of the data's
@@ -65,7 +66,7 @@ S int_of(int64_t value) {
 
 const char* const kDistributions[] = {"ordinary", "zeros_50", "zeros_99", "all_zeros", "all_subnormal",
                                       "subnormal_0.1", "nonfinite_0.01", "nonfinite_1", "large_mean",
-                                      "wide_range", "huge"};
+                                      "wide_range", "huge", "near_tiny"};
 
 template <typename S>
 std::vector<S> make(const std::string& dist, int64_t n, const zs::Limits& lim) {
@@ -90,6 +91,12 @@ std::vector<S> make(const std::string& dist, int64_t n, const zs::Limits& lim) {
         negative = false;
       }
       if (dist == "wide_range") key = uniform(1, lim.finite_max);
+      // Subnormals among the smallest normal values, one sign: runs that
+      // hold both, summed about a shift as small as they are.
+      if (dist == "near_tiny") {
+        key = sub > 0 ? uniform(sub / 2, 4 * sub) : uniform(0, 8);
+        negative = false;
+      }
       if (dist == "huge") key = uniform(lim.finite_max - 8, lim.finite_max);
       const double p_nonfinite = dist == "nonfinite_0.01" ? 1e-4 : dist == "nonfinite_1" ? 1e-2 : 0.0;
       if (p_nonfinite > 0 && chance(p_nonfinite)) {
