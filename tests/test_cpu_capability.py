@@ -36,7 +36,9 @@ def run_with_cap(cap: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], env=env, cwd=TESTS.parent, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("cap", ["scalar", "avx2", "avx512"])
+# native is the suite itself; avx512 runs the scan native runs wherever the
+# CPU has AVX-512 (and AVX2's where it has not), so it adds nothing here.
+@pytest.mark.parametrize("cap", ["scalar", "avx2"])
 def test_distributions_under_capability(cap: str) -> None:
     """Every CPU test of test_distributions.py (each distribution, dtype,
     size and layout, and the edge cases after them), scanned within the
@@ -48,11 +50,12 @@ def test_distributions_under_capability(cap: str) -> None:
     assert " passed" in result.stdout
 
 
-@pytest.mark.parametrize("cap", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("cap", ["avx2"])
 def test_histograms_under_capability(cap: str) -> None:
-    """The histogram's counts one element at a time (every cap but native)
-    beside each build's scan, against the same float64 reference as its
-    vector path."""
+    """The histogram's counts one element at a time (every cap but native,
+    whose counter takes float32 and bfloat16 by AVX512-VBMI where the CPU has
+    it), beside a vector build's scan, against the same float64 reference as
+    its vector path."""
     result = run_with_cap(cap, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_histogram.py"), "-k", CAPPED_CASES)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout
