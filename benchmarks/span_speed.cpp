@@ -86,15 +86,8 @@ void measure(const char* dtype, double tiny, const std::vector<VectorPath>& path
 }  // namespace
 
 int main() {
-  std::vector<VectorPath> paths = {VectorPath::kNone};
-#if defined(ZS_X86_KERNELS)
-  if (zs::cpu::pick_vector_path(zs::cpu::Capability::kAvx2) == VectorPath::kAvx2) paths.push_back(VectorPath::kAvx2);
-  if (zs::cpu::pick_vector_path(zs::cpu::Capability::kAvx512) == VectorPath::kAvx512) {
-    paths.push_back(VectorPath::kAvx512);
-  }
-#elif defined(ZS_NEON_KERNELS)
-  paths.push_back(VectorPath::kNeon);
-#endif
+  std::vector<VectorPath> paths = zs::cpu::vector_paths_here();
+  paths.insert(paths.begin(), VectorPath::kNone);  // the element-at-a-time reference too
   std::vector<float> floats(kElements);
   std::mt19937_64 rng(7);
   for (auto& v : floats) v = value(rng, "randn");

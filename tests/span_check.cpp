@@ -213,15 +213,7 @@ void check_dtype(const char* dtype, double tiny, double eps, const std::vector<V
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  std::vector<VectorPath> paths;
-#if defined(ZS_X86_KERNELS)
-  if (zs::cpu::pick_vector_path(zs::cpu::Capability::kAvx2) == VectorPath::kAvx2) paths.push_back(VectorPath::kAvx2);
-  if (zs::cpu::pick_vector_path(zs::cpu::Capability::kAvx512) == VectorPath::kAvx512) {
-    paths.push_back(VectorPath::kAvx512);
-  }
-#elif defined(ZS_NEON_KERNELS)
-  paths.push_back(VectorPath::kNeon);
-#endif
+  const std::vector<VectorPath> paths = zs::cpu::vector_paths_here();
   if (paths.empty()) {
     std::printf("span_check: this CPU runs no vector build\n");
     return 2;

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "../classify.h"
 
@@ -94,6 +95,19 @@ inline VectorPath pick_vector_path(Capability cap) {
 inline VectorPath vector_path() {
   static const VectorPath path = pick_vector_path(capability_cap());
   return path;
+}
+
+// Every vector build this CPU runs, narrowest first (the span tests and
+// benchmarks run each of them in one process).
+inline std::vector<VectorPath> vector_paths_here() {
+  std::vector<VectorPath> paths;
+#if defined(ZS_X86_KERNELS)
+  if (pick_vector_path(Capability::kAvx2) == VectorPath::kAvx2) paths.push_back(VectorPath::kAvx2);
+  if (pick_vector_path(Capability::kAvx512) == VectorPath::kAvx512) paths.push_back(VectorPath::kAvx512);
+#elif defined(ZS_NEON_KERNELS)
+  paths.push_back(VectorPath::kNeon);
+#endif
+  return paths;
 }
 
 inline const char* vector_path_name(VectorPath path) {

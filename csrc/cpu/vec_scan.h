@@ -647,29 +647,22 @@ ZS_INLINE void prefetch_ahead(const void* p) {
   __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, 3);
 }
 
-// Horizontal max / min of the lanes, halving the vector each step.
-template <typename T, int Bytes>
-ZS_INLINE T reduce_max(Vec<T, Bytes> v) {
+// The largest (kMax) or smallest lane, halving the vector each step.
+template <bool kMax, typename T, int Bytes>
+ZS_INLINE T reduce(Vec<T, Bytes> v) {
   if constexpr (Bytes == sizeof(T)) {
     return v[0];
   } else {
     Vec<T, Bytes / 2> lo, hi;
     std::memcpy(&lo, &v, sizeof(lo));
     std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-    return reduce_max<T, Bytes / 2>(lo > hi ? lo : hi);
+    return reduce<kMax, T, Bytes / 2>(kMax ? (lo > hi ? lo : hi) : (lo < hi ? lo : hi));
   }
 }
 template <typename T, int Bytes>
-ZS_INLINE T reduce_min(Vec<T, Bytes> v) {
-  if constexpr (Bytes == sizeof(T)) {
-    return v[0];
-  } else {
-    Vec<T, Bytes / 2> lo, hi;
-    std::memcpy(&lo, &v, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-    return reduce_min<T, Bytes / 2>(lo < hi ? lo : hi);
-  }
-}
+ZS_INLINE T reduce_max(Vec<T, Bytes> v) { return reduce<true, T, Bytes>(v); }
+template <typename T, int Bytes>
+ZS_INLINE T reduce_min(Vec<T, Bytes> v) { return reduce<false, T, Bytes>(v); }
 
 // One vector q, summed into r: counted (kClassify) and summed as pass
 // kPass (Pass::index), which counts NaN and infinities where kClassify or
