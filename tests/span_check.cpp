@@ -11,6 +11,8 @@
 // the data, and shifts of zero, near the data and far from it. Counts and
 // min/max keys must match exactly; the mean within 1e-9 of the data's
 // scale plus 1e-9 relative, m2 within 1e-5 relative (the float32 squares).
+// The histogram's fields (csrc/cpu/vec_fields.h and count_fields.h) of the
+// same data must match the fields counted one element at a time exactly.
 //
 //   span_check [--quick]    exit 0 when every case matches; prints each mismatch
 #include <cmath>
@@ -20,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "../csrc/cpu/count_fields.h"
 #include "../csrc/cpu/scan_span.h"
 
 namespace zs = zeroscan;
@@ -177,6 +180,70 @@ void compare(const char* dtype, VectorPath path, const std::string& dist, int64_
   }
 }
 
+// The histogram's fields of p[0, n) one element at a time: [kFields].
+template <typename S>
+std::vector<int64_t> reference_fields(const S* p, int64_t n) {
+  using B = zs::Binning<S>;
+  std::vector<int64_t> fields(B::kFields);
+  for (int64_t i = 0; i < n; ++i) ++fields[B::field(zs::Format<S>::key(p[i]))];
+  return fields;
+}
+
+void report(const std::string& what, const std::string& why) {
+  ++cases;
+  if (why.empty()) return;
+  ++failures;
+  if (failures <= 40) std::printf("MISMATCH %s:%s\n", what.c_str(), why.c_str());
+}
+
+// count_window_on at window positions low, mid, at the top and past the end
+// of the fields; then FieldCounter over the data as spans of `span`
+// elements, told of each span's zero and top fields as the scan counts
+// them, against the fields counted one element at a time.
+template <typename S>
+void compare_fields(const char* dtype, VectorPath path, const std::string& dist, int64_t n, int64_t offset,
+                    const std::vector<S>& data, const zs::Limits& lim) {
+  using B = zs::Binning<S>;
+  const S* p = data.data() + offset;
+  const std::string what = std::string(zs::cpu::vector_path_name(path)) + " " + dtype + " " + dist +
+                           " n=" + std::to_string(n) + " offset=" + std::to_string(offset);
+  if constexpr (zs::cpu::kWindowedFields<S>) {
+    for (int lo : {0, 1, B::kFields / 2, B::kFields - zs::cpu::kWindowFields, B::kFields - 3}) {
+      int64_t window[zs::cpu::kWindowFields] = {};
+      const int64_t counted = zs::cpu::count_window_on(path, p, n, lo, window);
+      const std::vector<int64_t> want = reference_fields(p, counted);
+      std::string why;
+      const int64_t lanes = (path == VectorPath::kAvx512 ? 64 : path == VectorPath::kAvx2 ? 32 : 16) /
+                            static_cast<int64_t>(sizeof(S));
+      if (counted != n / lanes * lanes) why += " counted " + std::to_string(counted) + ";";
+      for (int j = 0; j < zs::cpu::kWindowFields; ++j) {
+        const int64_t w = lo + j < B::kFields && lo + j >= 0 ? want[lo + j] : 0;
+        if (window[j] != w) why += " field " + std::to_string(lo + j) + ": got " + std::to_string(window[j]) +
+                                   ", want " + std::to_string(w) + ";";
+      }
+      report(what + " window lo=" + std::to_string(lo), why);
+    }
+  }
+  for (int64_t span : {int64_t(2048), int64_t(65536)}) {
+    zs::cpu::FieldCounter<S> counter(path);
+    for (int64_t begin = 0; begin < n; begin += span) {
+      const int64_t len = std::min(span, n - begin);
+      zs::Tally<S, int64_t> t;
+      zs::cpu::scan_span_scalar(p + begin, len, lim, 0.0, t);
+      counter.add(p + begin, len, t.at_most_sub, t.numel - t.finite);
+    }
+    std::vector<int64_t> got(B::kFields);
+    counter.write(got.data());
+    const std::vector<int64_t> want = reference_fields(p, n);
+    std::string why;
+    for (int f = 0; f < B::kFields; ++f) {
+      if (got[f] != want[f]) why += " field " + std::to_string(f) + ": got " + std::to_string(got[f]) +
+                                    ", want " + std::to_string(want[f]) + ";";
+    }
+    report(what + " counter span=" + std::to_string(span), why);
+  }
+}
+
 template <typename S>
 void check_dtype(const char* dtype, double tiny, double eps, const std::vector<VectorPath>& paths, bool quick) {
   using F = zs::Format<S>;
@@ -204,6 +271,7 @@ void check_dtype(const char* dtype, double tiny, double eps, const std::vector<V
         for (double shift : shifts) {
           for (VectorPath path : paths) compare<S>(dtype, path, dist, n, offset, shift, data, lim);
         }
+        for (VectorPath path : paths) compare_fields<S>(dtype, path, dist, n, offset, data, lim);
       }
     }
   }

@@ -2,8 +2,8 @@
 
 The scan runs one of several builds of its vector loop (csrc/cpu/vec_scan.h:
 AVX2, AVX-512; NEON on Arm, tested under qemu by test_span_check.py), or one
-element at a time where the CPU has none of them; the histogram counts with
-AVX512-VBMI only under "native". ZEROSCAN_CPU_CAPABILITY caps what the scan
+element at a time where the CPU has none of them; so does the histogram's
+count (csrc/cpu/vec_fields.h). ZEROSCAN_CPU_CAPABILITY caps what the scan
 may use, so the distribution suite runs again here under each cap, in a
 fresh process (the cap is read once per process), against the float64
 reference.
@@ -50,12 +50,11 @@ def test_distributions_under_capability(cap: str) -> None:
     assert " passed" in result.stdout
 
 
-@pytest.mark.parametrize("cap", ["avx2"])
+@pytest.mark.parametrize("cap", ["scalar", "avx2"])
 def test_histograms_under_capability(cap: str) -> None:
-    """The histogram's counts one element at a time (every cap but native,
-    whose counter takes float32 and bfloat16 by AVX512-VBMI where the CPU has
-    it), beside a vector build's scan, against the same float64 reference as
-    its vector path."""
+    """The histogram's counts under the cap (one element at a time, or the
+    AVX2 build's vector windows), against the same float64 reference as
+    the native path."""
     result = run_with_cap(cap, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_histogram.py"), "-k", CAPPED_CASES)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout

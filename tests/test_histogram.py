@@ -102,7 +102,8 @@ def test_matches_reference_on_every_distribution(device: str, dtype: torch.dtype
 def test_wide_and_shifting_magnitudes(device: str, dtype: torch.dtype) -> None:
     """Values over the dtype's whole range, and data whose magnitudes jump
     from one part of the tensor to the next (the CPU's counting window
-    follows the bulk; what falls outside it is counted one at a time)."""
+    follows the bulk; what falls outside it is counted by windows below it,
+    then one at a time)."""
     g = fresh_generator()
     info = torch.finfo(dtype)
     n = 150_000

@@ -1,5 +1,5 @@
-"""The CPU's vector scan of every build against its element-at-a-time
-reference, compiled without torch (tests/span_check.cpp).
+"""The CPU's vector scan and histogram count of every build against their
+element-at-a-time references, compiled without torch (tests/span_check.cpp).
 
 Natively, every build this CPU runs (AVX2 and AVX-512 on x86-64). For
 AArch64, the NEON build cross-compiled with Debian's g++-aarch64-linux-gnu

@@ -9,8 +9,8 @@
 //   scalar   every element through Tally::add (classify.h)
 //   avx2     the AVX2 build (x86-64)
 //   avx512   the AVX-512 build (x86-64)
-//   native   or unset: the best the CPU has (NEON on AArch64), and the
-//            histogram's AVX512-VBMI counter (count_fields.h)
+//   native   or unset: the best the CPU has (NEON on AArch64)
+// The histogram's count (vec_fields.h) runs in the same build.
 // Other values read as kInvalid, which the operators refuse before scanning.
 // A cap above what the CPU has gives what the CPU has. The last elements of
 // a span, fewer than a vector's lanes, go through Tally::add.
@@ -57,11 +57,14 @@ inline bool capability_allows(Capability needed) {
 // The vector builds. Each adds the statistics of the first n / lanes * lanes
 // elements of p ([n] contiguous) to `t` and returns that count; `shift` as
 // for scan_span.
+// Each also counts the histogram's fields of a window (vec_fields.h).
 #define ZS_DECLARE_TARGET(target)                                                          \
   namespace target {                                                                       \
   template <typename S>                                                                    \
   int64_t scan_vectors(const S* p, int64_t n, const Limits& lim, double shift,             \
                        Tally<S, int64_t>& t);                                              \
+  template <typename S>                                                                    \
+  int64_t count_window(const S* p, int64_t n, int lo, int64_t* window);                    \
   }
 #if defined(ZS_X86_KERNELS)
 ZS_DECLARE_TARGET(avx2)
@@ -71,6 +74,13 @@ ZS_DECLARE_TARGET(avx512)
 ZS_DECLARE_TARGET(neon)
 #endif
 #undef ZS_DECLARE_TARGET
+
+// The histogram fields (csrc/histogram.h) that one vector count covers, and
+// the dtypes counted in vectors: the floats of up to 32 bits, whose fields
+// are their exponents.
+constexpr int kWindowFields = 24;
+template <typename S>
+constexpr bool kWindowedFields = Format<S>::kFloating && sizeof(S) <= 4;
 
 enum class VectorPath { kNone, kAvx2, kAvx512, kNeon };
 
@@ -145,6 +155,23 @@ void scan_span_on(VectorPath path, const S* p, int64_t n, const Limits& lim, dou
     default: break;
   }
   scan_span_scalar(p + done, n - done, lim, shift, t);
+}
+
+// p: [n] contiguous. Adds to window[j] (j < kWindowFields) the elements of
+// a first part of p whose histogram field is lo + j, counted by `path`'s
+// build, and returns how many elements that part holds (0: none counted).
+template <typename S>
+int64_t count_window_on(VectorPath path, const S* p, int64_t n, int lo, int64_t* window) {
+  switch (path) {
+#if defined(ZS_X86_KERNELS)
+    case VectorPath::kAvx512: return avx512::count_window(p, n, lo, window);
+    case VectorPath::kAvx2: return avx2::count_window(p, n, lo, window);
+#endif
+#if defined(ZS_NEON_KERNELS)
+    case VectorPath::kNeon: return neon::count_window(p, n, lo, window);
+#endif
+    default: return 0;
+  }
 }
 
 template <typename S>

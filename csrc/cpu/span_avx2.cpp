@@ -7,4 +7,5 @@
 #define ZS_TARGET_MASKS 0
 #define ZS_TARGET_F16C 1
 #include "vec_scan.h"
+#include "vec_fields.h"
 #endif

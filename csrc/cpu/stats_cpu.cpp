@@ -86,12 +86,20 @@ template <typename S>
 Tally<S, int64_t> tally_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
                               const Limits& lim, double shift, FieldCounter<S>* fields) {
   Tally<S, int64_t> tally;
+  // Scans one span, then counts its fields, telling the counter how many of
+  // its elements the scan found zero or subnormal, and NaN or infinite.
+  auto scan = [&](const S* p, int64_t n) {
+    const int64_t at_most_sub = tally.at_most_sub, non_finite = tally.numel - tally.finite;
+    scan_span(p, n, lim, shift, tally);
+    if (fields != nullptr) {
+      fields->add(p, n, tally.at_most_sub - at_most_sub, tally.numel - tally.finite - non_finite);
+    }
+  };
   S buffer[kGather];
   int64_t filled = 0;
   for_each_run(l, begin, end, [&](int64_t off, int64_t len, int64_t stride) {
     if (stride == 1 && len >= kGather) {
-      scan_span(data + off, len, lim, shift, tally);
-      if (fields != nullptr) fields->add(data + off, len);
+      scan(data + off, len);
       return;
     }
     // Short or strided runs are gathered into a bounded buffer of raw
@@ -103,16 +111,12 @@ Tally<S, int64_t> tally_chunk(const Layout& l, const S* data, int64_t begin, int
       filled += take;
       k += take;
       if (filled == kGather) {
-        scan_span(buffer, filled, lim, shift, tally);
-        if (fields != nullptr) fields->add(buffer, filled);
+        scan(buffer, filled);
         filled = 0;
       }
     }
   });
-  if (filled > 0) {
-    scan_span(buffer, filled, lim, shift, tally);
-    if (fields != nullptr) fields->add(buffer, filled);
-  }
+  if (filled > 0) scan(buffer, filled);
   return tally;
 }
 

@@ -1273,7 +1273,6 @@ int64_t scan_vectors(const S* p, int64_t n, const Limits& limits, double shift, 
   template int64_t scan_vectors<S>(const S*, int64_t, const Limits&, double, Tally<S, int64_t>&);
 ZEROSCAN_DTYPES(ZS_INSTANTIATE)
 #undef ZS_INSTANTIATE
-#undef ZS_INLINE
 
 }  // namespace ZS_TARGET
 }  // namespace cpu
