@@ -1,12 +1,16 @@
 // zeroscan._C.tensor_metas: the dtype and shape of every tensor of a list,
-// read in C++ so that stats_many's Python work does not grow per tensor.
+// and whether any may map a file, read in C++ so that stats_many's Python
+// work does not grow per tensor.
 //
 // stats_many's batch makes each Stats when first indexed; its dtype and shape
 // must still be those of the tensor at the call, and the batch must not hold
 // the tensors (a kept batch would keep a model's gradients alive). Reading
 // them in Python costs ~150 ns a tensor (a torch.Size and a tuple each, and
 // the garbage collections they set off); here it is a few ns a dimension,
-// into one bytes object and one list of the dtype singletons.
+// into one bytes object and one list of the dtype singletons. Whether a CPU
+// tensor's storage is resizable (zeroscan/mapped_reads.py: one that is not
+// may map a file, and is scanned under the SIGBUS guard) took another
+// ~150 ns a tensor in Python.
 #include <Python.h>
 
 #include <torch/csrc/DynamicTypes.h>
@@ -19,10 +23,16 @@
 namespace zeroscan {
 namespace {
 
-// tensor_metas(xs: list) -> (list[torch.dtype], bytes) | None
+bool is_foreign(const at::Tensor& t) {
+  return t.defined() && t.is_cpu() && t.has_storage() && !t.storage().resizable();
+}
+
+// tensor_metas(xs: list) -> (list[torch.dtype], bytes, bool) | None
 //
 // bytes: little-endian int64 words, n + 1 offsets into the dimensions that
 // follow them (tensor i's sizes are dims[offsets[i]:offsets[i + 1]]).
+// bool: whether any CPU tensor has a storage that cannot be resized (memory
+// torch did not allocate, mapped_reads.maybe_mapped).
 // None when an item is not a plain tensor with concrete sizes (a symbolic
 // one, say): the caller then reads the metadata in Python.
 PyObject* tensor_metas(PyObject* /*module*/, PyObject* xs) {
@@ -33,6 +43,7 @@ PyObject* tensor_metas(PyObject* /*module*/, PyObject* xs) {
   const Py_ssize_t n = PyList_GET_SIZE(xs);
   std::vector<int64_t> words(static_cast<size_t>(n) + 1);
   std::vector<at::ScalarType> dtypes(static_cast<size_t>(n));
+  bool foreign = false;
   try {
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* item = PyList_GET_ITEM(xs, i);
@@ -42,6 +53,7 @@ PyObject* tensor_metas(PyObject* /*module*/, PyObject* xs) {
       words[static_cast<size_t>(i)] = static_cast<int64_t>(words.size()) - n - 1;
       for (const int64_t d : t.sizes()) words.push_back(d);
       dtypes[static_cast<size_t>(i)] = t.scalar_type();
+      foreign = foreign || is_foreign(t);
     }
   } catch (const std::exception&) {
     Py_RETURN_NONE;
@@ -61,18 +73,33 @@ PyObject* tensor_metas(PyObject* /*module*/, PyObject* xs) {
     Py_DECREF(types);
     return nullptr;
   }
-  PyObject* result = PyTuple_Pack(2, types, dims);
+  PyObject* result = PyTuple_Pack(3, types, dims, foreign ? Py_True : Py_False);
   Py_DECREF(types);
   Py_DECREF(dims);
   return result;
+}
+
+// foreign_storage(x) -> bool: whether x is a CPU tensor whose storage cannot
+// be resized (mapped_reads.maybe_mapped); False for anything else, a tensor
+// with no storage of its own (a torch.func wrapper) among them.
+PyObject* foreign_storage(PyObject* /*module*/, PyObject* x) {
+  if (!THPVariable_Check(x)) Py_RETURN_FALSE;
+  try {
+    if (is_foreign(THPVariable_Unpack(x))) Py_RETURN_TRUE;
+  } catch (const std::exception&) {
+  }
+  Py_RETURN_FALSE;
 }
 
 }  // namespace
 
 PyMethodDef kPythonMethods[] = {
     {"tensor_metas", tensor_metas, METH_O,
-     "tensor_metas(xs: list) -> (list[torch.dtype], bytes) | None: every tensor's dtype, and "
-     "its sizes as int64 words (n + 1 offsets, then the dimensions)."},
+     "tensor_metas(xs: list) -> (list[torch.dtype], bytes, bool) | None: every tensor's dtype, "
+     "its sizes as int64 words (n + 1 offsets, then the dimensions), and whether any CPU tensor's "
+     "storage cannot be resized."},
+    {"foreign_storage", foreign_storage, METH_O,
+     "foreign_storage(x) -> bool: whether x is a CPU tensor whose storage cannot be resized."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace zeroscan

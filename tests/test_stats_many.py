@@ -6,10 +6,12 @@ import gc
 import tracemalloc
 import weakref
 
+import numpy
 import pytest
 import torch
 
 import zeroscan
+from zeroscan.mapped_reads import maybe_mapped
 from helpers import ALL_DTYPES, DEVICES, assert_matches_reference, fresh_generator, make_values
 
 
@@ -130,8 +132,15 @@ def test_the_native_metadata_reader_declines_what_it_cannot_read() -> None:
 
     xs = [torch.randn(3), torch.randn(2, 2)]
     assert zeroscan._C.tensor_metas([xs[0], object()]) is None
-    dtypes, words = zeroscan._C.tensor_metas(xs)
+    dtypes, words, foreign = zeroscan._C.tensor_metas(xs)
     assert dtypes == [torch.float32, torch.float32]
     assert len(words) == 8 * (3 + 3)  # 3 offsets, then 3, 2, 2
+    assert foreign is False
+    # A CPU tensor of memory torch did not allocate (a numpy array here; a
+    # file mapping in earnest) is flagged, as mapped_reads.maybe_mapped does.
+    borrowed = torch.from_numpy(numpy.ones(4, dtype=numpy.float32))
+    assert maybe_mapped(borrowed)
+    assert zeroscan._C.tensor_metas([*xs, borrowed])[2] is True
+    assert zeroscan._C.tensor_metas([borrowed[1:], *xs])[2] is True
     with pytest.raises(TypeError, match="xs must be a list, got tuple"):
         zeroscan._C.tensor_metas(tuple(xs))

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+import zeroscan._C
 from zeroscan.ops import refused
 
 TRUNCATED = (
@@ -35,12 +36,13 @@ def maybe_mapped(x: torch.Tensor) -> bool:
     storage that cannot be resized), which may map a file. False while
     torch.compile traces (dynamo cannot read a storage) and for a tensor
     with no storage of its own (a torch.func wrapper)."""
-    if not x.is_cpu or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return False
-    try:
-        return not x.untyped_storage().resizable()
-    except Exception:  # no storage to ask (a lazy parameter raises ValueError): the scan's own checks name it
-        return False
+    # Natively: asking Python for x.untyped_storage() makes a storage object,
+    # a tenth of a small tensor's stats() call. A tensor with no storage to
+    # ask (a lazy parameter, a torch.func wrapper) is left to the scan's own
+    # checks, which name it.
+    return bool(zeroscan._C.foreign_storage(x))
 
 
 def any_maybe_mapped(xs: Sequence[object]) -> bool:

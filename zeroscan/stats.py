@@ -304,8 +304,12 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
     # (A lazy parameter's __torch_function__ raises ValueError.) CPU tensors
     # of memory torch did not allocate take it too: they are read under the
     # SIGBUS guard (zeroscan.mapped_reads).
+    # torch.compile cannot trace the native metadata reader (a C function of
+    # Python objects); under it the metadata is read in Python, and traced away.
+    metas = None if torch.compiler.is_compiling() else zeroscan._C.tensor_metas(xs)
     readout: Readout | None = None
-    if not _cpu_batch_maybe_mapped(xs):
+    maybe_mapped = metas[2] if metas is not None else _cpu_batch_maybe_mapped(xs)
+    if not maybe_mapped:
         try:
             readout = scan(xs, tol)
         except (RuntimeError, TypeError, ValueError):
@@ -318,7 +322,7 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
         # (benchmarks/bench_many_small.py). They are read natively now, and
         # each Stats is made from them when first indexed; the batch keeps no
         # tensor.
-        return StatsBatch.lazy(len(xs), _stats_of_rows(readout, xs, tol))
+        return StatsBatch.lazy(len(xs), _stats_of_rows(readout, xs, tol, metas))
     xs = [require_readable(op, f"tensors[{i}]", x) for i, x in enumerate(xs)]
     items: list[Stats | None] = [None] * len(xs)
     for indices in device_groups(xs):
@@ -347,17 +351,17 @@ def _cpu_batch_maybe_mapped(xs: list[object]) -> bool:
     return isinstance(first, torch.Tensor) and first.is_cpu and any_maybe_mapped(xs)
 
 
-def _stats_of_rows(readout: Readout, xs: list[torch.Tensor], tol: float | None) -> Callable[[int], Stats]:
+def _stats_of_rows(
+    readout: Readout, xs: list[torch.Tensor], tol: float | None, native: tuple[list[torch.dtype], bytes, bool] | None
+) -> Callable[[int], Stats]:
     """What makes the Stats of row i of one native call over xs, from the
-    tensors' dtypes and shapes as they are now; it holds no tensor."""
+    tensors' dtypes and shapes at the call (`native`: zeroscan._C.tensor_metas
+    of xs, or None to read them here); it holds no tensor."""
     device = readout.buffer.device
-    # torch.compile cannot trace the native reader (a C function of Python
-    # objects); under it the metadata is read in Python, and traced away.
-    native = None if torch.compiler.is_compiling() else zeroscan._C.tensor_metas(xs)
     if native is None:  # compiling, or not every item a plain tensor with concrete sizes
         metas = [(x.dtype, x.shape, device) for x in xs]
         return lambda row: Stats(readout, row, metas[row], tol)
-    dtypes, words = native
+    dtypes, words, _ = native
     dims = numpy.frombuffer(words, dtype="<i8")  # n + 1 offsets, then every tensor's sizes
     n = len(dtypes)
 
