@@ -75,15 +75,17 @@ class ScalarFieldCounter {
   int64_t pending_ = 0;
 };
 
-// The counter of each storage type. The floats of up to 32 bits count in
-// vectors (count_window_on, vec_fields.h) the fields of a window of
-// kWindowFields, placed over the fields that hold the most elements; the
-// scan itself has counted the zero field (zeros and subnormals) and, but for
-// float8_e4m3fn (whose top field also holds numbers), the top field (NaN and
-// infinities), so the window need not cover them. The elements of any other
-// field leave the window's count short of the span's length; the span is
-// then counted again one element at a time for them, and the window moves to
-// where most elements are. Everything else counts one element at a time.
+// The counter of each storage type. The floats of up to 32 bits and the
+// 1-byte integers count in vectors (count_window_on, vec_fields.h) the
+// fields of a window of kWindowFields: every field of a dtype that has no
+// more (float8, float16's and the integers' fields from 0), else the fields
+// below the largest seen so far. The scan itself has counted the zero field
+// (zeros and subnormals) and, but for float8_e4m3fn (whose top field also
+// holds numbers), the top field (NaN and infinities), so the window need not
+// cover them. The elements of any other field leave the window's count short
+// of the span's length: windows below the first count them, then one
+// element at a time, and the window moves. float64 and the wider integers
+// count one element at a time.
 template <typename S>
 class FieldCounter {
  public:
@@ -116,8 +118,9 @@ class FieldCounter {
   static constexpr int64_t kCalibrate = 256;  // elements counted one at a time first
   static constexpr int kHeadroom = 2;         // fields of the window above the largest seen
   static constexpr int kExtraWindows = 2;     // windows below the first, before one at a time
-  // Whether the window leaves out the top field, which the scan counted.
-  static constexpr bool kTopCounted = !std::is_same_v<S, e4m3_t>;
+  // Whether the scan counted the top field: NaN and infinities (but for
+  // float8_e4m3fn, whose top field also holds numbers).
+  static constexpr bool kTopCounted = Format<S>::kFloating && !std::is_same_v<S, e4m3_t>;
 
   void add_windowed(const S* p, int64_t n, int64_t zero_field, int64_t top_field) {
     int64_t done = 0;

@@ -76,11 +76,11 @@ ZS_DECLARE_TARGET(neon)
 #undef ZS_DECLARE_TARGET
 
 // The histogram fields (csrc/histogram.h) that one vector count covers, and
-// the dtypes counted in vectors: the floats of up to 32 bits, whose fields
-// are their exponents.
+// the dtypes counted in vectors: the floats of up to 32 bits (their fields
+// are their exponents) and the 1-byte integers (the bit lengths of |x|).
 constexpr int kWindowFields = 24;
 template <typename S>
-constexpr bool kWindowedFields = Format<S>::kFloating && sizeof(S) <= 4;
+constexpr bool kWindowedFields = Format<S>::kFloating ? sizeof(S) <= 4 : sizeof(S) == 1;
 
 enum class VectorPath { kNone, kAvx2, kAvx512, kNeon };
 
