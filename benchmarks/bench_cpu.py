@@ -4,8 +4,8 @@ under every path of the CPU scan this machine has.
 The scan runs one of several builds of its vector loop (AVX2, AVX-512; NEON
 on Arm) or one element at a time; ZEROSCAN_CPU_CAPABILITY picks among them,
 once per process, so each capability is measured in a process of its own:
-by default every one the CPU has of native, avx512 and avx2 (`--caps` names
-others, scalar among them). The header says the CPU model and whether it
+by default native (the best build the CPU runs: AVX-512 where it has it) and
+each narrower build it runs (`--caps` names others, scalar among them). The header says the CPU model and whether it
 takes microcode assists on subnormal floating-point inputs (Intel cores do,
 AMD cores do not): float32 x * 3 on subnormal x against normal x.
 
@@ -309,9 +309,11 @@ def cpu_flags() -> set[str]:
 
 
 def capabilities_here() -> list[str]:
-    """native, then each narrower build the CPU runs (scalar only when asked)."""
+    """native (the best build the CPU runs), then each narrower build it runs
+    (scalar only when asked)."""
     flags = cpu_flags()
-    return ["native"] + [cap for cap, needs in CAPABILITY_FLAGS.items() if needs and set(needs) <= flags]
+    builds = [cap for cap, needs in CAPABILITY_FLAGS.items() if needs and set(needs) <= flags]
+    return ["native"] + builds[1:]  # builds[0] is what native runs
 
 
 def subnormal_assists() -> float:

@@ -226,11 +226,13 @@ void compare_fields(const char* dtype, VectorPath path, const std::string& dist,
   }
   for (int64_t span : {int64_t(2048), int64_t(65536)}) {
     zs::cpu::FieldCounter<S> counter(path);
+    zs::Tally<S, int64_t> t;  // the spans so far, as tally_chunk keeps it
     for (int64_t begin = 0; begin < n; begin += span) {
       const int64_t len = std::min(span, n - begin);
-      zs::Tally<S, int64_t> t;
+      const int64_t at_most_sub = t.at_most_sub, non_finite = t.numel - t.finite;
       zs::cpu::scan_span_scalar(p + begin, len, lim, 0.0, t);
-      counter.add(p + begin, len, t.at_most_sub, t.numel - t.finite);
+      counter.add(p + begin, len, t.at_most_sub - at_most_sub, t.numel - t.finite - non_finite,
+                  B::field(t.hi));
     }
     std::vector<int64_t> got(B::kFields);
     counter.write(got.data());

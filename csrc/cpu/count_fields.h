@@ -3,9 +3,9 @@
 //
 // It runs over each span right after scan_span has read it, while the span
 // is still in the core's caches (a chunk is at most 64K elements for tensors
-// of up to 64M), so memory is read once. The floats of up to 32 bits count
-// in vectors (FieldCounter, below); the others one increment per element
-// into small tables (ScalarFieldCounter). Consecutive elements often share
+// of up to 64M), so memory is read once. The floats of up to 32 bits and the
+// 1-byte integers count in vectors (FieldCounter, below); the others one
+// increment per element into small tables (ScalarFieldCounter). Consecutive elements often share
 // a field (a binade holds half of all values of its neighbourhood), and an
 // increment that waits on the previous one to the same counter stalls: the
 // tables, taken in turn, let several increments run at once. That still
@@ -78,14 +78,16 @@ class ScalarFieldCounter {
 // The counter of each storage type. The floats of up to 32 bits and the
 // 1-byte integers count in vectors (count_window_on, vec_fields.h) the
 // fields of a window of kWindowFields: every field of a dtype that has no
-// more (float8, float16's and the integers' fields from 0), else the fields
-// below the largest seen so far. The scan itself has counted the zero field
-// (zeros and subnormals) and, but for float8_e4m3fn (whose top field also
-// holds numbers), the top field (NaN and infinities), so the window need not
-// cover them. The elements of any other field leave the window's count short
-// of the span's length: windows below the first count them, then one
-// element at a time, and the window moves. float64 and the wider integers
-// count one element at a time.
+// more (float8_e4m3fn, the 1-byte integers), else the fields up to that of
+// the largest |x| the scan has seen (values thin out geometrically below
+// the bulk of most data: a binade holds twice the values of the one below
+// it, for values spread evenly around 0). The scan itself has counted the
+// zero field (zeros and subnormals) and, but for float8_e4m3fn (whose top
+// field also holds numbers), the top field (NaN and infinities), so the
+// window need not cover them. The elements of any other field leave the
+// window's count short of the span's length: windows below the first count
+// them, then one element at a time. float64 and the wider integers count
+// one element at a time.
 template <typename S>
 class FieldCounter {
  public:
@@ -95,11 +97,12 @@ class FieldCounter {
   // path: the vector build that counts (the process's own but in tests).
   explicit FieldCounter(VectorPath path = vector_path()) : path_(path) {}
 
-  // p: [n] contiguous. zero_field, top_field: how many of its elements are
-  // zero or subnormal, and NaN or infinite, as the scan counted them (floats).
-  void add(const S* p, int64_t n, int64_t zero_field, int64_t top_field) {
+  // p: [n] contiguous, and what the scan found in it (floats): how many of
+  // its elements are zero or subnormal, and NaN or infinite, and the field
+  // of the largest non-NaN |x| it has seen so far (in p or before it).
+  void add(const S* p, int64_t n, int64_t zero_field, int64_t top_field, int high_field) {
     if constexpr (kWindowedFields<S>) {
-      if (path_ != VectorPath::kNone) return add_windowed(p, n, zero_field, top_field);
+      if (path_ != VectorPath::kNone) return add_windowed(p, n, zero_field, top_field, high_field);
     }
     scalar_.add(p, n);
   }
@@ -121,10 +124,18 @@ class FieldCounter {
   // Whether the scan counted the top field: NaN and infinities (but for
   // float8_e4m3fn, whose top field also holds numbers).
   static constexpr bool kTopCounted = Format<S>::kFloating && !std::is_same_v<S, e4m3_t>;
+  // Whether the window moves: else it covers every field from 0.
+  static constexpr bool kMovable = kTopCounted && B::kFields > kW;
 
-  void add_windowed(const S* p, int64_t n, int64_t zero_field, int64_t top_field) {
+  void add_windowed(const S* p, int64_t n, int64_t zero_field, int64_t top_field, int high_field) {
     int64_t done = 0;
-    if (!placed_) {
+    if (kMovable && high_field < kTop) {
+      // The window's top at the largest field the scan has seen: then only
+      // values far below the bulk can fall outside it. (An infinity hides
+      // the largest finite field: the window then stays where it was.)
+      move_window(std::clamp(high_field - kW + 1, 1, kTop - kW));
+      placed_ = true;
+    } else if (!placed_) {
       done = std::min(n, kCalibrate);
       count_each(p, done, zero_field, top_field);
       place_window();
@@ -199,15 +210,14 @@ class FieldCounter {
   }
 
   // Folds the window into counts_ and puts it below the largest field
-  // counted so far, with kHeadroom fields above it: values thin out
-  // geometrically below the bulk of most data (a binade holds twice the
-  // values of the one below it, for values spread evenly around 0) but can
-  // reach above what a first sample saw. Within 1 .. kTop - 1 where the scan
+  // counted so far, with kHeadroom fields above it, where the scan could
+  // not say its largest field (a span with an infinity): values can reach
+  // above what a first sample saw. Within 1 .. kTop - 1 where the scan
   // counts the zero and top fields, else from field 0 (a dtype of at most kW
   // fields).
   void place_window() {
     fold_window();
-    if (!kTopCounted || B::kFields <= kW) {
+    if (!kMovable) {
       lo_ = 0;
       return;
     }
@@ -216,6 +226,12 @@ class FieldCounter {
       if (counts_[f] != 0) high = f;
     }
     lo_ = std::clamp(high + kHeadroom - kW + 1, 1, kTop - kW);
+  }
+
+  void move_window(int lo) {
+    if (lo == lo_) return;
+    fold_window();
+    lo_ = lo;
   }
 
   void fold_window() {

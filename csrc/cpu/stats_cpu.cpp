@@ -86,13 +86,15 @@ template <typename S>
 Tally<S, int64_t> tally_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
                               const Limits& lim, double shift, FieldCounter<S>* fields) {
   Tally<S, int64_t> tally;
-  // Scans one span, then counts its fields, telling the counter how many of
-  // its elements the scan found zero or subnormal, and NaN or infinite.
+  // Scans one span, then counts its fields, telling the counter what the
+  // scan found: how many of its elements are zero or subnormal, and NaN or
+  // infinite, and the largest |x| so far.
   auto scan = [&](const S* p, int64_t n) {
     const int64_t at_most_sub = tally.at_most_sub, non_finite = tally.numel - tally.finite;
     scan_span(p, n, lim, shift, tally);
     if (fields != nullptr) {
-      fields->add(p, n, tally.at_most_sub - at_most_sub, tally.numel - tally.finite - non_finite);
+      fields->add(p, n, tally.at_most_sub - at_most_sub, tally.numel - tally.finite - non_finite,
+                  Binning<S>::field(tally.hi));
     }
   };
   S buffer[kGather];
