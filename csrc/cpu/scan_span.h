@@ -56,8 +56,8 @@ inline bool capability_allows(Capability needed) {
 
 // The vector builds. Each adds the statistics of the first n / lanes * lanes
 // elements of p ([n] contiguous) to `t` and returns that count; `shift` as
-// for scan_span.
-// Each also counts the histogram's fields of a window (vec_fields.h).
+// for scan_span. Each also counts the histogram's fields of a window
+// (count_window_on, below; vec_fields.h).
 #define ZS_DECLARE_TARGET(target)                                                          \
   namespace target {                                                                       \
   template <typename S>                                                                    \

@@ -4,15 +4,15 @@
 // target macros it uses, so it too is one source for every ISA.
 //
 // A float's field is its exponent (every float dtype of up to 32 bits;
-// float64 and the wider integers are counted one at a time, count_fields.h). Each
-// lane turns its field into a one-hot bit by a variable shift, 1 << 4 *
+// float64 and the wider integers are counted one at a time, count_fields.h).
+// Each lane turns its field into a one-hot bit by a variable shift, 1 << 4 *
 // (field - lo), so that adding the lanes counts 8 fields per 32-bit lane in
 // 4-bit counters, and 3 such counters cover the window. Fields outside the
 // window shift the bit out (the shift is 32 or more) and count nothing:
 // count_fields.h knows the zero and non-finite fields from the scan's own
-// counts, and takes the rare others one at a time. Every 15 / groups vectors
-// the 4-bit counters are split into bytes, and every 17 such splits the
-// bytes are added to the window's totals.
+// counts, and takes the rare others by windows below, then one at a time.
+// Every 15 / groups vectors the 4-bit counters are split into bytes, and
+// every 17 such splits the bytes are added to the window's totals.
 //
 // Cost per group of float32 lanes: 2 instructions for the field, 1 for the
 // window's offset, and 3 for each counter (a subtraction, the shift, the
