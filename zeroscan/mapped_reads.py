@@ -47,14 +47,11 @@ def maybe_mapped(x: torch.Tensor) -> bool:
 
 def any_maybe_mapped(xs: Sequence[object]) -> bool:
     """Whether any of xs, on the CPU, is maybe_mapped; other items (None, a
-    tensor on another device) are left to the scan's own checks. About 0.1
-    us a tensor: a scan of many small CPU tensors pays it per tensor."""
+    tensor on another device) are left to the scan's own checks."""
     if torch.compiler.is_compiling():
         return False
-    try:  # the common case, all plain tensors, in one pass
-        return not all([not x.is_cpu or x.untyped_storage().resizable() for x in xs])  # type: ignore[attr-defined]
-    except Exception:  # an item that is no plain tensor: each asked alone
-        return any(isinstance(x, torch.Tensor) and maybe_mapped(x) for x in xs)
+    foreign = zeroscan._C.foreign_storage
+    return any(foreign(x) for x in xs)
 
 
 def guarded_rows(

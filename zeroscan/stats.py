@@ -308,8 +308,7 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
     # Python objects); under it the metadata is read in Python, and traced away.
     metas = None if torch.compiler.is_compiling() else zeroscan._C.tensor_metas(xs)
     readout: Readout | None = None
-    maybe_mapped = metas[2] if metas is not None else _cpu_batch_maybe_mapped(xs)
-    if not maybe_mapped:
+    if not (metas[2] if metas is not None else any_maybe_mapped(xs)):
         try:
             readout = scan(xs, tol)
         except (RuntimeError, TypeError, ValueError):
@@ -341,14 +340,6 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
         for row, i in enumerate(indices):
             items[i] = Stats(readout, row, meta_of(xs[i]), tol)
     return StatsBatch(items)  # type: ignore[arg-type]
-
-
-def _cpu_batch_maybe_mapped(xs: list[object]) -> bool:
-    """Whether a list whose first item is a CPU tensor holds a tensor that
-    may map a file (zeroscan.mapped_reads). Only CPU tensors are looked at:
-    a list of accelerator tensors pays nothing per tensor."""
-    first = xs[0]
-    return isinstance(first, torch.Tensor) and first.is_cpu and any_maybe_mapped(xs)
 
 
 def _stats_of_rows(
