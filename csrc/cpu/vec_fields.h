@@ -36,6 +36,7 @@ namespace {
 
 // 8 fields per 32-bit counter lane.
 constexpr int kNibbleCounters = kWindowFields / 8;
+static_assert(kWindowFields % 8 == 0, "the window is whole 32-bit counter lanes");
 
 // The 1-byte integers, whose fields are counted by bounds on the key.
 // (float8_e4m3fn's 16 bounds took longer than its window on AVX2: their
