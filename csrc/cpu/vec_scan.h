@@ -114,6 +114,38 @@ ZS_INLINE V vmin(V a, V b) { return a < b ? a : b; }
 template <typename V>
 ZS_INLINE V vmax(V a, V b) { return a > b ? a : b; }
 
+// v, through a register the compiler cannot see into.
+template <typename V>
+ZS_INLINE V opaque(V v) {
+#if defined(__x86_64__)
+  __asm__("" : "+v"(v));
+#else
+  __asm__("" : "+w"(v));
+#endif
+  return v;
+}
+
+// The largest (kMax) or smallest lane, halving the vector each step.
+template <bool kMax, typename T, int Bytes>
+ZS_INLINE T reduce(Vec<T, Bytes> v) {
+  if constexpr (Bytes == sizeof(T)) {
+    return v[0];
+  } else {
+    // The halves are copied from an opaque copy of v: a vector whose
+    // address is taken stays in memory in the loop that fills it, where each
+    // store then waits on the data's loads (which a memcpy'd load may alias).
+    const Vec<T, Bytes> w = opaque(v);
+    Vec<T, Bytes / 2> lo, hi;
+    std::memcpy(&lo, &w, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&w) + sizeof(lo), sizeof(hi));
+    return reduce<kMax, T, Bytes / 2>(kMax ? (lo > hi ? lo : hi) : (lo < hi ? lo : hi));
+  }
+}
+template <typename T, int Bytes>
+ZS_INLINE T reduce_max(Vec<T, Bytes> v) { return reduce<true, T, Bytes>(v); }
+template <typename T, int Bytes>
+ZS_INLINE T reduce_min(Vec<T, Bytes> v) { return reduce<false, T, Bytes>(v); }
+
 // Adds 1 to the lanes of the counter `c` where `mask` (a compare's result,
 // lanes 0 or -1) is set.
 template <typename V, typename M>
@@ -189,18 +221,18 @@ ZS_INLINE Vec<uint64_t> widen_counts(Vec<UnsignedOf<W>> c) {
 template <typename S>
 struct Counters {
   using VU = typename LaneTypes<S>::VU;
-  VU zeros{}, above_sub{}, above_tol{}, negative{};
+  VU nonzero{}, above_sub{}, above_tol{}, negative{};
   VU nan{}, non_finite{}, neginf{};  // floats: in the runs that count them
 };
 
 struct Totals {
-  Vec<uint64_t> zeros{}, above_sub{}, above_tol{}, negative{}, nan{}, non_finite{}, neginf{};
+  Vec<uint64_t> nonzero{}, above_sub{}, above_tol{}, negative{}, nan{}, non_finite{}, neginf{};
 };
 
 template <typename S>
 ZS_INLINE void fold(Totals& t, Counters<S>& c) {
   constexpr int W = sizeof(S);
-  t.zeros += widen_counts<W>(c.zeros);
+  t.nonzero += widen_counts<W>(c.nonzero);
   t.above_sub += widen_counts<W>(c.above_sub);
   t.above_tol += widen_counts<W>(c.above_tol);
   t.negative += widen_counts<W>(c.negative);
@@ -278,10 +310,29 @@ ZS_INLINE typename LaneTypes<S>::VU key_of(typename LaneTypes<S>::VU raw) {
   }
 }
 
-// Counts one vector's zero, subnormal, near-zero and negative lanes; keeps
-// min nonzero key - 1 in `lo` (a zero key wraps to the largest) and, where
-// kTop, the max key in `top`. Returns the lanes above sub_max (floats).
-template <typename S, bool kTop = true>
+// How `lo` holds the smallest nonzero key of its lanes. Where compares give
+// mask registers (AVX-512), a float's lanes take the key itself, by one
+// masked min with the nonzero lanes' mask (float keys are below the sign
+// bit, so the all-ones start is no key); elsewhere they take key - 1 by an
+// unsigned min, a zero key wrapping to the largest. lowest_key reads either.
+template <typename S>
+constexpr bool kLoIsKey = ZS_TARGET_MASKS && Format<S>::kFloating;
+
+// The smallest nonzero key in `lo` less one, or the largest uint64 when its
+// lanes saw none.
+template <typename S>
+ZS_INLINE uint64_t lowest_key(typename LaneTypes<S>::VU lo) {
+  using U = typename LaneTypes<S>::U;
+  const U least = reduce_min<U, kBytes>(lo);
+  if (least == static_cast<U>(~U(0))) return ~uint64_t(0);
+  return kLoIsKey<S> ? least - 1 : least;
+}
+
+// Counts one vector's nonzero, subnormal (where kAboveSub), near-zero and
+// negative lanes; keeps the smallest nonzero key in `lo` (kLoIsKey) and,
+// where kTop, the max key in `top`. Returns the lanes above sub_max
+// (floats).
+template <typename S, bool kTop = true, bool kAboveSub = true>
 ZS_INLINE typename LaneTypes<S>::VI classify(typename LaneTypes<S>::VU raw,
                                              typename LaneTypes<S>::VU key,
                                              const VectorLimits<S>& lim, Counters<S>& c,
@@ -291,16 +342,29 @@ ZS_INLINE typename LaneTypes<S>::VI classify(typename LaneTypes<S>::VU raw,
   using L = LaneTypes<S>;
   using VI = typename L::VI;
   using VU = typename L::VU;
-  c.zeros = count(c.zeros, key == 0);
-  lo = vmin(lo, key - 1);
+  const VI nonzero = key != 0;
+  if constexpr (ZS_TARGET_MASKS) {
+    c.nonzero = count(c.nonzero, nonzero);  // one test and one masked add
+  } else {
+    c.nonzero += vmin(key, VU{} + 1);  // a compare would need a NOT
+  }
+  if constexpr (kLoIsKey<S>) {
+    lo = nonzero ? vmin(lo, key) : lo;
+  } else {
+    lo = vmin(lo, key - 1);
+  }
   VI above_sub{};
   if constexpr (F::kFloating) {
     const VI k = as<VI>(key);
     above_sub = k > lim.sub_max;
-    c.above_sub = count(c.above_sub, above_sub);
+    if constexpr (kAboveSub) c.above_sub = count(c.above_sub, above_sub);
     c.above_tol = count(c.above_tol, k > lim.tol_max);
-    const VU raw_less_one = raw - 1;
-    c.negative = count(c.negative, lim.neginf > as<VI>(raw_less_one));
+    if constexpr (ZS_TARGET_MASKS) {
+      c.negative = count(c.negative, nonzero & (as<VI>(raw) <= lim.neginf));  // one masked compare
+    } else {
+      const VU raw_less_one = raw - 1;
+      c.negative = count(c.negative, lim.neginf > as<VI>(raw_less_one));
+    }
     if constexpr (kTop) {
       const VI top_signed = vmax(as<VI>(top), k);
       top = as<VU>(top_signed);
@@ -647,22 +711,29 @@ ZS_INLINE void prefetch_ahead(const void* p) {
   __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, 3);
 }
 
-// The largest (kMax) or smallest lane, halving the vector each step.
-template <bool kMax, typename T, int Bytes>
-ZS_INLINE T reduce(Vec<T, Bytes> v) {
-  if constexpr (Bytes == sizeof(T)) {
-    return v[0];
-  } else {
-    Vec<T, Bytes / 2> lo, hi;
-    std::memcpy(&lo, &v, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-    return reduce<kMax, T, Bytes / 2>(kMax ? (lo > hi ? lo : hi) : (lo < hi ? lo : hi));
+// The passes that do not take care of subnormals (hot, and the one for NaN
+// and infinities) sum a run only when it holds no nonzero subnormal (one
+// with any is summed again by a pass that takes care of them), for the
+// dtypes that have such passes; so they do not count the lanes above
+// sub_max: in a run they sum, those are its nonzero lanes, and scan_runs
+// counts them one by one in the runs that hold subnormals.
+template <typename S, int kPass>
+constexpr bool kNonzeroIsAboveSub = (kPass == 0 || kPass == 1) && kSubnormalPass<S>;
+
+// The lanes above sub_max of the vectors [0, vectors) at p, counted lane by
+// lane (returned, not added, so that no counter of the caller's loop has its
+// address taken, which would keep it in memory there).
+template <typename S>
+__attribute__((noinline)) ZS_TARGET_ATTR typename LaneTypes<S>::VU count_above_sub(const S* p, int64_t vectors,
+                                                                                   const VectorLimits<S>& lim) {
+  using L = LaneTypes<S>;
+  typename L::VU n{};
+  for (int64_t v = 0; v < vectors; ++v) {
+    const typename L::VI k = as<typename L::VI>(key_of<S>(load<typename L::VU>(p + v * L::kLanes)));
+    n = count(n, k > lim.sub_max);
   }
+  return n;
 }
-template <typename T, int Bytes>
-ZS_INLINE T reduce_max(Vec<T, Bytes> v) { return reduce<true, T, Bytes>(v); }
-template <typename T, int Bytes>
-ZS_INLINE T reduce_min(Vec<T, Bytes> v) { return reduce<false, T, Bytes>(v); }
 
 // One vector q, summed into r: counted (kClassify) and summed as pass
 // kPass (Pass::index), which counts NaN and infinities where kClassify or
@@ -691,7 +762,7 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
   // keep the largest key.
   VI above_sub{};
   if constexpr (kClassify) {
-    above_sub = classify<S, !P.non_finite>(raw, key, lim, c, lo, top);
+    above_sub = classify<S, !P.non_finite, !kNonzeroIsAboveSub<S, kPass>>(raw, key, lim, c, lo, top);
   } else {
     const VI k = as<VI>(key);
     if constexpr (!P.non_finite) {
@@ -707,9 +778,14 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
     non_finite = as<VI>(key) > lim.finite_max;
   }
   if constexpr (P.non_finite) {
-    const VU fk = key & ~as<VU>(non_finite);
-    const VI t = vmax(as<VI>(top_finite), as<VI>(fk));
-    top_finite = as<VU>(t);
+    if constexpr (ZS_TARGET_MASKS) {
+      const VI t = non_finite ? as<VI>(top_finite) : vmax(as<VI>(top_finite), as<VI>(key));  // a masked max
+      top_finite = as<VU>(t);
+    } else {
+      const VU fk = key & ~as<VU>(non_finite);  // and-not and max: a blend costs more
+      const VI t = vmax(as<VI>(top_finite), as<VI>(fk));
+      top_finite = as<VU>(t);
+    }
   }
   if constexpr (P.tiny) {
     // Zeros and subnormals alone: x = m * 2^-149, m signed, in the float32
@@ -727,7 +803,7 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
   }
   VU kept = raw;
   if constexpr (kSubnormalCare<S> || (std::is_same_v<S, double> && !P.subnormal)) {
-    kept = raw & as<VU>(above_sub);  // float64 subnormal passes sum them as they are
+    kept = above_sub ? raw : VU{};  // float64 subnormal passes sum them as they are
   }
   if constexpr (P.non_finite) kept = non_finite ? mc.shift_bits_v : kept;
   if constexpr (std::is_same_v<S, double>) {
@@ -790,7 +866,7 @@ __attribute__((noinline)) ZS_TARGET_ATTR RunFacts resum_as(const S* p, int64_t v
   RunFacts f;
   f.top = reduce_max<U, kBytes>(top);
   f.top_finite = kPass != 4 && (kPass & 1) ? reduce_max<U, kBytes>(top_finite) : f.top;
-  f.lo = reduce_min<U, kBytes>(lo);
+  f.lo = lowest_key<S>(lo);
   return f;
 }
 
@@ -851,7 +927,7 @@ struct SpanState {
   Totals totals;
   int64_t since_fold = 0;  // vectors counted into c
   FloatSums sums;
-  VU lo = VU{} - 1;        // smallest nonzero key - 1, lane by lane
+  VU lo = VU{} - 1;        // smallest nonzero key, lane by lane (kLoIsKey)
   uint64_t hi = 0;         // largest finite key
 };
 
@@ -928,9 +1004,10 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
     const int64_t len = std::min(kRun<S>, vectors - begin);
     RunSums r{};
     VU lo = VU{} - 1, top{}, top_finite{};
-    const VU non_finite_before = c.non_finite;
+    const VU non_finite_before = c.non_finite, nonzero_before = c.nonzero;
     scan_run<S, true, P.non_finite, kPass>(p + begin * kLanes, len, lim, mc, c, r, lo, top, top_finite);
     span_lo = vmin(span_lo, lo);
+    const uint64_t run_lo = lowest_key<S>(lo);
     bool non_finite;
     uint64_t finite_top;
     if constexpr (P.non_finite) {
@@ -941,8 +1018,15 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
       finite_top = reduce_max<U, kBytes>(top);  // NaN's keys too, where it holds any
       non_finite = finite_top > lim.scalar.finite_max;
     }
+    if constexpr (kNonzeroIsAboveSub<S, kPass>) {
+      if (run_lo < lim.scalar.sub_max) {
+        c.above_sub += count_above_sub<S>(p + begin * kLanes, len, lim);
+      } else {
+        c.above_sub += c.nonzero - nonzero_before;
+      }
+    }
     fold_when_full(c, st.totals, since_fold, len);
-    const Pass needed = needed_pass<S>(non_finite, finite_top, reduce_min<U, kBytes>(lo), lim, mc.small_shift);
+    const Pass needed = needed_pass<S>(non_finite, finite_top, run_lo, lim, mc.small_shift);
     if (!P.covers(needed) || outside_window<S>(mc.rs, finite_top, lim)) {
       stop = Stop{run, true, P.with(needed)};
       break;
@@ -1164,7 +1248,7 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
     totals = st.totals;
     const FloatSums& sums = st.sums;
     hi = st.hi;
-    lo = reduce_min<typename L::U, kBytes>(st.lo);
+    lo = lowest_key<S>(st.lo);
     const int64_t nan = lane_sum<int64_t>(totals.nan);
     const int64_t finite = count - lane_sum<int64_t>(totals.non_finite);
     if constexpr (std::is_same_v<S, double>) {
@@ -1226,8 +1310,8 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
       byte_squares += lane_sum<uint64_t>(b.squares);
     }
     hi = reduce_max<typename L::U, kBytes>(vtop);
-    lo = reduce_min<typename L::U, kBytes>(vlo);
-    const int64_t zeros = lane_sum<int64_t>(totals.zeros);
+    lo = lowest_key<S>(vlo);
+    const int64_t zeros = count - lane_sum<int64_t>(totals.nonzero);
     if constexpr (sizeof(S) == 1) {
       // The shift of an integer dtype is a whole number, so the shifted sums
       // are exact in int64: |x - shift| < 2^9 and a span holds far fewer
@@ -1244,7 +1328,7 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
     t.hi = std::max<key_t>(t.hi, static_cast<key_t>(hi));
     t.at_most_sub += zeros;  // integers have no subnormals
   }
-  const int64_t zeros = lane_sum<int64_t>(totals.zeros);
+  const int64_t zeros = count - lane_sum<int64_t>(totals.nonzero);
   t.numel += count;
   t.zeros += zeros;
   t.at_most_tol += count - lane_sum<int64_t>(totals.above_tol);
