@@ -11,7 +11,7 @@ AMD cores do not): float32 x * 3 on subnormal x against normal x.
 
 Within one capability, everything is timed in ONE process and reported as
 ratios to baselines measured in that process:
-  floor   x.sum() on the randn tensor: one read of memory. For 1-byte dtypes
+  floor   x.sum() on a randn tensor: one read of memory. For 1-byte dtypes
           torch's own sum is no floor (float8 has none; int8 accumulates into
           int64 at well under a GB/s), so the floor is the same bytes read as
           float32: x.view(torch.float32).sum()
@@ -25,6 +25,11 @@ ratios to baselines measured in that process:
           isnan().sum(), isinf().sum(), subnormal count, each .item()'d
   torch   torch.std_mean + torch.aminmax + torch.count_nonzero
           (the fewest torch calls; still no NaN/Inf/subnormal counts)
+Each cell's stats (and hist) calls are timed in turn with the floor's, one
+call each at a time where a call takes a millisecond or more
+(timing.best_in_turn): both then see the same moments of a machine whose
+speed drifts, and read a 64M-element tensor from memory, not from a
+last-level cache that can hold most of it (480 MB on the development VM).
 naive and torch are timed on the worst distribution only, to bound the run.
 One table per dtype (float32, bfloat16, float16, float8_e4m3fn, int8), rows
 1K .. 64M elements; then hot loops: a field read after a 1K scan vs
@@ -54,7 +59,7 @@ from collections.abc import Callable
 import torch
 
 import zeroscan
-from timing import best_per_call, describe_machine, dtype_name, fmt_time, progress, write_json
+from timing import best_in_turn, best_per_call, describe_machine, dtype_name, fmt_time, progress, write_json
 from zeroscan.testing import distributions_for, make_distribution
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8)
@@ -156,33 +161,40 @@ def dtype_table(dtype: torch.dtype, sizes: list[int], budget: float, g: torch.Ge
     print("|---|" + "---|" * (len(dists) + 4))
     hist_ratio: dict[str, float] = {}
     for n in sizes:
+        floor_s: dict[str, float] = {}
         stats_s: dict[str, float] = {}
         hist_s: dict[str, float] = {}
+        ratio: dict[str, float] = {}
         worst_name, worst_x = "", None
-        sum_s = 0.0
+        floor = floor_fn(make_distribution("randn", n, dtype, g), support)
         for i, dist in enumerate(dists, 1):
             progress(f"{name} {n:,}: {dist} ({i}/{len(dists)})")
             x = make_distribution(dist, n, dtype, g)
-            if dist == "randn":
-                sum_s = best_per_call(floor_fn(x, support), budget)
-            stats_s[dist] = best_per_call(lambda: zeroscan.stats(x), budget)
+            # The floor is timed in turn with each cell (timing.best_in_turn).
+            fns = [floor, lambda: zeroscan.stats(x)]
             if n == sizes[-1]:
-                hist_s[dist] = best_per_call(lambda: zeroscan.stats(x, histogram=True), budget)
-            if worst_x is None or stats_s[dist] > stats_s[worst_name]:
+                fns.append(lambda: zeroscan.stats(x, histogram=True))
+            times = best_in_turn(fns, budget * (len(fns) - 1))
+            floor_s[dist], stats_s[dist] = times[0], times[1]
+            if len(times) > 2:
+                hist_s[dist] = times[2]
+            ratio[dist] = stats_s[dist] / floor_s[dist]
+            if worst_x is None or ratio[dist] > ratio[worst_name]:
                 worst_name, worst_x = dist, x
             del x  # at most the worst tensor and the current one stay alive
         assert worst_x is not None
+        sum_s = min(floor_s.values())
         progress(f"{name} {n:,}: naive and torch 3-call on {worst_name}")
         batches = 2 if n >= HUGE else 5
         naive_s = best_per_call(lambda: naive(worst_x, support), budget, batches)
         torch_s = best_per_call(lambda: fused_torch(worst_x, support), budget, batches)
         del worst_x
-        ratio = {d: t / sum_s for d, t in stats_s.items()}
-        hist_ratio = {d: t / sum_s for d, t in hist_s.items()} or hist_ratio
+        hist_ratio = {d: t / floor_s[d] for d, t in hist_s.items()} or hist_ratio
         worst_s = stats_s[worst_name]
         row = {
             "numel": n,
             "sum_s": sum_s,
+            "floor_s": floor_s,
             "stats_s": stats_s,
             "ratio": ratio,
             "worst": worst_name,
@@ -276,7 +288,10 @@ def run(quick: bool, dtypes: tuple[torch.dtype, ...] = DTYPES) -> dict[str, obje
     cap = os.environ.get("ZEROSCAN_CPU_CAPABILITY", "native")
     print(f"## ZEROSCAN_CPU_CAPABILITY={cap}")
     print()
-    print("Cells are zeroscan.stats(x) time / floor time (one read of the randn tensor); best of five batches each.")
+    print(
+        "Cells are zeroscan.stats(x) time / floor time (one read of a randn tensor of the same size), "
+        "the two timed in turn, the best of each taken; the floor column is the fastest floor of the row."
+    )
     print(f"Load average (1 min) at the start: {load_before:.2f}; anything else running moves these timings.")
     print()
     tables = [dtype_table(dtype, sizes, budget, g) for dtype in dtypes]

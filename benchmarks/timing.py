@@ -22,7 +22,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -80,6 +80,31 @@ def time_batches(
 def best_per_call(fn: Callable[[], object], budget: float, batches: int = 5, *, sync: Sync | None = None) -> float:
     """Best seconds per call over `batches` batches that together last about `budget` seconds."""
     return min(time_batches(fn, batches, batch_seconds=budget / batches, sync=sync))
+
+
+def best_in_turn(fns: Sequence[Callable[[], object]], budget: float, min_rounds: int = 5) -> list[float]:
+    """Best seconds per call of each of `fns`, their batches timed in turn.
+
+    Each round times one batch of every function, one after another, so that
+    a ratio between them is taken over the same moments of a machine whose
+    speed drifts (other tenants of a VM, the clock frequency). Calls of a
+    millisecond or more are batches of one: each then reads its tensor after
+    the others have read theirs, so a tensor that the last-level cache could
+    hold is read from memory by every call, where back-to-back calls of one
+    function would find much of it still cached (a cache of hundreds of MB
+    holds a 64M-element float32 tensor). `budget` seconds in all.
+    """
+    for fn in fns:
+        fn()  # first-call costs are not what is measured
+    once = [max(seconds_per_call(fn), 1e-7) for fn in fns]
+    calls = [1 if t >= 1e-3 else max(1, int(budget / min_rounds / len(fns) / t)) for t in once]
+    round_s = sum(c * t for c, t in zip(calls, once))
+    rounds = max(min_rounds, min(50, int(budget / round_s)))
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], seconds_per_call(fn, calls[i]))
+    return best
 
 
 def device_sync(device: torch.device) -> Sync | None:
