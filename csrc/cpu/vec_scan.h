@@ -735,6 +735,24 @@ __attribute__((noinline)) ZS_TARGET_ATTR typename LaneTypes<S>::VU count_above_s
   return n;
 }
 
+// m (lanes >= 0), negated in the lanes where `sign` is negative: a
+// float's magnitude as a signed integer. AVX2 has one instruction for it
+// (psign, which also zeroes the lanes where `sign` is 0, whose m is 0
+// here); AVX-512 a masked subtraction.
+template <typename VI>
+ZS_INLINE VI with_sign_of(VI m, VI sign) {
+#if ZS_TARGET_BYTES == 32 && ZS_TARGET_F16C
+  if constexpr (sizeof(m[0]) == 4) return (VI)_mm256_sign_epi32((__m256i)m, (__m256i)sign);
+  if constexpr (sizeof(m[0]) == 2) return (VI)_mm256_sign_epi16((__m256i)m, (__m256i)sign);
+#endif
+#if ZS_TARGET_MASKS
+  return sign < 0 ? -m : m;
+#else
+  const VI neg = sign >> (8 * sizeof(m[0]) - 1);
+  return (m ^ neg) - neg;
+#endif
+}
+
 // One vector q, summed into r: counted (kClassify) and summed as pass
 // kPass (Pass::index), which counts NaN and infinities where kClassify or
 // kCountNonFinite says. lo, top, top_finite: the run's smallest nonzero
@@ -790,8 +808,7 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
   if constexpr (P.tiny) {
     // Zeros and subnormals alone: x = m * 2^-149, m signed, in the float32
     // groups (bfloat16's m widened as its bits are).
-    const VI neg = as<VI>(raw) >> (8 * sizeof(S) - 1);
-    const VI m = (as<VI>(key) ^ neg) - neg;
+    const VI m = with_sign_of(as<VI>(key), as<VI>(raw));
     VU32 g[kGroups<S>];
     widen<S>(as<VU>(m), g);
     for (int i = 0; i < kGroups<S>; ++i) {
@@ -816,8 +833,7 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
   if constexpr (P.subnormal && kSubnormalCare<S>) {
     // The zeroed subnormals' m, signed, for their values and the
     // correction of their squares (scan_vectors).
-    const VI neg = as<VI>(raw) >> (8 * sizeof(S) - 1);
-    const VI m = ((as<VI>(key) & ~above_sub) ^ neg) - neg;
+    const VI m = with_sign_of(as<VI>(key) & ~above_sub, as<VI>(raw));
     VU32 g[kGroups<S>];
     widen<S>(as<VU>(m), g);
     for (int i = 0; i < kGroups<S>; ++i) {
