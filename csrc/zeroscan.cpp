@@ -10,9 +10,9 @@ extern PyMethodDef kPythonMethods[];  // tensor_meta.cpp
 
 extern "C" {
 // `import zeroscan._C` loads this shared library, which runs the
-// registrations below; the module itself holds only tensor_metas and
-// foreign_storage, helpers of stats_many and stats that are not operators
-// (they read Python objects).
+// registrations below; the module itself holds only tensor_metas,
+// foreign_storage and stats_call, helpers of stats_many and stats that are
+// not operators (they read Python objects).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT, "_C", nullptr, -1, zeroscan::kPythonMethods};

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroscan
 from checklist import Checklist
@@ -215,3 +217,39 @@ def test_large_magnitudes_do_not_overflow(dtype: torch.dtype, device: str) -> No
                 s = zeroscan.stats(x)
                 assert_matches_reference(s, x)
                 assert math.isfinite(s.std) and math.isfinite(s.norm)
+
+
+class OpsSeen(TorchDispatchMode):
+    """The operators dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("tol", [None, 0.25])
+def test_the_cpu_call_is_the_operator_through_the_dispatcher(
+    dtype: torch.dtype, tol: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # stats() of a CPU tensor calls the operator from C++ (zeroscan._C.stats_call),
+    # not through torch.ops: the same row, and still the dispatcher's call, which
+    # dispatch modes see.
+    calls = []
+    native = zeroscan._C.stats_call
+    monkeypatch.setattr(zeroscan._C, "stats_call", lambda *args: calls.append(1) or native(*args))
+    g = fresh_generator()
+    x = make_values(5000, dtype, g)
+    direct = torch.ops.zeroscan.stats.default(x, tol)
+    with OpsSeen() as seen:
+        s = zeroscan.stats(x, tol=tol)
+    assert calls == [1]
+    assert seen.ops == ["zeroscan.stats.default"], seen.ops
+    assert torch.equal(s._readout.buffer, direct)
+    assert_matches_reference(s, x, tol=tol)
+    param = torch.nn.Parameter(x.float()) if dtype.is_floating_point else x
+    assert zeroscan.stats(param, tol=tol).numel == 5000
