@@ -101,7 +101,9 @@ PyObject* foreign_storage(PyObject* /*module*/, PyObject* x) {
 // torch.compile. torch.ops.zeroscan.stats matches its Python arguments to the
 // schema on every call, about 1 us of a 1K-element tensor's 2.5 us; here they
 // are unpacked directly and the dispatcher is called with them typed, so it
-// still picks the kernel (dispatch modes, vmap) as for torch.ops. The GIL is
+// still picks the kernel (dispatch modes, vmap) as for torch.ops; what it
+// skips is __torch_function__, which zeroscan.stats leaves to torch.ops
+// (a tensor subclass, a TorchFunctionMode). The GIL is
 // released while the kernel runs, as torch's own bindings do, and a C++ error
 // becomes the Python exception torch would raise.
 PyObject* stats_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {

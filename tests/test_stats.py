@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroscan
@@ -253,3 +254,40 @@ def test_the_cpu_call_is_the_operator_through_the_dispatcher(
     assert_matches_reference(s, x, tol=tol)
     param = torch.nn.Parameter(x.float()) if dtype.is_floating_point else x
     assert zeroscan.stats(param, tol=tol).numel == 5000
+
+
+class LoggedTensor(torch.Tensor):
+    """A tensor subclass whose __torch_function__ records what it is called with."""
+
+    calls: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        cls.calls.append(str(func))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class FunctionsSeen(TorchFunctionMode):
+    """The functions called while active, at the __torch_function__ level."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.funcs: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.funcs.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_torch_function_overrides_still_see_the_operator() -> None:
+    # The C++ call skips __torch_function__, so a subclass that defines it and
+    # an active TorchFunctionMode go through torch.ops, as before it.
+    x = make_values(300, torch.float32, fresh_generator())
+    LoggedTensor.calls = []
+    s = zeroscan.stats(x.as_subclass(LoggedTensor))
+    assert "zeroscan.stats.default" in LoggedTensor.calls, LoggedTensor.calls
+    assert_matches_reference(s, x)
+    with FunctionsSeen() as mode:
+        s = zeroscan.stats(x)
+    assert "zeroscan.stats.default" in mode.funcs, mode.funcs
+    assert_matches_reference(s, x)

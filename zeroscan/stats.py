@@ -53,13 +53,24 @@ from zeroscan.words import short_count
 _scan = torch.ops.zeroscan.stats.default
 
 
+# Tensor types whose __torch_function__ torch.ops would not call.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+
+
 def _scan_now(x: torch.Tensor, tol: float | None) -> torch.Tensor:
-    """_scan(x, tol). A CPU tensor outside torch.compile takes
-    zeroscan._C.stats_call, the same operator without torch.ops' matching
-    of the arguments to its schema, 1 us of a small tensor's 2.5 us call;
-    elsewhere (a GPU, a compiled graph, which must see the operator) the
-    operator is called through torch.ops."""
-    if x.is_cpu and not torch.compiler.is_compiling():
+    """_scan(x, tol). A plain CPU tensor takes zeroscan._C.stats_call, the
+    same operator without torch.ops' matching of the arguments to its schema,
+    1 us of a small tensor's 2.5 us call. torch.ops keeps the rest: a GPU
+    tensor, a compiled graph (which must see the operator), and a tensor
+    subclass or TorchFunctionMode whose __torch_function__ torch.ops calls
+    and the dispatcher does not."""
+    if (
+        type(x) in _PLAIN_TENSORS
+        and x.is_cpu
+        and not _function_mode_enabled()
+        and not torch.compiler.is_compiling()
+    ):
         return zeroscan._C.stats_call(x, tol)
     return _scan(x, tol)
 

@@ -16,10 +16,13 @@
 //     files and scan_span.h's table do here.
 // Each target's functions live in a namespace of their own and carry their
 // target attribute, so no copy compiled for a wider ISA can be linked into a
-// narrower path. Intrinsics appear only in two conversions on x86, where
-// the generic form compiles to more instructions (float16 to float32 by
-// F16C, float32 to double); the rest differs between ISAs only in how a
-// lane count is added (a masked add on AVX-512).
+// narrower path. Intrinsics appear only where the generic form compiles to
+// more instructions on x86: two conversions (float16 to float32 by F16C,
+// float32 to double) and AVX2's psign (with_sign_of). The rest differs
+// between ISAs only where AVX-512's mask registers save an instruction: a
+// lane count is a masked add, and the smallest nonzero key, the negative
+// count and the largest finite key each one masked instruction (classify,
+// scan_vector).
 //
 // Included with:
 //   ZS_TARGET          the namespace of this build: avx2, avx512, neon
@@ -30,7 +33,9 @@
 //   ZS_TARGET_F16C     1 where float16 converts by F16C
 //
 // What one vector costs (see classify.h for the classes): each class is one
-// compare and one lane count; min/max |x| are integer min/max on the keys;
+// compare and one lane count (the hot pass and the one for NaN and
+// infinities take the count above the subnormal bound from the nonzero
+// count, kNonzeroIsAboveSub); min/max |x| are integer min/max on the keys;
 // the moments are summed as the Moments section says, and no floating-point
 // instruction sees a subnormal input: float32 and bfloat16 subnormals are
 // taken through integers (their exact value is an integer times 2^-149).
@@ -756,8 +761,8 @@ ZS_INLINE VI with_sign_of(VI m, VI sign) {
 // One vector q, summed into r: counted (kClassify) and summed as pass
 // kPass (Pass::index), which counts NaN and infinities where kClassify or
 // kCountNonFinite says. lo, top, top_finite: the run's smallest nonzero
-// key - 1, largest key and largest finite key (passes that take care of
-// non-finite lanes), lane by lane.
+// key (as kLoIsKey says: the key, or the key - 1), largest key and largest
+// finite key (passes that take care of non-finite lanes), lane by lane.
 //
 // Every pass but tiny sums the lanes as floats, with float32 and bfloat16
 // subnormals zeroed (they add (0 - shift)^2 there, which the subnormal
