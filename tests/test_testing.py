@@ -12,7 +12,7 @@ from zeroscan.testing import DISTRIBUTIONS, FRACTION, distributions_for, make_di
 from helpers import ALL_DTYPES, FLOAT_DTYPES, fresh_generator
 
 N = 50_000
-EXACT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # randn itself has no zeros or subnormals there
+EXACT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # randn has no zeros or subnormals there
 
 
 def test_names_and_order() -> None:
@@ -96,3 +96,15 @@ def test_errors_name_the_argument_and_value() -> None:
         make_distribution("randn", -1, torch.float32, g)
     with pytest.raises(ValueError, match=r"dtype .*torch.complex64"):
         distributions_for(torch.complex64)
+
+
+def test_randn_replaces_the_zero_torch_randn_draws() -> None:
+    # torch.randn drew an exact 0.0 among these 50,000 float32 values (its
+    # Box-Muller radius was 0); the distribution promises none.
+    g = torch.Generator().manual_seed(8928464073463674640)
+    raw = torch.randn(N, generator=g)
+    assert int((raw == 0).sum()) == 1
+    g = torch.Generator().manual_seed(8928464073463674640)
+    x = make_distribution("randn", N, torch.float32, g)
+    assert int((x == 0).sum()) == 0
+    assert torch.equal(x[raw != 0], raw[raw != 0])

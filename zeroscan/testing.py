@@ -7,7 +7,10 @@ here is one of those, named after what it stands for:
 
     randn            dense normal values (integers: nonzero values in -100..100
                      clipped to the dtype; bool: True). In float8_e4m3fn about
-                     1 % of a standard normal is subnormal and 0.1 % rounds to 0
+                     1 % of a standard normal is subnormal and 0.1 % rounds to 0;
+                     float32, float64 and bfloat16 have no zero (torch.randn
+                     draws an exact 0 about once in 15M float32 values, when
+                     its Box-Muller radius is 0: such a value becomes 1)
     zeros_50         50 % exact zeros: a ReLU network's gradient
     zeros_99         99 % exact zeros: an embedding's gradient
     all_zeros        every value 0
@@ -64,6 +67,7 @@ FRACTION: dict[str, float] = {
 _FLOAT_ONLY = ("all_subnormal", "subnormal_0.1", "nonfinite_0.01", "nonfinite_1")
 _NO_INF = (torch.float8_e4m3fn,)  # its top exponent holds finite values and NaN only
 _RANDN_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # torch.randn makes these directly
+_NO_ZERO_DTYPES = (torch.float64, torch.float32, torch.bfloat16)  # where no normal value rounds to 0
 _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer view
 _MASK_RESOLUTION = 1 << 15  # masks compare int16 draws: 5x faster than torch.rand at 64M
 
@@ -121,7 +125,10 @@ def dense(n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
         x = torch.randint(max(info.min, -100), min(info.max, 100), (n,), generator=g, dtype=dtype)
         return x.add_((x >= 0).to(dtype))  # [lo, hi) -> [lo, -1] and [1, hi]
     work = dtype if dtype in _RANDN_DTYPES else torch.float16
-    return torch.randn(n, generator=g, dtype=work).to(dtype)
+    x = torch.randn(n, generator=g, dtype=work).to(dtype)
+    if dtype in _NO_ZERO_DTYPES:
+        x.masked_fill_(x == 0, 1.0)
+    return x
 
 
 def large_mean(n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
