@@ -52,7 +52,6 @@ from zeroscan.words import short_count
 # torch.ops costs 0.5 us a call, a tenth of a small tensor's stats().
 _scan = torch.ops.zeroscan.stats.default
 
-
 # Tensor types whose __torch_function__ torch.ops would not call.
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
@@ -73,6 +72,7 @@ def _scan_now(x: torch.Tensor, tol: float | None) -> torch.Tensor:
     ):
         return zeroscan._C.stats_call(x, tol)
     return _scan(x, tol)
+
 
 # What a Stats says about the scanned tensor besides its statistics:
 # (dtype, shape, device). A plain tuple: stats_many makes one per tensor.
