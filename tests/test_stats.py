@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -259,7 +259,7 @@ def test_the_cpu_call_is_the_operator_through_the_dispatcher(
 class LoggedTensor(torch.Tensor):
     """A tensor subclass whose __torch_function__ records what it is called with."""
 
-    calls: list[str] = []
+    calls: ClassVar[list[str]] = []
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
