@@ -2,7 +2,8 @@
 // operators. tensor_metas: the dtype and shape of every tensor of a list,
 // and whether any may map a file, read in C++ so that stats_many's Python
 // work does not grow per tensor; foreign_storage, whether one tensor may;
-// stats_call, the stats operator called without torch.ops' argument parsing.
+// stats_call and stats_many_call, the stats and stats_many operators called
+// without torch.ops' argument parsing.
 //
 // stats_many's batch makes each Stats when first indexed; its dtype and shape
 // must still be those of the tensor at the call, and the batch must not hold
@@ -23,6 +24,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace zeroscan {
@@ -127,6 +129,67 @@ PyObject* stats_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   END_HANDLE_TH_ERRORS
 }
 
+// stats_many_call(xs: list, tol: float | None, histogram: bool)
+//     -> Tensor | (Tensor, Tensor) | None
+// The zeroscan::stats_many (or stats_many_hist) operator called for a list
+// of plain CPU tensors, as stats_call calls zeroscan::stats: torch.ops
+// matches the list to the schema tensor by tensor, 0.05 us a tensor whose
+// metadata the caches hold and 0.2 us one whose they do not (200 one-element
+// tensors: 41 -> 31 us, and 105 -> 60 us with 4 MB read between calls).
+// None when an item is not exactly a torch.Tensor or Parameter on the CPU:
+// the caller then takes torch.ops, which honours __torch_function__.
+PyObject* stats_many_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 3 || !PyList_Check(args[0]) || !(args[1] == Py_None || PyFloat_Check(args[1])) ||
+      !PyBool_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "stats_many_call: takes (xs: list, tol: float | None, histogram: bool)");
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(args[0]);
+  std::vector<at::Tensor> xs;
+  xs.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(args[0], i);
+    if (!THPVariable_CheckExact(item)) Py_RETURN_NONE;
+    const at::Tensor& t = THPVariable_Unpack(item);
+    if (!t.defined() || !t.is_cpu()) Py_RETURN_NONE;
+    xs.push_back(t);
+  }
+  std::optional<double> tol;
+  if (args[1] != Py_None) tol = PyFloat_AS_DOUBLE(args[1]);
+  if (args[2] == Py_False) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("zeroscan::stats_many", "")
+                               .typed<at::Tensor(at::TensorList, std::optional<double>)>();
+    at::Tensor rows;
+    {
+      pybind11::gil_scoped_release no_gil;
+      rows = op.call(xs, tol);
+    }
+    return THPVariable_Wrap(std::move(rows));
+  }
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("zeroscan::stats_many_hist", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(at::TensorList, std::optional<double>)>();
+  std::tuple<at::Tensor, at::Tensor> out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    out = op.call(xs, tol);
+  }
+  PyObject* rows = THPVariable_Wrap(std::move(std::get<0>(out)));
+  if (rows == nullptr) return nullptr;
+  PyObject* fields = THPVariable_Wrap(std::move(std::get<1>(out)));
+  if (fields == nullptr) {
+    Py_DECREF(rows);
+    return nullptr;
+  }
+  PyObject* result = PyTuple_Pack(2, rows, fields);
+  Py_DECREF(rows);
+  Py_DECREF(fields);
+  return result;
+  END_HANDLE_TH_ERRORS
+}
+
 }  // namespace
 
 PyMethodDef kPythonMethods[] = {
@@ -139,6 +202,11 @@ PyMethodDef kPythonMethods[] = {
     {"stats_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stats_call)), METH_FASTCALL,
      "stats_call(x: Tensor, tol: float | None) -> Tensor: torch.ops.zeroscan.stats(x, tol), its "
      "arguments unpacked in C++."},
+    {"stats_many_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stats_many_call)),
+     METH_FASTCALL,
+     "stats_many_call(xs: list, tol: float | None, histogram: bool) -> Tensor | (Tensor, Tensor) | None: "
+     "torch.ops.zeroscan.stats_many(_hist)(xs, tol) for plain CPU tensors, its arguments unpacked in "
+     "C++; None for any other list."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace zeroscan

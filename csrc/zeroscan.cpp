@@ -11,8 +11,8 @@ extern PyMethodDef kPythonMethods[];  // tensor_meta.cpp
 extern "C" {
 // `import zeroscan._C` loads this shared library, which runs the
 // registrations below; the module itself holds only tensor_metas,
-// foreign_storage and stats_call, helpers of stats_many and stats that are
-// not operators (they read Python objects).
+// foreign_storage, stats_call and stats_many_call, helpers of stats_many and
+// stats that are not operators (they read Python objects).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT, "_C", nullptr, -1, zeroscan::kPythonMethods};

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroscan
 from checklist import Checklist
+from dispatch_probes import FunctionsSeen, LoggedTensor, OpsSeen
 from helpers import (
     ALL_DTYPES,
     DEVICES,
@@ -220,18 +218,6 @@ def test_large_magnitudes_do_not_overflow(dtype: torch.dtype, device: str) -> No
                 assert math.isfinite(s.std) and math.isfinite(s.norm)
 
 
-class OpsSeen(TorchDispatchMode):
-    """The operators dispatched while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("tol", [None, 0.25])
 def test_the_cpu_call_is_the_operator_through_the_dispatcher(
@@ -256,29 +242,6 @@ def test_the_cpu_call_is_the_operator_through_the_dispatcher(
     assert zeroscan.stats(param, tol=tol).numel == 5000
 
 
-class LoggedTensor(torch.Tensor):
-    """A tensor subclass whose __torch_function__ records what it is called with."""
-
-    calls: ClassVar[list[str]] = []
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        cls.calls.append(str(func))
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
-class FunctionsSeen(TorchFunctionMode):
-    """The functions called while active, at the __torch_function__ level."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.funcs: list[str] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.funcs.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_torch_function_overrides_still_see_the_operator() -> None:
     # The C++ call skips __torch_function__, so a subclass that defines it and
     # an active TorchFunctionMode go through torch.ops, as before it.
@@ -291,3 +254,4 @@ def test_torch_function_overrides_still_see_the_operator() -> None:
         s = zeroscan.stats(x)
     assert "zeroscan.stats.default" in mode.funcs, mode.funcs
     assert_matches_reference(s, x)
+

@@ -12,6 +12,7 @@ import torch
 
 import zeroscan
 from zeroscan.mapped_reads import maybe_mapped
+from dispatch_probes import FunctionsSeen, LoggedTensor, OpsSeen
 from helpers import ALL_DTYPES, DEVICES, assert_matches_reference, fresh_generator, make_values
 
 
@@ -49,20 +50,80 @@ def test_tol_applies_to_every_tensor(device: str) -> None:
         assert_matches_reference(s, x, tol=0.5)
 
 
-def test_one_native_call_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    real = torch.ops.zeroscan.stats_many.default
-
-    def counting(xs, tol=None):
-        calls.append(len(xs))
-        return real(xs, tol)
-
-    monkeypatch.setattr(torch.ops.zeroscan.stats_many, "default", counting)
+def test_one_native_call_per_device() -> None:
     g = fresh_generator()
     tensors = [torch.randn(int(torch.randint(1, 5000, (), generator=g)), generator=g) for _ in range(200)]
-    batch = zeroscan.stats_many(tensors)
-    assert calls == [200]
+    with OpsSeen() as seen:
+        batch = zeroscan.stats_many(tensors)
+    assert seen.ops == ["zeroscan.stats_many.default"], seen.ops
+    assert batch[0]._readout.buffer.shape[0] == 200  # that one call's rows
     assert batch[17].numel == tensors[17].numel()
+
+
+@pytest.mark.parametrize("histogram", [False, True])
+@pytest.mark.parametrize("tol", [None, 0.25])
+def test_plain_cpu_tensors_call_the_operator_from_cpp(histogram: bool, tol: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A list of plain CPU tensors (Parameters among them) reaches the operator
+    # through zeroscan._C.stats_many_call, not torch.ops: once, the rows and
+    # fields torch.ops gives, and still the dispatcher's call, which dispatch
+    # modes see.
+    answered = []
+    native = zeroscan._C.stats_many_call
+
+    def counting(*args: object) -> object:
+        out = native(*args)
+        answered.append(out is not None)
+        return out
+
+    monkeypatch.setattr(zeroscan._C, "stats_many_call", counting)
+    g = fresh_generator()
+    tensors = [make_values(int(torch.randint(1, 9000, (), generator=g)), ALL_DTYPES[i % len(ALL_DTYPES)], g) for i in range(40)]
+    tensors[3] = torch.nn.Parameter(make_values(777, torch.float32, g))
+    tensors[5] = tensors[5][::3]
+    name = "stats_many_hist" if histogram else "stats_many"
+    with OpsSeen() as seen:
+        batch = zeroscan.stats_many(tensors, tol=tol, histogram=histogram)
+    assert answered == [True]
+    assert seen.ops == [f"zeroscan.{name}.default"], seen.ops
+    direct = getattr(torch.ops.zeroscan, name).default(tensors, tol)
+    readout = batch[0]._readout
+    assert torch.equal(readout.buffer, direct[0] if histogram else direct)
+    if histogram:
+        assert torch.equal(readout.fields, direct[1])
+    for x, s in zip(tensors, batch):
+        assert_matches_reference(s, x.detach(), tol=tol)
+
+
+def test_other_lists_still_take_torch_ops() -> None:
+    # The C++ call skips __torch_function__: a list holding a tensor subclass
+    # that defines it, and any list under a TorchFunctionMode, go through
+    # torch.ops, which calls it. A meta tensor does too (the C++ call takes
+    # CPU tensors only), and still reaches the fake kernel.
+    g = fresh_generator()
+    xs = [make_values(300, torch.float32, g), make_values(500, torch.bfloat16, g)]
+    LoggedTensor.calls = []
+    batch = zeroscan.stats_many([xs[0].as_subclass(LoggedTensor), xs[1]])
+    assert "zeroscan.stats_many.default" in LoggedTensor.calls, LoggedTensor.calls
+    for s, x in zip(batch, xs):
+        assert_matches_reference(s, x)
+    with FunctionsSeen() as mode:
+        batch = zeroscan.stats_many(xs)
+    assert "zeroscan.stats_many.default" in mode.funcs, mode.funcs
+    for s, x in zip(batch, xs):
+        assert_matches_reference(s, x)
+    assert zeroscan._C.stats_many_call([xs[0], torch.empty(3, device="meta")], None, False) is None
+    assert zeroscan._C.stats_many_call([xs[0], None], None, False) is None
+
+
+def test_refusals_name_the_tensor_by_either_route() -> None:
+    # Errors the kernel raises through the C++ call are the RuntimeErrors of
+    # torch.ops, which stats_many turns into its one-line refusal.
+    with pytest.raises(RuntimeError, match=r"zeroscan.stats_many: tensors\[1\] is complex"):
+        zeroscan.stats_many([torch.ones(3), torch.ones(3, dtype=torch.complex64)])
+    with pytest.raises(RuntimeError, match=r"xs\[1\]"):
+        zeroscan._C.stats_many_call([torch.ones(3), torch.ones(3, dtype=torch.complex64)], None, False)
+    with pytest.raises(TypeError, match="stats_many_call: takes"):
+        zeroscan._C.stats_many_call((torch.ones(3),), None, False)
 
 
 def test_batch_indexes_like_a_list() -> None:
