@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -255,3 +256,28 @@ def test_torch_function_overrides_still_see_the_operator() -> None:
     assert "zeroscan.stats.default" in mode.funcs, mode.funcs
     assert_matches_reference(s, x)
 
+
+@pytest.mark.parametrize("op", ["stats", "stats_many", "stats_many_hist", "stats_many_mapped", "combine_rows"])
+def test_the_operators_pass_autograd_straight_to_the_kernel(op: str) -> None:
+    # Their results are integer counts, so the Autograd keys fall through to
+    # the backend: torch's boxed autograd fallback turned every argument into
+    # an IValue and back on every call, for a warning no int64 result needs.
+    table = torch._C._dispatch_dump_table(f"zeroscan::{op}")
+    assert "AutogradCPU: fallthrough" in table, table
+
+
+def test_tensors_that_require_grad_scan_without_a_warning() -> None:
+    g = fresh_generator()
+    p = torch.nn.Parameter(make_values(3000, torch.float32, g))
+    q = torch.nn.Parameter(make_values(2000, torch.bfloat16, g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = torch.ops.zeroscan.stats.default(p, None)
+        single = zeroscan.stats(p)
+        batch = zeroscan.stats_many([p, q], histogram=True)
+        (q * 2).sum().backward()  # autograd around them is untouched
+    assert not rows.requires_grad and rows.grad_fn is None
+    assert_matches_reference(single, p.detach())
+    for s, x in zip(batch, [p, q]):
+        assert_matches_reference(s, x.detach())
+    assert q.grad is not None and torch.equal(q.grad, torch.full_like(q, 2))
