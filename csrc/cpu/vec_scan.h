@@ -705,15 +705,22 @@ constexpr int64_t kSegment = kFloat32Lanes<S> ? 16 / kGroups<S> : 16;
 template <typename S>
 constexpr int64_t kRun = 4 * 16;
 
-// Each vector of a first pass asks for the one kPrefetchBytes ahead. The
-// hardware prefetchers alone left the AVX2 scan of a float32 tensor beyond
-// the caches at 2.0x a plain sum's time on one Sapphire Rapids core, against
-// 1.2x with it (4-16 KB ahead alike; prefetching to L2 or with NTA, 1.2-1.5x);
-// a prefetch never faults, so reading ahead of a span's end is harmless.
-constexpr int64_t kPrefetchBytes = 8192;
+// Each vector of a first pass asks for two lines ahead of it: the one
+// kFarBytes ahead into L2, from memory, and the one kNearBytes ahead into
+// L1, from L2. The hardware prefetchers alone left the AVX2 scan of a
+// float32 tensor beyond the caches at 2.0x a plain sum's time on one
+// Sapphire Rapids core. Asking for the far line into L1 instead took 1.45x
+// (AVX2) and 1.25-1.3x (AVX-512) of x.sum() on 64M float32 elements with two
+// threads, where the two lines take 1.2x and 1.0x; the far line alone, into
+// L2, left a span that L2 holds 11 % slower (its lines then wait on L2 in
+// L1). A prefetch never faults, so reading ahead of a span's end is harmless.
+constexpr int64_t kFarBytes = 8192;
+constexpr int64_t kNearBytes = 1024;
 
 ZS_INLINE void prefetch_ahead(const void* p) {
-  __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, 3);
+  const char* q = static_cast<const char*>(p);
+  __builtin_prefetch(q + kFarBytes, 0, 2);   // into L2 (prefetcht1)
+  __builtin_prefetch(q + kNearBytes, 0, 3);  // into L1 (prefetcht0)
 }
 
 // The passes that do not take care of subnormals (hot, and the one for NaN
