@@ -709,11 +709,15 @@ constexpr int64_t kRun = 4 * 16;
 // kFarBytes ahead into L2, from memory, and the one kNearBytes ahead into
 // L1, from L2. The hardware prefetchers alone left the AVX2 scan of a
 // float32 tensor beyond the caches at 2.0x a plain sum's time on one
-// Sapphire Rapids core. Asking for the far line into L1 instead took 1.45x
-// (AVX2) and 1.25-1.3x (AVX-512) of x.sum() on 64M float32 elements with two
-// threads, where the two lines take 1.2x and 1.0x; the far line alone, into
-// L2, left a span that L2 holds 11 % slower (its lines then wait on L2 in
-// L1). A prefetch never faults, so reading ahead of a span's end is harmless.
+// Sapphire Rapids core. Asking for the far line into L1 instead took
+// 1.39-1.40x (AVX2) and 1.23-1.24x (AVX-512) of x.sum() on 64M float32
+// elements with two threads (the worst of randn, 0.1 % subnormal and 1 %
+// NaN, old and new builds timed in turn), where the two lines take
+// 1.27-1.35x and 1.03-1.07x: one core's share of memory is bound by the
+// misses it keeps in flight, and a prefetch into L1 holds one of its few L1
+// miss buffers until the line arrives. The far line alone, into L2, left a
+// span that L2 holds 11 % slower (its lines then wait on L2 in L1). A
+// prefetch never faults, so reading ahead of a span's end is harmless.
 constexpr int64_t kFarBytes = 8192;
 constexpr int64_t kNearBytes = 1024;
 
