@@ -98,34 +98,54 @@ PyObject* foreign_storage(PyObject* /*module*/, PyObject* x) {
   Py_RETURN_FALSE;
 }
 
-// stats_call(x: Tensor, tol: float | None) -> Tensor: the zeroscan::stats
-// operator called for one plain tensor, as zeroscan.stats calls it outside
-// torch.compile. torch.ops.zeroscan.stats matches its Python arguments to the
-// schema on every call, about 1 us of a 1K-element tensor's 2.5 us; here they
-// are unpacked directly and the dispatcher is called with them typed, so it
-// still picks the kernel (dispatch modes, vmap) as for torch.ops; what it
-// skips is __torch_function__, which zeroscan.stats leaves to torch.ops
-// (a tensor subclass, a TorchFunctionMode). The GIL is
-// released while the kernel runs, as torch's own bindings do, and a C++ error
-// becomes the Python exception torch would raise.
+// The tensor of `item` when it is one the operators may be called with
+// directly: exactly a torch.Tensor or Parameter (a subclass's
+// __torch_function__ is for torch.ops to call), defined, on the CPU (GPU
+// calls keep torch.ops, unmeasured here); else null.
+const at::Tensor* plain_cpu_tensor(PyObject* item) {
+  if (!THPVariable_CheckExact(item)) return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(item);
+  return t.defined() && t.is_cpu() ? &t : nullptr;
+}
+
+// `tol` as the operators take it, or false when it is no float or None.
+bool read_tol(PyObject* arg, std::optional<double>& tol) {
+  if (arg == Py_None) return true;
+  if (!PyFloat_Check(arg)) return false;
+  tol = PyFloat_AS_DOUBLE(arg);
+  return true;
+}
+
+// op.call(args...) with the GIL released, as torch's own bindings run
+// kernels; an error still leaves it as a C++ exception for
+// HANDLE_TH_ERRORS, with the GIL taken back.
+template <typename Op, typename... Args>
+auto call_without_gil(const Op& op, const Args&... args) {
+  pybind11::gil_scoped_release no_gil;
+  return op.call(args...);
+}
+
+// stats_call(x, tol: float | None) -> Tensor | None: the zeroscan::stats
+// operator called for one plain CPU tensor, as zeroscan.stats calls it
+// outside torch.compile and TorchFunctionModes. torch.ops.zeroscan.stats
+// matches its Python arguments to the schema on every call, about 1 us of a
+// 1K-element tensor's 2.5 us; here they are unpacked directly and the
+// dispatcher is called with them typed, so it still picks the kernel
+// (dispatch modes, vmap) as for torch.ops. None for any other x: the caller
+// then takes torch.ops, which honours __torch_function__.
 PyObject* stats_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 2 || !THPVariable_Check(args[0]) || !(args[1] == Py_None || PyFloat_Check(args[1]))) {
-    PyErr_SetString(PyExc_TypeError, "stats_call: takes (x: Tensor, tol: float | None)");
+  std::optional<double> tol;
+  if (nargs != 2 || !read_tol(args[1], tol)) {
+    PyErr_SetString(PyExc_TypeError, "stats_call: takes (x, tol: float | None)");
     return nullptr;
   }
-  const at::Tensor& x = THPVariable_Unpack(args[0]);
-  std::optional<double> tol;
-  if (args[1] != Py_None) tol = PyFloat_AS_DOUBLE(args[1]);
+  const at::Tensor* x = plain_cpu_tensor(args[0]);
+  if (x == nullptr) Py_RETURN_NONE;
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("zeroscan::stats", "")
                              .typed<at::Tensor(const at::Tensor&, std::optional<double>)>();
-  at::Tensor out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    out = op.call(x, tol);
-  }
-  return THPVariable_Wrap(std::move(out));
+  return THPVariable_Wrap(call_without_gil(op, *x, tol));
   END_HANDLE_TH_ERRORS
 }
 
@@ -136,12 +156,11 @@ PyObject* stats_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
 // matches the list to the schema tensor by tensor, 0.05 us a tensor whose
 // metadata the caches hold and 0.2 us one whose they do not (200 one-element
 // tensors: 41 -> 31 us, and 105 -> 60 us with 4 MB read between calls).
-// None when an item is not exactly a torch.Tensor or Parameter on the CPU:
-// the caller then takes torch.ops, which honours __torch_function__.
+// None when an item is not a plain CPU tensor (plain_cpu_tensor).
 PyObject* stats_many_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 3 || !PyList_Check(args[0]) || !(args[1] == Py_None || PyFloat_Check(args[1])) ||
-      !PyBool_Check(args[2])) {
+  std::optional<double> tol;
+  if (nargs != 3 || !PyList_Check(args[0]) || !read_tol(args[1], tol) || !PyBool_Check(args[2])) {
     PyErr_SetString(PyExc_TypeError, "stats_many_call: takes (xs: list, tol: float | None, histogram: bool)");
     return nullptr;
   }
@@ -149,43 +168,30 @@ PyObject* stats_many_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_
   std::vector<at::Tensor> xs;
   xs.reserve(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PyList_GET_ITEM(args[0], i);
-    if (!THPVariable_CheckExact(item)) Py_RETURN_NONE;
-    const at::Tensor& t = THPVariable_Unpack(item);
-    if (!t.defined() || !t.is_cpu()) Py_RETURN_NONE;
-    xs.push_back(t);
+    const at::Tensor* t = plain_cpu_tensor(PyList_GET_ITEM(args[0], i));
+    if (t == nullptr) Py_RETURN_NONE;
+    xs.push_back(*t);
   }
-  std::optional<double> tol;
-  if (args[1] != Py_None) tol = PyFloat_AS_DOUBLE(args[1]);
   if (args[2] == Py_False) {
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("zeroscan::stats_many", "")
                                .typed<at::Tensor(at::TensorList, std::optional<double>)>();
-    at::Tensor rows;
-    {
-      pybind11::gil_scoped_release no_gil;
-      rows = op.call(xs, tol);
-    }
-    return THPVariable_Wrap(std::move(rows));
+    return THPVariable_Wrap(call_without_gil(op, at::TensorList(xs), tol));
   }
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("zeroscan::stats_many_hist", "")
                              .typed<std::tuple<at::Tensor, at::Tensor>(at::TensorList, std::optional<double>)>();
-  std::tuple<at::Tensor, at::Tensor> out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    out = op.call(xs, tol);
-  }
-  PyObject* rows = THPVariable_Wrap(std::move(std::get<0>(out)));
-  if (rows == nullptr) return nullptr;
-  PyObject* fields = THPVariable_Wrap(std::move(std::get<1>(out)));
-  if (fields == nullptr) {
-    Py_DECREF(rows);
+  auto [rows, fields] = call_without_gil(op, at::TensorList(xs), tol);
+  PyObject* row_object = THPVariable_Wrap(std::move(rows));
+  if (row_object == nullptr) return nullptr;
+  PyObject* field_object = THPVariable_Wrap(std::move(fields));
+  if (field_object == nullptr) {
+    Py_DECREF(row_object);
     return nullptr;
   }
-  PyObject* result = PyTuple_Pack(2, rows, fields);
-  Py_DECREF(rows);
-  Py_DECREF(fields);
+  PyObject* result = PyTuple_Pack(2, row_object, field_object);
+  Py_DECREF(row_object);
+  Py_DECREF(field_object);
   return result;
   END_HANDLE_TH_ERRORS
 }
@@ -200,8 +206,8 @@ PyMethodDef kPythonMethods[] = {
     {"foreign_storage", foreign_storage, METH_O,
      "foreign_storage(x) -> bool: whether x is a CPU tensor whose storage cannot be resized."},
     {"stats_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stats_call)), METH_FASTCALL,
-     "stats_call(x: Tensor, tol: float | None) -> Tensor: torch.ops.zeroscan.stats(x, tol), its "
-     "arguments unpacked in C++."},
+     "stats_call(x, tol: float | None) -> Tensor | None: torch.ops.zeroscan.stats(x, tol) for a plain "
+     "CPU tensor, its arguments unpacked in C++; None for any other x."},
     {"stats_many_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stats_many_call)),
      METH_FASTCALL,
      "stats_many_call(xs: list, tol: float | None, histogram: bool) -> Tensor | (Tensor, Tensor) | None: "

@@ -52,25 +52,26 @@ from zeroscan.words import short_count
 # torch.ops costs 0.5 us a call, a tenth of a small tensor's stats().
 _scan = torch.ops.zeroscan.stats.default
 
-# Tensor types whose __torch_function__ torch.ops would not call.
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
 
 
+def _may_skip_torch_ops() -> bool:
+    """Whether an operator may be called from C++ (zeroscan._C.stats_call,
+    stats_many_call), without torch.ops' matching of the Python arguments to
+    its schema: not while compiling (the graph must see the operator), nor
+    under a TorchFunctionMode, whose __torch_function__ torch.ops calls and
+    the dispatcher does not. The C++ calls take plain CPU tensors only and
+    answer None for anything else (a subclass, a GPU tensor)."""
+    return not _function_mode_enabled() and not torch.compiler.is_compiling()
+
+
 def _scan_now(x: torch.Tensor, tol: float | None) -> torch.Tensor:
-    """_scan(x, tol). A plain CPU tensor takes zeroscan._C.stats_call, the
-    same operator without torch.ops' matching of the arguments to its schema,
-    1 us of a small tensor's 2.5 us call. torch.ops keeps the rest: a GPU
-    tensor, a compiled graph (which must see the operator), and a tensor
-    subclass or TorchFunctionMode whose __torch_function__ torch.ops calls
-    and the dispatcher does not."""
-    if (
-        type(x) in _PLAIN_TENSORS
-        and x.is_cpu
-        and not _function_mode_enabled()
-        and not torch.compiler.is_compiling()
-    ):
-        return zeroscan._C.stats_call(x, tol)
+    """_scan(x, tol), from C++ where it may be: 1 us of a small tensor's 2.5
+    us call was torch.ops' matching of the arguments."""
+    if _may_skip_torch_ops():
+        out = zeroscan._C.stats_call(x, tol)
+        if out is not None:
+            return out
     return _scan(x, tol)
 
 
@@ -386,11 +387,10 @@ def _stats_of_rows(
 
 
 def _scan_many_now(xs: list[torch.Tensor], tol: float | None, histogram: bool) -> Readout:
-    """The rows of stats_many (and histogram fields) of xs on one device.
-    Plain CPU tensors take zeroscan._C.stats_many_call, as stats() takes
-    stats_call: torch.ops matches the list to the schema tensor by tensor,
-    0.05-0.2 us a tensor. torch.ops keeps the rest, as in _scan_now."""
-    if not _function_mode_enabled() and not torch.compiler.is_compiling():
+    """The rows of stats_many (and histogram fields) of xs on one device,
+    from C++ where they may be, as in _scan_now: torch.ops matches the list
+    to the schema tensor by tensor, 0.05-0.2 us a tensor."""
+    if _may_skip_torch_ops():
         out = zeroscan._C.stats_many_call(xs, tol, histogram)
         if isinstance(out, tuple):
             return Readout(*out)
