@@ -281,3 +281,16 @@ def test_tensors_that_require_grad_scan_without_a_warning() -> None:
     for s, x in zip(batch, [p, q]):
         assert_matches_reference(s, x.detach())
     assert q.grad is not None and torch.equal(q.grad, torch.full_like(q, 2))
+
+
+def test_the_direct_call_answers_for_plain_cpu_tensors_only() -> None:
+    # zeroscan._C.stats_call takes a torch.Tensor or Parameter on the CPU and
+    # answers None for anything else, which stats() then hands to torch.ops.
+    x = make_values(2000, torch.float32, fresh_generator())
+    for plain in (x, torch.nn.Parameter(x.clone())):
+        row = zeroscan._C.stats_call(plain, 0.5)
+        assert row is not None and torch.equal(row, torch.ops.zeroscan.stats.default(plain, 0.5))
+    for other in (x.as_subclass(LoggedTensor), torch.empty(3, device="meta"), None, "x"):
+        assert zeroscan._C.stats_call(other, None) is None
+    with pytest.raises(TypeError, match="stats_call: takes"):
+        zeroscan._C.stats_call(x, 1)
