@@ -69,7 +69,7 @@ S int_of(int64_t value) {
 
 const char* const kDistributions[] = {"ordinary", "zeros_50", "zeros_99", "all_zeros", "all_subnormal",
                                       "subnormal_0.1", "nonfinite_0.01", "nonfinite_1", "large_mean",
-                                      "wide_range", "huge", "near_tiny"};
+                                      "wide_range", "huge", "near_tiny", "rising"};
 
 template <typename S>
 std::vector<S> make(const std::string& dist, int64_t n, const zs::Limits& lim) {
@@ -101,6 +101,13 @@ std::vector<S> make(const std::string& dist, int64_t n, const zs::Limits& lim) {
         negative = false;
       }
       if (dist == "huge") key = uniform(lim.finite_max - 8, lim.finite_max);
+      // Magnitudes that climb from the smallest normal value to the largest
+      // along the data: each span holds values past the largest before it.
+      if (dist == "rising") {
+        const uint64_t base = sub + 1, span = lim.finite_max - base;
+        key = base + static_cast<uint64_t>(static_cast<double>(span) * static_cast<double>(i) / static_cast<double>(n));
+        key = std::min<uint64_t>(lim.finite_max, key + uniform(0, 3));
+      }
       const double p_nonfinite = dist == "nonfinite_0.01" ? 1e-4 : dist == "nonfinite_1" ? 1e-2 : 0.0;
       if (p_nonfinite > 0 && chance(p_nonfinite)) {
         key = F::kHasInf && (rng() & 1) ? lim.nonnan_max : uniform(lim.nonnan_max + 1, F::kMaxKey);
@@ -197,9 +204,9 @@ void report(const std::string& what, const std::string& why) {
 }
 
 // count_window_on at window positions low, mid, at the top and past the end
-// of the fields; then FieldCounter over the data as spans of `span`
-// elements, told of each span's zero and top fields as the scan counts
-// them, against the fields counted one element at a time.
+// of the fields; then the scan on `path` with FieldCounter over the data as
+// spans of `span` elements, the scan counting into the counter's window as
+// tally_chunk has it, against the fields counted one element at a time.
 template <typename S>
 void compare_fields(const char* dtype, VectorPath path, const std::string& dist, int64_t n, int64_t offset,
                     const std::vector<S>& data, const zs::Limits& lim) {
@@ -230,9 +237,9 @@ void compare_fields(const char* dtype, VectorPath path, const std::string& dist,
     for (int64_t begin = 0; begin < n; begin += span) {
       const int64_t len = std::min(span, n - begin);
       const int64_t at_most_sub = t.at_most_sub, non_finite = t.numel - t.finite;
-      zs::cpu::scan_span_scalar(p + begin, len, lim, 0.0, t);
-      counter.add(p + begin, len, t.at_most_sub - at_most_sub, t.numel - t.finite - non_finite,
-                  B::field(t.hi));
+      zs::cpu::FieldWindow* window = counter.before_scan(p + begin, len, t.numel > 0 ? B::field(t.hi) : -1);
+      zs::cpu::scan_span_on(path, p + begin, len, lim, 0.0, t, window);
+      counter.add(p + begin, len, t.at_most_sub - at_most_sub, t.numel - t.finite - non_finite, B::field(t.hi));
     }
     std::vector<int64_t> got(B::kFields);
     counter.write(got.data());

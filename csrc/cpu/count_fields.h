@@ -1,15 +1,17 @@
 // The CPU's histogram count (csrc/histogram.h): how many elements of each
 // span lie in each field.
 //
-// It runs over each span right after scan_span has read it, while the span
-// is still in the core's caches (a chunk is at most 64K elements for tensors
-// of up to 64M), so memory is read once. The floats of up to 32 bits and the
-// 1-byte integers count in vectors (FieldCounter, below); the others one
-// increment per element into small tables (ScalarFieldCounter). Consecutive elements often share
-// a field (a binade holds half of all values of its neighbourhood), and an
-// increment that waits on the previous one to the same counter stalls: the
-// tables, taken in turn, let several increments run at once. That still
-// costs ~2 cycles per element.
+// The floats of up to 32 bits are counted by the scan itself as it reads
+// each vector (vec_scan.h), into a window this file places before the span
+// and completes after it; the 1-byte integers in vectors right after the
+// scan has read the span, while it is still in the core's caches (a chunk
+// is at most 64K elements for tensors of up to 64M), so memory is read
+// once. The others count one increment per element into small tables
+// (ScalarFieldCounter). Consecutive elements often share a field (a binade
+// holds half of all values of its neighbourhood), and an increment that
+// waits on the previous one to the same counter stalls: the tables, taken
+// in turn, let several increments run at once. That still costs ~2 cycles
+// per element.
 #pragma once
 
 #include <algorithm>
@@ -76,18 +78,21 @@ class ScalarFieldCounter {
 };
 
 // The counter of each storage type. The floats of up to 32 bits and the
-// 1-byte integers count in vectors (count_window_on, vec_fields.h) the
-// fields of a window of kWindowFields: every field of a dtype that has no
-// more (float8_e4m3fn, the 1-byte integers), else the fields up to that of
-// the largest |x| the scan has seen (values thin out geometrically below
-// the bulk of most data: a binade holds twice the values of the one below
-// it, for values spread evenly around 0). The scan itself has counted the
-// zero field (zeros and subnormals) and, but for float8_e4m3fn (whose top
-// field also holds numbers), the top field (NaN and infinities), so the
-// window need not cover them. The elements of any other field leave the
-// window's count short of the span's length: windows below the first count
-// them, then one element at a time. float64 and the wider integers count
-// one element at a time.
+// 1-byte integers count in vectors the fields of a window of kWindowFields:
+// every field of a dtype that has no more (float8_e4m3fn, the 1-byte
+// integers), else the fields up to kHeadroom above the largest |x| seen
+// before the span (values thin out geometrically below the bulk of most
+// data: a binade holds twice the values of the one below it, for values
+// spread evenly around 0). The floats' window is counted by the scan as it
+// reads the span where its build does (before_scan places it: vec_scan.h,
+// kCountsFieldsInScan), else by a pass of its own after the scan, as the
+// integers' is, with the window's top at the span's largest field. The scan itself has counted the zero field (zeros and
+// subnormals) and, but for float8_e4m3fn (whose top field also holds
+// numbers), the top field (NaN and infinities), so the window need not
+// cover them. The elements of any other field leave the window's count
+// short of the span's length: windows beside it count them (from the
+// span's largest field down to the window, and below it), then one element
+// at a time. float64 and the wider integers count one element at a time.
 template <typename S>
 class FieldCounter {
  public:
@@ -95,11 +100,25 @@ class FieldCounter {
   static constexpr int kTop = B::kFields - 1;
 
   // path: the vector build that counts (the process's own but in tests).
-  explicit FieldCounter(VectorPath path = vector_path()) : path_(path) {}
+  explicit FieldCounter(VectorPath path = vector_path())
+      : path_(path), scan_counts_(kScanCountsFields<S> && scan_counts_fields_on(path)) {}
 
-  // p: [n] contiguous, and what the scan found in it (floats): how many of
-  // its elements are zero or subnormal, and NaN or infinite, and the field
-  // of the largest non-NaN |x| it has seen so far (in p or before it).
+  // Before the scan of p ([n] contiguous) on the counter's path: the window
+  // the scan counts the fields of its vector part into, or null where it
+  // counts none (not a float of kScanCountsFields, or a build that counts
+  // after the scan). seen_field: the field of the largest non-NaN |x| of
+  // the spans before p, or -1 for none.
+  FieldWindow* before_scan(const S* p, int64_t n, int seen_field) {
+    if (!scan_counts_) return nullptr;
+    place_window(p, n, seen_field);
+    before_ = window_total();
+    window_.scanned = 0;
+    return &window_;
+  }
+
+  // After it: p as given to before_scan, and what the scan found in it: how
+  // many of its elements are zero or subnormal, and NaN or infinite, and
+  // the field of the largest non-NaN |x| so far (in p or before it).
   void add(const S* p, int64_t n, int64_t zero_field, int64_t top_field, int high_field) {
     if constexpr (kWindowedFields<S>) {
       if (path_ != VectorPath::kNone) return add_windowed(p, n, zero_field, top_field, high_field);
@@ -118,32 +137,35 @@ class FieldCounter {
 
  private:
   static constexpr int kW = kWindowFields;
-  static constexpr int64_t kCalibrate = 256;  // elements counted one at a time first
+  static constexpr int64_t kCalibrate = 256;  // elements whose largest field places a first window
   static constexpr int kHeadroom = 2;         // fields of the window above the largest seen
-  static constexpr int kExtraWindows = 2;     // windows below the first, before one at a time
+  static constexpr int kExtraWindows = 2;     // windows above and below it, before one at a time
   // Whether the scan counted the top field: NaN and infinities (but for
   // float8_e4m3fn, whose top field also holds numbers).
   static constexpr bool kTopCounted = Format<S>::kFloating && !std::is_same_v<S, e4m3_t>;
   // Whether the window moves: else it covers every field from 0.
   static constexpr bool kMovable = kTopCounted && B::kFields > kW;
+  // The fields the window may count: all but the scan's zero and top fields.
+  static constexpr int kCountedTop = kTopCounted ? kTop : B::kFields;
 
   void add_windowed(const S* p, int64_t n, int64_t zero_field, int64_t top_field, int high_field) {
-    int64_t done = 0;
-    if (kMovable && high_field < kTop) {
-      // The window's top at the largest field the scan has seen: then only
-      // values far below the bulk can fall outside it. (An infinity hides
-      // the largest finite field: the window then stays where it was.)
-      move_window(std::clamp(high_field - kW + 1, 1, kTop - kW));
-      placed_ = true;
-    } else if (!placed_) {
-      done = std::min(n, kCalibrate);
-      count_each(p, done, zero_field, top_field);
-      place_window();
-      placed_ = true;
+    int64_t counted = 0;
+    if (scan_counts_) {
+      counted = window_.scanned;
+    } else {
+      // A pass of its own, while p is in the core's caches: the window's top
+      // at the largest field the scan has seen (an infinity hides the
+      // largest finite field: the window then stays where it was).
+      if (kMovable && high_field < kTop) {
+        move_window(std::clamp(high_field - kW + 1, 1, kTop - kW));
+        placed_ = true;
+      } else if (!placed_) {
+        place_window(p, n, -1);
+      }
+      before_ = window_total();
+      counted = count_window_on(path_, p, n, window_.lo, window_.counts);
     }
-    const int64_t before = window_total();
-    const int64_t counted = count_window_on(path_, p + done, n - done, lo_, window_);
-    count_each(p + done + counted, n - done - counted, zero_field, top_field);
+    count_each(p + counted, n - counted, zero_field, top_field);
     // zero_field and top_field now count the vector part's elements alone.
     int64_t expected = counted;
     if (zero_outside()) {
@@ -154,33 +176,50 @@ class FieldCounter {
       counts_[kTop] += top_field;
       expected -= top_field;
     }
-    int64_t missing = expected - (window_total() - before);
-    // The elements the window missed: most often values far below the
-    // bulk (a tensor spanning more binades than the window), so the windows
-    // below it count them in vectors, then what is left one at a time.
-    int covered = lo_;  // fields covered: covered .. lo_ + kW - 1
-    for (int extra = 0; missing != 0 && extra < kExtraWindows && covered > 1; ++extra) {
-      const int below = std::max(1, covered - kW);
-      int64_t window[kW] = {};
-      count_window_on(path_, p + done, counted, below, window);
-      for (int f = below; f < covered; ++f) {
-        counts_[f] += window[f - below];
-        missing -= window[f - below];
-      }
-      covered = below;
+    int64_t missing = expected - (window_total() - before_);
+    const int lo = window_.lo;
+    // Fields above the window, where the span held values past the largest
+    // seen before it: windows from the span's largest field down (an
+    // infinity hides that field: then from the top).
+    const int above = lo + kW;
+    const int above_end = std::min(high_field >= kTop ? kCountedTop : high_field + 1, kCountedTop);
+    int above_lo = std::max(above, above_end);  // fields above_lo .. above_end - 1 covered
+    for (int extra = 0; missing != 0 && extra < kExtraWindows && above_lo > above; ++extra) {
+      const int from = std::max(above, above_lo - kW);
+      missing -= count_range(p, counted, from, above_lo);
+      above_lo = from;
     }
-    if (missing != 0) {
-      count_outside(p + done, counted, covered);
-      place_window();
+    // Fields below it: most often values far below the bulk (a tensor
+    // spanning more binades than the window).
+    int below = lo;  // fields below .. lo + kW - 1 covered
+    for (int extra = 0; missing != 0 && extra < kExtraWindows && below > 1; ++extra) {
+      const int from = std::max(1, below - kW);
+      missing -= count_range(p, counted, from, below);
+      below = from;
     }
+    if (missing != 0) count_outside(p, counted, below, above_lo, above_end);
   }
 
-  bool zero_outside() const { return lo_ > 0; }
-  bool top_outside() const { return kTopCounted && lo_ + kW <= kTop; }
+  bool zero_outside() const { return window_.lo > 0; }
+  bool top_outside() const { return kTopCounted && window_.lo + kW <= kTop; }
 
   int64_t window_total() const {
     int64_t sum = 0;
-    for (int j = 0; j < kW; ++j) sum += window_[j];
+    for (int j = 0; j < kW; ++j) sum += window_.counts[j];
+    return sum;
+  }
+
+  // Counts the elements of p[0, n) (n: a whole number of vectors) whose
+  // field is in [from, to), to - from <= kW, in vectors, into counts_;
+  // returns how many there were.
+  int64_t count_range(const S* p, int64_t n, int from, int to) {
+    int64_t window[kW] = {};
+    count_window_on(path_, p, n, from, window);
+    int64_t sum = 0;
+    for (int f = from; f < to; ++f) {
+      counts_[f] += window[f - from];
+      sum += window[f - from];
+    }
     return sum;
   }
 
@@ -196,53 +235,57 @@ class FieldCounter {
     }
   }
 
-  // Counts the elements of p[0, n) that neither the windows (fields
-  // covered .. lo_ + kW - 1) nor the scan's counts of the zero and top
-  // fields took.
-  void count_outside(const S* p, int64_t n, int covered) {
+  // Counts the elements of p[0, n) that neither the windows (fields below
+  // .. window_.lo + kW - 1 and above_lo .. above_end - 1) nor the scan's
+  // counts of the zero and top fields took.
+  void count_outside(const S* p, int64_t n, int below, int above_lo, int above_end) {
     using F = Format<S>;
     for (int64_t i = 0; i < n; ++i) {
       const int f = B::field(F::key(p[i]));
-      const bool inside = f >= covered && f < lo_ + kW;
+      const bool inside = (f >= below && f < window_.lo + kW) || (f >= above_lo && f < above_end);
       const bool known = (f == 0 && zero_outside()) || (f == kTop && top_outside());
       if (!inside && !known) ++counts_[f];
     }
   }
 
-  // Folds the window into counts_ and puts it below the largest field
-  // counted so far, with kHeadroom fields above it, where the scan could
-  // not say its largest field (a span with an infinity): values can reach
-  // above what a first sample saw. Within 1 .. kTop - 1 where the scan
-  // counts the zero and top fields, else from field 0 (a dtype of at most kW
-  // fields).
-  void place_window() {
-    fold_window();
-    if (!kMovable) {
-      lo_ = 0;
-      return;
+  // Puts the window's top kHeadroom fields above the largest field seen
+  // before the span, or, where none was (or an infinity hides it), in its
+  // first kCalibrate elements; where an infinity hides it and a window was
+  // placed, it stays. Within 1 .. kTop - 1, where the scan counts the zero
+  // and top fields.
+  void place_window(const S* p, int64_t n, int seen_field) {
+    if constexpr (kMovable) {
+      int high = seen_field;
+      if (high >= kTop && placed_) return;
+      if (high < 1 || high >= kTop) {
+        using F = Format<S>;
+        high = 1;
+        for (int64_t i = 0; i < std::min(n, kCalibrate); ++i) {
+          const int f = B::field(F::key(p[i]));
+          if (f < kTop) high = std::max(high, f);
+        }
+      }
+      move_window(std::clamp(high + kHeadroom - kW + 1, 1, kTop - kW));
+      placed_ = true;
     }
-    int high = 1;
-    for (int f = 1; f < kTop; ++f) {
-      if (counts_[f] != 0) high = f;
-    }
-    lo_ = std::clamp(high + kHeadroom - kW + 1, 1, kTop - kW);
   }
 
   void move_window(int lo) {
-    if (lo == lo_) return;
+    if (lo == window_.lo) return;
     fold_window();
-    lo_ = lo;
+    window_.lo = lo;
   }
 
   void fold_window() {
-    for (int j = 0; j < kW && lo_ + j < B::kFields; ++j) counts_[lo_ + j] += window_[j];
-    std::memset(window_, 0, sizeof(window_));
+    for (int j = 0; j < kW && window_.lo + j < B::kFields; ++j) counts_[window_.lo + j] += window_.counts[j];
+    std::memset(window_.counts, 0, sizeof(window_.counts));
   }
 
   VectorPath path_;
+  bool scan_counts_;  // the scan counts the window as it reads (before_scan)
   int64_t counts_[kWindowedFields<S> ? B::kFields : 1] = {};  // the window's until folded
-  int64_t window_[kW] = {};  // fields lo_ .. lo_ + kW - 1
-  int lo_ = 0;
+  FieldWindow window_;  // the window's counts, fields lo .. lo + kW - 1
+  int64_t before_ = 0;  // window_total() before the span
   bool placed_ = false;
   ScalarFieldCounter<S> scalar_;
 };

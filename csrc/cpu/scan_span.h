@@ -10,7 +10,8 @@
 //   avx2     the AVX2 build (x86-64)
 //   avx512   the AVX-512 build (x86-64)
 //   native   or unset: the best the CPU has (NEON on AArch64)
-// The histogram's count (vec_fields.h) runs in the same build.
+// The histogram's count runs in the same build: the floats' as the scan
+// reads each vector (vec_scan.h), the others' after it (vec_fields.h).
 // Other values read as kInvalid, which the operators refuse before scanning.
 // A cap above what the CPU has gives what the CPU has. The last elements of
 // a span, fewer than a vector's lanes, go through Tally::add.
@@ -54,17 +55,44 @@ inline bool capability_allows(Capability needed) {
   return cap != Capability::kInvalid && static_cast<int>(cap) >= static_cast<int>(needed);
 }
 
+// The histogram fields (csrc/histogram.h) that one vector count covers, and
+// the dtypes counted in vectors: the floats of up to 32 bits (their fields
+// are their exponents) and the 1-byte integers (the bit lengths of |x|).
+// The floats' may be counted by the scan itself, as it reads each vector
+// (kScanCountsFields, scan_counts_fields_on); else, and for the integers,
+// by a pass of their own after it (count_window_on).
+constexpr int kWindowFields = 24;
+template <typename S>
+constexpr bool kWindowedFields = Format<S>::kFloating ? sizeof(S) <= 4 : sizeof(S) == 1;
+template <typename S>
+constexpr bool kScanCountsFields = kWindowedFields<S> && Format<S>::kFloating;
+
+// The histogram window a vector scan counts into: how many elements of its
+// vector part lie in each field lo .. lo + kWindowFields - 1 (count_fields.h
+// places it and takes what falls outside), and how many elements it counted
+// (0 where the build does not count as it scans: vec_scan.h,
+// kCountsFieldsInScan).
+struct FieldWindow {
+  int lo = 0;
+  int64_t counts[kWindowFields] = {};
+  int64_t scanned = 0;
+};
+
 // The vector builds. Each adds the statistics of the first n / lanes * lanes
 // elements of p ([n] contiguous) to `t` and returns that count; `shift` as
-// for scan_span. Each also counts the histogram's fields of a window
-// (count_window_on, below; vec_fields.h).
+// for scan_span. For the dtypes of kScanCountsFields, the builds whose
+// scan_counts_fields() is true also add the fields of those elements to
+// `fields` (unless it is null), and their number to fields->scanned. Each
+// also counts the fields of a window on its own (count_window_on, below;
+// vec_fields.h).
 #define ZS_DECLARE_TARGET(target)                                                          \
   namespace target {                                                                       \
   template <typename S>                                                                    \
   int64_t scan_vectors(const S* p, int64_t n, const Limits& lim, double shift,             \
-                       Tally<S, int64_t>& t);                                              \
+                       Tally<S, int64_t>& t, FieldWindow* fields);                         \
   template <typename S>                                                                    \
   int64_t count_window(const S* p, int64_t n, int lo, int64_t* window);                    \
+  bool scan_counts_fields();                                                               \
   }
 #if defined(ZS_X86_KERNELS)
 ZS_DECLARE_TARGET(avx2)
@@ -74,13 +102,6 @@ ZS_DECLARE_TARGET(avx512)
 ZS_DECLARE_TARGET(neon)
 #endif
 #undef ZS_DECLARE_TARGET
-
-// The histogram fields (csrc/histogram.h) that one vector count covers, and
-// the dtypes counted in vectors: the floats of up to 32 bits (their fields
-// are their exponents) and the 1-byte integers (the bit lengths of |x|).
-constexpr int kWindowFields = 24;
-template <typename S>
-constexpr bool kWindowedFields = Format<S>::kFloating ? sizeof(S) <= 4 : sizeof(S) == 1;
 
 enum class VectorPath { kNone, kAvx2, kAvx512, kNeon };
 
@@ -129,6 +150,21 @@ inline const char* vector_path_name(VectorPath path) {
   }
 }
 
+// Whether `path`'s scan counts the histogram's fields as it reads (for the
+// dtypes of kScanCountsFields, into the window scan_span_on is given).
+inline bool scan_counts_fields_on(VectorPath path) {
+  switch (path) {
+#if defined(ZS_X86_KERNELS)
+    case VectorPath::kAvx512: return avx512::scan_counts_fields();
+    case VectorPath::kAvx2: return avx2::scan_counts_fields();
+#endif
+#if defined(ZS_NEON_KERNELS)
+    case VectorPath::kNeon: return neon::scan_counts_fields();
+#endif
+    default: return false;
+  }
+}
+
 // p: [n] contiguous. Adds its elements to `t` one at a time.
 template <typename S>
 void scan_span_scalar(const S* p, int64_t n, const Limits& lim, double shift,
@@ -140,17 +176,19 @@ void scan_span_scalar(const S* p, int64_t n, const Limits& lim, double shift,
 // statistics to `t`; `shift` is the value subtracted before the moments are
 // summed (see set_moments): a whole number for integer dtypes and a float32
 // value for floats of up to 32 bits (the float32 lanes subtract it exactly).
+// The vector build may add the histogram fields of the elements it reads to
+// `fields` (as scan_vectors says).
 template <typename S>
 void scan_span_on(VectorPath path, const S* p, int64_t n, const Limits& lim, double shift,
-                  Tally<S, int64_t>& t) {
+                  Tally<S, int64_t>& t, FieldWindow* fields = nullptr) {
   int64_t done = 0;
   switch (path) {
 #if defined(ZS_X86_KERNELS)
-    case VectorPath::kAvx512: done = avx512::scan_vectors(p, n, lim, shift, t); break;
-    case VectorPath::kAvx2: done = avx2::scan_vectors(p, n, lim, shift, t); break;
+    case VectorPath::kAvx512: done = avx512::scan_vectors(p, n, lim, shift, t, fields); break;
+    case VectorPath::kAvx2: done = avx2::scan_vectors(p, n, lim, shift, t, fields); break;
 #endif
 #if defined(ZS_NEON_KERNELS)
-    case VectorPath::kNeon: done = neon::scan_vectors(p, n, lim, shift, t); break;
+    case VectorPath::kNeon: done = neon::scan_vectors(p, n, lim, shift, t, fields); break;
 #endif
     default: break;
   }
@@ -175,8 +213,9 @@ int64_t count_window_on(VectorPath path, const S* p, int64_t n, int lo, int64_t*
 }
 
 template <typename S>
-void scan_span(const S* p, int64_t n, const Limits& lim, double shift, Tally<S, int64_t>& t) {
-  scan_span_on(vector_path(), p, n, lim, shift, t);
+void scan_span(const S* p, int64_t n, const Limits& lim, double shift, Tally<S, int64_t>& t,
+               FieldWindow* fields = nullptr) {
+  scan_span_on(vector_path(), p, n, lim, shift, t, fields);
 }
 
 }  // namespace cpu

@@ -6,6 +6,7 @@
 #define ZS_TARGET_ATTR __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
 #define ZS_TARGET_MASKS 0
 #define ZS_TARGET_F16C 1
+#define ZS_TARGET_REGISTERS 16
 #include "vec_scan.h"
 #include "vec_fields.h"
 #endif

@@ -8,6 +8,7 @@
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2")))
 #define ZS_TARGET_MASKS 1
 #define ZS_TARGET_F16C 1
+#define ZS_TARGET_REGISTERS 32
 #include "vec_scan.h"
 #include "vec_fields.h"
 #endif

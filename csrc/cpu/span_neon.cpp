@@ -6,6 +6,7 @@
 #define ZS_TARGET_ATTR
 #define ZS_TARGET_MASKS 0
 #define ZS_TARGET_F16C 0
+#define ZS_TARGET_REGISTERS 32
 #include "vec_scan.h"
 #include "vec_fields.h"
 #endif

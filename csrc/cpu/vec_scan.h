@@ -31,6 +31,7 @@
 //                      (empty where the compiler's baseline has it)
 //   ZS_TARGET_MASKS    1 where compares produce mask registers (AVX-512)
 //   ZS_TARGET_F16C     1 where float16 converts by F16C
+//   ZS_TARGET_REGISTERS  vector registers: 16 (AVX2) or 32
 //
 // What one vector costs (see classify.h for the classes): each class is one
 // compare and one lane count (the hot pass and the one for NaN and
@@ -56,6 +57,9 @@
 
 #if ZS_TARGET_F16C || ZS_TARGET_MASKS
 #include <immintrin.h>
+#endif
+#if defined(ZS_NEON_KERNELS)
+#include <arm_neon.h>
 #endif
 
 namespace zeroscan {
@@ -689,6 +693,169 @@ ZS_INLINE void add_doubles(Vec<uint64_t> bits, VD shift, RunSums& r) {
   r.q64 += d * d;
 }
 
+// ---- Histogram fields ------------------------------------------------------
+//
+// A float's histogram field (csrc/histogram.h) is its exponent. The fields
+// of a window of kWindowFields are counted in vectors, by the scan itself as
+// it reads each vector (ScanFields, below) and by count_window (vec_fields.h)
+// over data already read: each lane turns its field into a one-hot bit by a
+// variable shift, 1 << 4 * (field - lo), so that adding the lanes counts 8
+// fields per 32-bit lane in 4-bit counters, and kNibbleCounters such
+// counters cover the window. Fields outside the window shift the bit out
+// (the shift is 32 or more) and count nothing: count_fields.h knows the zero
+// and non-finite fields from the scan's own counts, and takes the rare
+// others by windows beside this one, then one at a time. The 4-bit counters
+// are split into bytes before they can pass 15, and the bytes added to the
+// window's totals before they can pass 255.
+//
+// Cost per group of float32 lanes: 2 instructions for the field, 1 for the
+// window's offset, and 3 for each counter (a subtraction, the shift, the
+// addition); no compare, no branch, nothing that depends on the values.
+
+// 8 fields per 32-bit counter lane.
+constexpr int kNibbleCounters = kWindowFields / 8;
+static_assert(kWindowFields % 8 == 0, "the window is whole 32-bit counter lanes");
+
+// 1 << a in every lane, 0 where a >= 32.
+ZS_INLINE VU32 one_hot(VU32 a) {
+#if ZS_TARGET_BYTES == 64
+  return as<VU32>(_mm512_sllv_epi32(_mm512_set1_epi32(1), as<__m512i>(a)));
+#elif defined(ZS_X86_KERNELS)
+  return as<VU32>(_mm256_sllv_epi32(_mm256_set1_epi32(1), as<__m256i>(a)));
+#else
+  // NEON shifts by the low byte of each lane, signed (a negative count
+  // shifts right); at 32 or more the bit is shifted out.
+  const VU32 capped = vmin(a, VU32{} + 32u);
+  return as<VU32>(vshlq_u32(vdupq_n_u32(1), vreinterpretq_s32_u32(as<uint32x4_t>(capped))));
+#endif
+}
+
+// 4 * field of the elements of each float32-lane group of one vector of S
+// (the groups as widen() takes them: which element lands in which lane does
+// not matter to a count).
+template <typename S>
+ZS_INLINE void field_amounts(typename LaneTypes<S>::VU raw, VU32 (&a)[kGroups<S>]) {
+  const VU32 w = as<VU32>(raw);
+  if constexpr (std::is_same_v<S, float>) {  // exponent in bits 23..30
+    a[0] = (w >> 21) & 0x3fcu;
+  } else if constexpr (std::is_same_v<S, bf16_t>) {  // bits 7..14 of each half
+    a[0] = (w >> 5) & 0x3fcu;
+    a[1] = (w >> 21) & 0x3fcu;
+  } else if constexpr (std::is_same_v<S, f16_t>) {  // bits 10..14 of each half
+    a[0] = (w >> 8) & 0x7cu;
+    a[1] = (w >> 24) & 0x7cu;
+  } else if constexpr (std::is_same_v<S, e5m2_t>) {  // bits 2..6 of each byte
+    for (int j = 0; j < 4; ++j) a[j] = (w >> (8 * j)) & 0x7cu;
+  } else {  // float8_e4m3fn: bits 3..6 of each byte
+    for (int j = 0; j < 4; ++j) a[j] = (w >> (8 * j + 1)) & 0x3cu;
+  }
+}
+
+// Adds the fields of one vector of S (a float of up to 32 bits) to the 4-bit
+// counters: base is 4 * the window's first field in every lane.
+template <typename S>
+ZS_INLINE void add_fields(typename LaneTypes<S>::VU raw, VU32 base, VU32 (&nibbles)[kNibbleCounters]) {
+  VU32 a[kGroups<S>];
+  field_amounts<S>(raw, a);
+  for (int g = 0; g < kGroups<S>; ++g) {
+    const VU32 offset = a[g] - base;  // lanes below the window wrap past 32
+    for (int k = 0; k < kNibbleCounters; ++k) nibbles[k] += one_hot(offset - 32u * k);
+  }
+}
+
+// A window's counts beyond the 4-bit counters of a few vectors: bytes, then
+// 16-bit lanes, then int64 totals, each widened before it can overflow, and
+// all in vectors but the last (a lane-by-lane widening of the bytes into
+// int64 took ~3 instructions a vector counted).
+//   bytes[0][k]: byte b of each lane counts field 8k + 2b
+//   bytes[1][k]: byte b counts field 8k + 2b + 1
+//   halves[j][k]: the 16-bit halves of bytes[j / 2][k]'s bytes 0 and 2
+//                 (j even) or 1 and 3 (j odd)
+// kAddsPerSplit: the most any 4-bit counter holds when split (<= 15).
+template <int kAddsPerSplit>
+struct WindowCounts {
+  static_assert(kAddsPerSplit <= 15, "a 4-bit counter holds 15");
+  static constexpr int kSplitsPerWiden = 255 / kAddsPerSplit;
+  static constexpr int kWidensPerTotal = 65535 / 255;
+  VU32 bytes[2][kNibbleCounters]{};
+  VU32 halves[4][kNibbleCounters]{};
+  int splits = 0, widens = 0;
+
+  // Adds the 4-bit counters and clears them.
+  ZS_INLINE void split(VU32 (&nibbles)[kNibbleCounters], int64_t* window) {
+    for (int k = 0; k < kNibbleCounters; ++k) {
+      bytes[0][k] += nibbles[k] & 0x0f0f0f0fu;
+      bytes[1][k] += (nibbles[k] >> 4) & 0x0f0f0f0fu;
+      nibbles[k] = VU32{};
+    }
+    if (++splits == kSplitsPerWiden) widen(window);
+  }
+
+  ZS_INLINE void widen(int64_t* window) {
+    for (int k = 0; k < kNibbleCounters; ++k) {
+      for (int j = 0; j < 2; ++j) {
+        halves[2 * j][k] += bytes[j][k] & 0x00ff00ffu;
+        halves[2 * j + 1][k] += (bytes[j][k] >> 8) & 0x00ff00ffu;
+        bytes[j][k] = VU32{};
+      }
+    }
+    splits = 0;
+    if (++widens == kWidensPerTotal) total(window);
+  }
+
+  // Adds everything counted to window[kWindowFields] and clears it.
+  ZS_INLINE void flush(int64_t* window) {
+    widen(window);
+    total(window);
+  }
+
+  ZS_INLINE void total(int64_t* window) {
+    for (int k = 0; k < kNibbleCounters; ++k) {
+      for (int j = 0; j < 4; ++j) {
+        // halves[j]: fields 8k + 2 * (j % 2) + j / 2 (low) and 4 more (high)
+        const int field = 8 * k + 2 * (j % 2) + j / 2;
+        const VU32 h = halves[j][k];
+        window[field] += sum_lanes<kBytes>(h & 0xffffu);
+        window[field + 4] += sum_lanes<kBytes>(h >> 16);
+        halves[j][k] = VU32{};
+      }
+    }
+    widens = 0;
+  }
+
+  // The sum of v's lanes (less than 2^32), by halving the vector.
+  template <int Bytes>
+  static ZS_INLINE uint32_t sum_lanes(Vec<uint32_t, Bytes> v) {
+    if constexpr (Bytes == 16) {
+      return v[0] + v[1] + v[2] + v[3];
+    } else {
+      Vec<uint32_t, Bytes / 2> a, b;
+      std::memcpy(&a, &v, sizeof(a));
+      std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof(a), sizeof(b));
+      return sum_lanes<Bytes / 2>(a + b);
+    }
+  }
+};
+
+// Whether this build's scan counts the floats' fields as it reads them
+// (kScanCountsFields): where it has 32 vector registers. With 16 (AVX2) the
+// counters do not fit beside the scan's, and the scan with the count in its
+// loop took longer than the scan and a count after it, on data with NaN or
+// subnormals (2.22-2.29x x.sum() against 2.12-2.14x, 64M float32 on a
+// Sapphire Rapids, both builds timed in turn); elsewhere the count after
+// the scan (count_window, vec_fields.h) takes its place.
+constexpr bool kCountsFieldsInScan = ZS_TARGET_REGISTERS >= 32;
+
+// The fields a scan counts as it reads a span's vectors (kScanCountsFields),
+// split from the 4-bit counters every half segment (scan_run): kGroups<S> *
+// kSegment<S> / 2 = 8 additions a lane.
+struct ScanFields {
+  static constexpr int kAddsPerHalfSegment = 8;
+  FieldWindow* out = nullptr;
+  VU32 base{};  // 4 * out->lo in every lane
+  WindowCounts<kAddsPerHalfSegment> counts;
+};
+
 // ---- Float runs ------------------------------------------------------------
 
 // What one pass over a run found: its keys' largest (all and finite) and
@@ -718,12 +885,18 @@ constexpr int64_t kRun = 4 * 16;
 // miss buffers until the line arrives. The far line alone, into L2, left a
 // span that L2 holds 11 % slower (its lines then wait on L2 in L1). A
 // prefetch never faults, so reading ahead of a span's end is harmless.
+// A scan that counts the histogram's fields in its loop takes longer per
+// vector, and asks for the far line twice as far ahead: that took the
+// float32 count from 1.38-1.58x to 1.33-1.49x x.sum(), over randn, 0.1 %
+// subnormal and 1 % NaN (AVX-512, timed in turn).
 constexpr int64_t kFarBytes = 8192;
+constexpr int64_t kFarBytesCounting = 16384;
 constexpr int64_t kNearBytes = 1024;
 
+template <int64_t kFar = kFarBytes>
 ZS_INLINE void prefetch_ahead(const void* p) {
   const char* q = static_cast<const char*>(p);
-  __builtin_prefetch(q + kFarBytes, 0, 2);   // into L2 (prefetcht1)
+  __builtin_prefetch(q + kFar, 0, 2);        // into L2 (prefetcht1)
   __builtin_prefetch(q + kNearBytes, 0, 3);  // into L1 (prefetcht0)
 }
 
@@ -780,7 +953,7 @@ ZS_INLINE VI with_sign_of(VI m, VI sign) {
 // passes' sums of m correct) and, in passes that take care of them, NaN and
 // infinities replaced by the shift (they add nothing there, and shift once
 // per lane to the values, taken off at the end).
-template <typename S, bool kClassify, bool kCountNonFinite, int kPass>
+template <typename S, bool kClassify, bool kCountNonFinite, int kPass, int64_t kFar = kFarBytes>
 ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentConstants<S>& mc,
                            Counters<S>& c, RunSums& r, typename LaneTypes<S>::VU& lo,
                            typename LaneTypes<S>::VU& top, typename LaneTypes<S>::VU& top_finite) {
@@ -788,7 +961,7 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
   using VU = typename L::VU;
   using VI = typename L::VI;
   constexpr Pass P = kPass == 4 ? kTiny : Pass{(kPass & 1) != 0, (kPass & 2) != 0, false};
-  if constexpr (kClassify) prefetch_ahead(q);
+  if constexpr (kClassify) prefetch_ahead<kFar>(q);
   const VU raw = load<VU>(q);
   const VU key = key_of<S>(raw);
   // Passes that take care of NaN and infinities keep the largest finite
@@ -860,18 +1033,39 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
   }
 }
 
-// The vectors [0, vectors) at p through scan_vector, segment by segment.
-template <typename S, bool kClassify, bool kCountNonFinite, int kPass>
+// The vectors [0, vectors) at p through scan_vector, segment by segment,
+// and, where kFields, their histogram fields into `fields` as each is read
+// (in the same loop, so that the count's instructions run while the scan
+// waits on memory, rather than in a pass of their own after it). A segment
+// adds 16 to a lane of the 4-bit counters, one more than they hold, so they
+// are split every half segment: the segments stay those of a scan that does
+// not count, and so do its sums, bit for bit.
+template <typename S, bool kClassify, bool kCountNonFinite, int kPass, bool kFields = false>
 ZS_INLINE void scan_run(const S* p, int64_t vectors, const VectorLimits<S>& lim,
                         const MomentConstants<S>& mc, Counters<S>& c, RunSums& r,
                         typename LaneTypes<S>::VU& lo, typename LaneTypes<S>::VU& top,
-                        typename LaneTypes<S>::VU& top_finite) {
+                        typename LaneTypes<S>::VU& top_finite, ScanFields* fields = nullptr) {
+  using VU = typename LaneTypes<S>::VU;
   constexpr int kLanes = LaneTypes<S>::kLanes;
+  constexpr int64_t kHalf = kSegment<S> / 2;
+  static_assert(!kFields || kGroups<S> * kHalf == ScanFields::kAddsPerHalfSegment, "half a segment's additions");
   for (int64_t begin = 0; begin < vectors; begin += kSegment<S>) {
     const int64_t end = std::min(vectors, begin + kSegment<S>);
-    for (int64_t v = begin; v < end; ++v) {
-      scan_vector<S, kClassify, kCountNonFinite, kPass>(p + v * kLanes, constants(lim), constants(mc), c, r, lo,
-                                                        top, top_finite);
+    if constexpr (kFields) {
+      for (int64_t half = begin; half < end; half += kHalf) {
+        VU32 nibbles[kNibbleCounters]{};
+        for (int64_t v = half; v < std::min(end, half + kHalf); ++v) {
+          scan_vector<S, kClassify, kCountNonFinite, kPass, kFarBytesCounting>(
+              p + v * kLanes, constants(lim), constants(mc), c, r, lo, top, top_finite);
+          add_fields<S>(load<VU>(p + v * kLanes), fields->base, nibbles);
+        }
+        fields->counts.split(nibbles, fields->out->counts);
+      }
+    } else {
+      for (int64_t v = begin; v < end; ++v) {
+        scan_vector<S, kClassify, kCountNonFinite, kPass>(p + v * kLanes, constants(lim), constants(mc), c, r, lo,
+                                                          top, top_finite);
+      }
     }
     if constexpr (kFloat32Lanes<S>) end_segment(r);
   }
@@ -961,6 +1155,7 @@ struct SpanState {
   FloatSums sums;
   VU lo = VU{} - 1;        // smallest nonzero key, lane by lane (kLoIsKey)
   uint64_t hi = 0;         // largest finite key
+  ScanFields* fields = nullptr;  // the histogram's count, if the scan counts
 };
 
 // Widens the lane counters before they can overflow.
@@ -1010,8 +1205,10 @@ struct Stop {
 // Reads the runs [run, runs) of p's `vectors` vectors as pass kPass until
 // one needs another pass or another scale, or they end. Each run is counted
 // and summed in one pass, and its sums are added to the span's when the
-// pass covered what it holds.
-template <typename S, int kPass>
+// pass covered what it holds. Where kFields, its histogram fields are
+// counted in the same pass (every run comes here once: a run summed again
+// is not counted again).
+template <typename S, int kPass, bool kFields>
 __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vectors, int64_t run,
                                                         const VectorLimits<S>& limits,
                                                         const MomentConstants<S>& constants,
@@ -1028,6 +1225,7 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
   VU span_lo = st.lo;
   uint64_t hi = st.hi;
   int64_t since_fold = st.since_fold;
+  ScanFields* fields = st.fields;
   const int64_t runs = (vectors + kRun<S> - 1) / kRun<S>;
   Stop stop{runs, false, P};
   int unneeded = 0;  // runs in a row that needed less than P
@@ -1037,7 +1235,8 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
     RunSums r{};
     VU lo = VU{} - 1, top{}, top_finite{};
     const VU non_finite_before = c.non_finite, nonzero_before = c.nonzero;
-    scan_run<S, true, P.non_finite, kPass>(p + begin * kLanes, len, lim, mc, c, r, lo, top, top_finite);
+    scan_run<S, true, P.non_finite, kPass, kFields>(p + begin * kLanes, len, lim, mc, c, r, lo, top, top_finite,
+                                                    fields);
     span_lo = vmin(span_lo, lo);
     const uint64_t run_lo = lowest_key<S>(lo);
     bool non_finite;
@@ -1083,16 +1282,25 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
   return stop;
 }
 
+template <typename S, bool kFields>
+ZS_TARGET_ATTR Stop scan_runs_counting(Pass pass, const S* p, int64_t vectors, int64_t run,
+                                       const VectorLimits<S>& lim, const MomentConstants<S>& mc, SpanState<S>& st) {
+  switch (pass.index()) {
+    case 0: return scan_runs<S, 0, kFields>(p, vectors, run, lim, mc, st);
+    case 1: return scan_runs<S, 1, kFields>(p, vectors, run, lim, mc, st);
+    case 2: return scan_runs<S, 2, kFields>(p, vectors, run, lim, mc, st);
+    case 3: return scan_runs<S, 3, kFields>(p, vectors, run, lim, mc, st);
+    default: return scan_runs<S, 4, kFields>(p, vectors, run, lim, mc, st);
+  }
+}
+
 template <typename S>
 ZS_TARGET_ATTR Stop scan_runs_as(Pass pass, const S* p, int64_t vectors, int64_t run, const VectorLimits<S>& lim,
                                  const MomentConstants<S>& mc, SpanState<S>& st) {
-  switch (pass.index()) {
-    case 0: return scan_runs<S, 0>(p, vectors, run, lim, mc, st);
-    case 1: return scan_runs<S, 1>(p, vectors, run, lim, mc, st);
-    case 2: return scan_runs<S, 2>(p, vectors, run, lim, mc, st);
-    case 3: return scan_runs<S, 3>(p, vectors, run, lim, mc, st);
-    default: return scan_runs<S, 4>(p, vectors, run, lim, mc, st);
+  if constexpr (kScanCountsFields<S> && kCountsFieldsInScan) {
+    if (st.fields != nullptr) return scan_runs_counting<S, true>(pass, p, vectors, run, lim, mc, st);
   }
+  return scan_runs_counting<S, false>(pass, p, vectors, run, lim, mc, st);
 }
 
 // The vectors [0, vectors) of floats at p into `st`.
@@ -1248,7 +1456,8 @@ NearestValue<S> nearest_value(double v) {
 
 template <typename S>
 __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, int64_t n, const Limits& limits,
-                                                                   double shift, Tally<S, int64_t>& t) {
+                                                                   double shift, Tally<S, int64_t>& t,
+                                                                   FieldWindow* fields) {
   using F = Format<S>;
   using L = LaneTypes<S>;
   using VU = typename L::VU;
@@ -1276,7 +1485,17 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
     mc.sub_shift = mc.small_shift ? static_cast<float>(s_units) : 0.0f;
     mc.broadcast();
     SpanState<S> st;
-    scan_float_vectors<S>(p, vectors, lim, mc, st);
+    if (kScanCountsFields<S> && kCountsFieldsInScan && fields != nullptr) {
+      ScanFields counting;
+      counting.out = fields;
+      counting.base = VU32{} + static_cast<uint32_t>(4 * fields->lo);
+      st.fields = &counting;
+      scan_float_vectors<S>(p, vectors, lim, mc, st);
+      counting.counts.flush(fields->counts);
+      fields->scanned += count;
+    } else {
+      scan_float_vectors<S>(p, vectors, lim, mc, st);
+    }
     totals = st.totals;
     const FloatSums& sums = st.sums;
     hi = st.hi;
@@ -1377,16 +1596,20 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
 }  // namespace
 
 // p: [n] contiguous. Adds the statistics of its first n / lanes * lanes
-// elements to `t` and returns how many that is (scan_span.h). Declared
-// there without the target attribute, which would make it another function
-// (GCC's function multiversioning), so it calls into the target's code.
+// elements to `t`, and their histogram fields to `fields` (kScanCountsFields,
+// unless null), and returns how many that is (scan_span.h). Declared there
+// without the target attribute, which would make it another function (GCC's
+// function multiversioning), so it calls into the target's code.
 template <typename S>
-int64_t scan_vectors(const S* p, int64_t n, const Limits& limits, double shift, Tally<S, int64_t>& t) {
-  return scan_vectors_here<S>(p, n, limits, shift, t);
+int64_t scan_vectors(const S* p, int64_t n, const Limits& limits, double shift, Tally<S, int64_t>& t,
+                     FieldWindow* fields) {
+  return scan_vectors_here<S>(p, n, limits, shift, t, fields);
 }
 
+bool scan_counts_fields() { return kCountsFieldsInScan; }
+
 #define ZS_INSTANTIATE(name, S, value_t, tiny, eps)                                     \
-  template int64_t scan_vectors<S>(const S*, int64_t, const Limits&, double, Tally<S, int64_t>&);
+  template int64_t scan_vectors<S>(const S*, int64_t, const Limits&, double, Tally<S, int64_t>&, FieldWindow*);
 ZEROSCAN_DTYPES(ZS_INSTANTIATE)
 #undef ZS_INSTANTIATE
 
