@@ -6,13 +6,17 @@
 // Every dtype of the table, every distribution below (the families of
 // zeroscan.testing as bit patterns: ordinary, zero-heavy, subnormal, NaN and
 // infinities, offset, values spanning the float range, subnormals among the
-// smallest normal values), lengths around the
-// vector width, the run and the counter folds, start offsets that misalign
-// the data, and shifts of zero, near the data and far from it. Counts and
-// min/max keys must match exactly; the mean within 1e-9 of the data's
-// scale plus 1e-9 relative, m2 within 1e-5 relative (the float32 squares).
-// The histogram's fields (csrc/cpu/vec_fields.h and count_fields.h) of the
-// same data must match the fields counted one element at a time exactly.
+// smallest normal values; and, for the histogram's windows, magnitudes that
+// climb or jump along the data, with and without infinities), lengths
+// around the vector width, the run and the counter folds, start offsets
+// that misalign the data, and shifts of zero, near the data and far from
+// it. Counts and min/max keys must match exactly; the mean within 1e-9 of
+// the data's scale plus 1e-9 relative, m2 within 1e-5 relative (the float32
+// squares). The histogram's fields of the same data (counted as the scan
+// reads, csrc/cpu/vec_scan.h, or after it, vec_fields.h; completed by
+// count_fields.h) must match the fields counted one element at a time
+// exactly, and so must those of a span long enough for every counter's
+// widening (check_long_span).
 //
 //   span_check [--quick]    exit 0 when every case matches; prints each mismatch
 #include <cmath>
@@ -69,7 +73,8 @@ S int_of(int64_t value) {
 
 const char* const kDistributions[] = {"ordinary", "zeros_50", "zeros_99", "all_zeros", "all_subnormal",
                                       "subnormal_0.1", "nonfinite_0.01", "nonfinite_1", "large_mean",
-                                      "wide_range", "huge", "near_tiny", "rising"};
+                                      "wide_range", "huge", "near_tiny", "rising", "rising_inf",
+                                      "narrow_then_wide", "narrow_then_wide_inf"};
 
 template <typename S>
 std::vector<S> make(const std::string& dist, int64_t n, const zs::Limits& lim) {
@@ -103,10 +108,19 @@ std::vector<S> make(const std::string& dist, int64_t n, const zs::Limits& lim) {
       if (dist == "huge") key = uniform(lim.finite_max - 8, lim.finite_max);
       // Magnitudes that climb from the smallest normal value to the largest
       // along the data: each span holds values past the largest before it.
-      if (dist == "rising") {
+      if (dist == "rising" || dist == "rising_inf") {
         const uint64_t base = sub + 1, span = lim.finite_max - base;
         key = base + static_cast<uint64_t>(static_cast<double>(span) * static_cast<double>(i) / static_cast<double>(n));
         key = std::min<uint64_t>(lim.finite_max, key + uniform(0, 3));
+      }
+      // Ordinary values, then values across the whole range: spans with
+      // values both above and below the window placed for the first half.
+      if ((dist == "narrow_then_wide" || dist == "narrow_then_wide_inf") && 2 * i >= n) {
+        key = uniform(1, lim.finite_max);
+      }
+      // Infinities, which hide the largest finite value from the counter.
+      if (F::kHasInf && (dist == "rising_inf" || dist == "narrow_then_wide_inf") && chance(1e-3)) {
+        key = lim.nonnan_max;
       }
       const double p_nonfinite = dist == "nonfinite_0.01" ? 1e-4 : dist == "nonfinite_1" ? 1e-2 : 0.0;
       if (p_nonfinite > 0 && chance(p_nonfinite)) {
@@ -253,6 +267,37 @@ void compare_fields(const char* dtype, VectorPath path, const std::string& dist,
   }
 }
 
+// One span of (1 << 21) + 37 elements in one field, on `path`: every lane
+// adds to the same counter, so each counter's widening (WindowCounts,
+// vec_scan.h) is reached at its fullest. First as the bulk of the window;
+// then below it, the first element the largest finite value (the window is
+// placed at the top, and the bulk counted by the windows below).
+template <typename S>
+void check_long_span(const char* dtype, VectorPath path, const zs::Limits& lim) {
+  using B = zs::Binning<S>;
+  const int64_t n = (int64_t(1) << 21) + 37;
+  std::vector<S> data(n, float_of<S>(key_at_most<S>(1.0), false));
+  for (bool top_first : {false, true}) {
+    if (top_first) data[0] = float_of<S>(lim.finite_max, false);
+    zs::cpu::FieldCounter<S> counter(path);
+    zs::Tally<S, int64_t> t;
+    zs::cpu::FieldWindow* window = counter.before_scan(data.data(), n, -1);
+    zs::cpu::scan_span_on(path, data.data(), n, lim, 0.0, t, window);
+    counter.add(data.data(), n, t.at_most_sub, t.numel - t.finite, B::field(t.hi));
+    std::vector<int64_t> got(B::kFields);
+    counter.write(got.data());
+    const std::vector<int64_t> want = reference_fields(data.data(), n);
+    std::string why;
+    for (int f = 0; f < B::kFields; ++f) {
+      if (got[f] != want[f]) why += " field " + std::to_string(f) + ": got " + std::to_string(got[f]) +
+                                    ", want " + std::to_string(want[f]) + ";";
+    }
+    report(std::string(zs::cpu::vector_path_name(path)) + " " + dtype + " long span" +
+               (top_first ? ", the largest value first" : ""),
+           why);
+  }
+}
+
 template <typename S>
 void check_dtype(const char* dtype, double tiny, double eps, const std::vector<VectorPath>& paths, bool quick) {
   using F = zs::Format<S>;
@@ -283,6 +328,9 @@ void check_dtype(const char* dtype, double tiny, double eps, const std::vector<V
         for (VectorPath path : paths) compare_fields<S>(dtype, path, dist, n, offset, data, lim);
       }
     }
+  }
+  if constexpr (zs::cpu::kWindowedFields<S> && F::kFloating) {
+    for (VectorPath path : paths) check_long_span<S>(dtype, path, lim);
   }
 }
 

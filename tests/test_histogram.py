@@ -101,9 +101,9 @@ def test_matches_reference_on_every_distribution(device: str, dtype: torch.dtype
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_wide_and_shifting_magnitudes(device: str, dtype: torch.dtype) -> None:
     """Values over the dtype's whole range, and data whose magnitudes jump
-    from one part of the tensor to the next (the CPU's counting window
-    follows the bulk; what falls outside it is counted by windows below it,
-    then one at a time)."""
+    from one part of the tensor to the next (the CPU's counting window is
+    placed from the values before each span; what falls outside it is
+    counted by windows above and below it, then one at a time)."""
     g = fresh_generator()
     info = torch.finfo(dtype)
     n = 150_000

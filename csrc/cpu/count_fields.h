@@ -2,11 +2,12 @@
 // span lie in each field.
 //
 // The floats of up to 32 bits are counted by the scan itself as it reads
-// each vector (vec_scan.h), into a window this file places before the span
-// and completes after it; the 1-byte integers in vectors right after the
-// scan has read the span, while it is still in the core's caches (a chunk
-// is at most 64K elements for tensors of up to 64M), so memory is read
-// once. The others count one increment per element into small tables
+// each vector, where the build has 32 vector registers (vec_scan.h,
+// kCountsFieldsInScan), into a window this file places before the span and
+// completes after it. Elsewhere they, and the 1-byte integers, are counted
+// in vectors right after the scan has read the span, while it is still in
+// the core's caches (a chunk is at most 64K elements for tensors of up to
+// 64M), so memory is read once. The others count one increment per element into small tables
 // (ScalarFieldCounter). Consecutive elements often share a field (a binade
 // holds half of all values of its neighbourhood), and an increment that
 // waits on the previous one to the same counter stalls: the tables, taken
@@ -86,13 +87,14 @@ class ScalarFieldCounter {
 // spread evenly around 0). The floats' window is counted by the scan as it
 // reads the span where its build does (before_scan places it: vec_scan.h,
 // kCountsFieldsInScan), else by a pass of its own after the scan, as the
-// integers' is, with the window's top at the span's largest field. The scan itself has counted the zero field (zeros and
-// subnormals) and, but for float8_e4m3fn (whose top field also holds
-// numbers), the top field (NaN and infinities), so the window need not
-// cover them. The elements of any other field leave the window's count
-// short of the span's length: windows beside it count them (from the
-// span's largest field down to the window, and below it), then one element
-// at a time. float64 and the wider integers count one element at a time.
+// integers' is, with the window's top at the largest field so far. The
+// scan itself has counted the zero field (zeros and subnormals) and, but
+// for float8_e4m3fn (whose top field also holds numbers), the top field
+// (NaN and infinities), so the window need not cover them. The elements of
+// any other field leave the window's count short of the span's length:
+// windows beside it count them (from the largest field so far down to the
+// window, and below it), then one element at a time. float64 and the wider
+// integers count one element at a time.
 template <typename S>
 class FieldCounter {
  public:
@@ -139,14 +141,14 @@ class FieldCounter {
   static constexpr int kW = kWindowFields;
   static constexpr int64_t kCalibrate = 256;  // elements whose largest field places a first window
   static constexpr int kHeadroom = 2;         // fields of the window above the largest seen
-  static constexpr int kExtraWindows = 2;     // windows above and below it, before one at a time
+  static constexpr int kExtraWindows = 2;     // windows on each side of it, before one at a time
   // Whether the scan counted the top field: NaN and infinities (but for
   // float8_e4m3fn, whose top field also holds numbers).
   static constexpr bool kTopCounted = Format<S>::kFloating && !std::is_same_v<S, e4m3_t>;
   // Whether the window moves: else it covers every field from 0.
   static constexpr bool kMovable = kTopCounted && B::kFields > kW;
-  // The fields the window may count: all but the scan's zero and top fields.
-  static constexpr int kCountedTop = kTopCounted ? kTop : B::kFields;
+  // One past the last field a window may count: all but the scan's top field.
+  static constexpr int kCountedEnd = kTopCounted ? kTop : B::kFields;
 
   void add_windowed(const S* p, int64_t n, int64_t zero_field, int64_t top_field, int high_field) {
     int64_t counted = 0;
@@ -154,8 +156,8 @@ class FieldCounter {
       counted = window_.scanned;
     } else {
       // A pass of its own, while p is in the core's caches: the window's top
-      // at the largest field the scan has seen (an infinity hides the
-      // largest finite field: the window then stays where it was).
+      // at the largest field so far (an infinity hides the largest finite
+      // field: the window then stays where it was).
       if (kMovable && high_field < kTop) {
         move_window(std::clamp(high_field - kW + 1, 1, kTop - kW));
         placed_ = true;
@@ -179,25 +181,40 @@ class FieldCounter {
     int64_t missing = expected - (window_total() - before_);
     const int lo = window_.lo;
     // Fields above the window, where the span held values past the largest
-    // seen before it: windows from the span's largest field down (an
-    // infinity hides that field: then from the top).
+    // seen before it: windows from the largest field so far down to the
+    // window. An infinity hides that field (high_field is then the top):
+    // the windows below go first, since values far below the bulk are what
+    // most often leaves a window short.
+    const bool above_known = high_field < kTop;
     const int above = lo + kW;
-    const int above_end = std::min(high_field >= kTop ? kCountedTop : high_field + 1, kCountedTop);
+    const int above_end = above_known ? std::min(high_field + 1, kCountedEnd) : kCountedEnd;
     int above_lo = std::max(above, above_end);  // fields above_lo .. above_end - 1 covered
-    for (int extra = 0; missing != 0 && extra < kExtraWindows && above_lo > above; ++extra) {
-      const int from = std::max(above, above_lo - kW);
-      missing -= count_range(p, counted, from, above_lo);
-      above_lo = from;
-    }
+    auto count_above = [&] {
+      for (int extra = 0; missing != 0 && extra < kExtraWindows && above_lo > above; ++extra) {
+        const int from = std::max(above, above_lo - kW);
+        missing -= count_range(p, counted, from, above_lo);
+        above_lo = from;
+      }
+    };
     // Fields below it: most often values far below the bulk (a tensor
     // spanning more binades than the window).
     int below = lo;  // fields below .. lo + kW - 1 covered
-    for (int extra = 0; missing != 0 && extra < kExtraWindows && below > 1; ++extra) {
-      const int from = std::max(1, below - kW);
-      missing -= count_range(p, counted, from, below);
-      below = from;
+    auto count_below = [&] {
+      for (int extra = 0; missing != 0 && extra < kExtraWindows && below > 1; ++extra) {
+        const int from = std::max(1, below - kW);
+        missing -= count_range(p, counted, from, below);
+        below = from;
+      }
+    };
+    if (above_known) {
+      count_above();
+      count_below();
+    } else {
+      count_below();
+      count_above();
     }
     if (missing != 0) count_outside(p, counted, below, above_lo, above_end);
+    window_.scanned = 0;  // before_scan sets it again for the next span
   }
 
   bool zero_outside() const { return window_.lo > 0; }

@@ -11,7 +11,8 @@
 //   avx512   the AVX-512 build (x86-64)
 //   native   or unset: the best the CPU has (NEON on AArch64)
 // The histogram's count runs in the same build: the floats' as the scan
-// reads each vector (vec_scan.h), the others' after it (vec_fields.h).
+// reads each vector where the build has 32 vector registers (vec_scan.h),
+// else, and the integers', in a pass right after the scan (vec_fields.h).
 // Other values read as kInvalid, which the operators refuse before scanning.
 // A cap above what the CPU has gives what the CPU has. The last elements of
 // a span, fewer than a vector's lanes, go through Tally::add.

@@ -4,9 +4,11 @@
 // vector types, target macros and field counters (its Histogram fields
 // section) it uses, so it too is one source for every ISA.
 //
-// The scan counts the floats' fields itself as it reads them (ScanFields,
-// vec_scan.h); count_window counts a window of them again over a span the
-// scan has read, for the fields outside the scan's window (count_fields.h).
+// Where the build has 32 vector registers the scan counts the floats'
+// fields itself as it reads them (ScanFields, vec_scan.h), and count_window
+// counts the fields outside the scan's window over a span the scan has read;
+// elsewhere count_window is the floats' count, a pass right after the scan
+// (count_fields.h).
 // float64 and the wider integers are counted one at a time (count_fields.h).
 //
 // A 1-byte integer's field is the bit length of |x| (0..8, bool 0..1):

@@ -705,8 +705,9 @@ ZS_INLINE void add_doubles(Vec<uint64_t> bits, VD shift, RunSums& r) {
 // (the shift is 32 or more) and count nothing: count_fields.h knows the zero
 // and non-finite fields from the scan's own counts, and takes the rare
 // others by windows beside this one, then one at a time. The 4-bit counters
-// are split into bytes before they can pass 15, and the bytes added to the
-// window's totals before they can pass 255.
+// are split into bytes before they can pass 15, the bytes into 16-bit lanes
+// before they can pass 255, and those into the window's int64 totals before
+// they can pass 65535 (WindowCounts).
 //
 // Cost per group of float32 lanes: 2 instructions for the field, 1 for the
 // window's offset, and 3 for each counter (a subtraction, the shift, the
@@ -1283,7 +1284,7 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
 }
 
 template <typename S, bool kFields>
-ZS_TARGET_ATTR Stop scan_runs_counting(Pass pass, const S* p, int64_t vectors, int64_t run,
+ZS_TARGET_ATTR Stop scan_runs_by_pass(Pass pass, const S* p, int64_t vectors, int64_t run,
                                        const VectorLimits<S>& lim, const MomentConstants<S>& mc, SpanState<S>& st) {
   switch (pass.index()) {
     case 0: return scan_runs<S, 0, kFields>(p, vectors, run, lim, mc, st);
@@ -1298,9 +1299,9 @@ template <typename S>
 ZS_TARGET_ATTR Stop scan_runs_as(Pass pass, const S* p, int64_t vectors, int64_t run, const VectorLimits<S>& lim,
                                  const MomentConstants<S>& mc, SpanState<S>& st) {
   if constexpr (kScanCountsFields<S> && kCountsFieldsInScan) {
-    if (st.fields != nullptr) return scan_runs_counting<S, true>(pass, p, vectors, run, lim, mc, st);
+    if (st.fields != nullptr) return scan_runs_by_pass<S, true>(pass, p, vectors, run, lim, mc, st);
   }
-  return scan_runs_counting<S, false>(pass, p, vectors, run, lim, mc, st);
+  return scan_runs_by_pass<S, false>(pass, p, vectors, run, lim, mc, st);
 }
 
 // The vectors [0, vectors) of floats at p into `st`.
@@ -1485,17 +1486,20 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
     mc.sub_shift = mc.small_shift ? static_cast<float>(s_units) : 0.0f;
     mc.broadcast();
     SpanState<S> st;
-    if (kScanCountsFields<S> && kCountsFieldsInScan && fields != nullptr) {
-      ScanFields counting;
-      counting.out = fields;
-      counting.base = VU32{} + static_cast<uint32_t>(4 * fields->lo);
-      st.fields = &counting;
-      scan_float_vectors<S>(p, vectors, lim, mc, st);
-      counting.counts.flush(fields->counts);
-      fields->scanned += count;
-    } else {
-      scan_float_vectors<S>(p, vectors, lim, mc, st);
+    bool counted = false;
+    if constexpr (kScanCountsFields<S> && kCountsFieldsInScan) {
+      if (fields != nullptr) {
+        ScanFields counting;
+        counting.out = fields;
+        counting.base = VU32{} + static_cast<uint32_t>(4 * fields->lo);
+        st.fields = &counting;
+        scan_float_vectors<S>(p, vectors, lim, mc, st);
+        counting.counts.flush(fields->counts);
+        fields->scanned += count;
+        counted = true;
+      }
     }
+    if (!counted) scan_float_vectors<S>(p, vectors, lim, mc, st);
     totals = st.totals;
     const FloatSums& sums = st.sums;
     hi = st.hi;
