@@ -45,9 +45,22 @@ def build_cuda() -> bool:
 # /opt/gcc/bin/g++ did). That second copy does not share the process's
 # locale: formatting a number into an error message ("xs[1] has unsupported
 # dtype") killed the process with SIGSEGV there, and cuts the message short
-# where both copies are the same version. An explicit -lstdc++ comes before
-# the compiler's own static one, which then adds nothing.
-LINK = ["-fopenmp", "-lstdc++"]
+# where both copies are the same version. The copy torch has loaded into
+# this process is named by its path, ahead of the compiler's own: a bare
+# -lstdc++ still found the static one with /opt/gcc/bin/g++ (2026-11-29).
+def shared_libstdcxx() -> list[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
+                    return [path]
+    except OSError:
+        pass
+    return ["-lstdc++"]
+
+
+LINK = ["-fopenmp", *shared_libstdcxx()]
 
 
 def extension():
