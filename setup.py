@@ -52,7 +52,8 @@ def shared_libstdcxx() -> list[str]:
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
-                path = line.split()[-1]
+                fields = line.split()  # address perms offset dev inode [path]
+                path = fields[5] if len(fields) > 5 else ""
                 if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
                     return [path]
     except OSError:
