@@ -112,7 +112,7 @@ class FieldCounter {
   // the spans before p, or -1 for none.
   FieldWindow* before_scan(const S* p, int64_t n, int seen_field) {
     if (!scan_counts_) return nullptr;
-    place_window(p, n, seen_field);
+    place_window(p, n, seen_field, kHeadroom);
     before_ = window_total();
     window_.scanned = 0;
     return &window_;
@@ -156,14 +156,9 @@ class FieldCounter {
       counted = window_.scanned;
     } else {
       // A pass of its own, while p is in the core's caches: the window's top
-      // at the largest field so far (an infinity hides the largest finite
-      // field: the window then stays where it was).
-      if (kMovable && high_field < kTop) {
-        move_window(std::clamp(high_field - kW + 1, 1, kTop - kW));
-        placed_ = true;
-      } else if (!placed_) {
-        place_window(p, n, -1);
-      }
+      // at the largest field so far, which the scan has just seen, so with
+      // no headroom.
+      place_window(p, n, high_field, 0);
       before_ = window_total();
       counted = count_window_on(path_, p, n, window_.lo, window_.counts);
     }
@@ -265,12 +260,12 @@ class FieldCounter {
     }
   }
 
-  // Puts the window's top kHeadroom fields above the largest field seen
-  // before the span, or, where none was (or an infinity hides it), in its
+  // Puts the window's top `headroom` fields above the largest field seen
+  // (seen_field), or, where none was (or an infinity hides it), in p's
   // first kCalibrate elements; where an infinity hides it and a window was
   // placed, it stays. Within 1 .. kTop - 1, where the scan counts the zero
   // and top fields.
-  void place_window(const S* p, int64_t n, int seen_field) {
+  void place_window(const S* p, int64_t n, int seen_field, int headroom) {
     if constexpr (kMovable) {
       int high = seen_field;
       if (high >= kTop && placed_) return;
@@ -282,7 +277,7 @@ class FieldCounter {
           if (f < kTop) high = std::max(high, f);
         }
       }
-      move_window(std::clamp(high + kHeadroom - kW + 1, 1, kTop - kW));
+      move_window(std::clamp(high + headroom - kW + 1, 1, kTop - kW));
       placed_ = true;
     }
   }
