@@ -109,6 +109,20 @@ def test_no_module_over_500_lines() -> None:
     assert long_modules(ROOT) == []
 
 
+def test_only_ops_py_reaches_the_native_library() -> None:
+    # One module names the native ops and the library's direct calls; the rest
+    # of zeroscan calls them through it, so a schema change is read in one place.
+    reach = re.compile(r"torch\.ops\.zeroscan\b|zeroscan\._C\b|from zeroscan import _C\b")
+    outside = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "zeroscan").rglob("*.py"))
+        if path.name != "ops.py" or path.parent.name != "zeroscan"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if reach.search(line.split("#", 1)[0])
+    ]
+    assert outside == []
+
+
 def test_import_graph_sees_function_level_imports(tmp_path: Path) -> None:
     # A cycle made only by an import inside a function is still found.
     package = tmp_path / "zeroscan"

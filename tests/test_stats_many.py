@@ -64,18 +64,18 @@ def test_one_native_call_per_device() -> None:
 @pytest.mark.parametrize("tol", [None, 0.25])
 def test_plain_cpu_tensors_call_the_operator_from_cpp(histogram: bool, tol: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
     # A list of plain CPU tensors (Parameters among them) reaches the operator
-    # through zeroscan._C.stats_many_call, not torch.ops: once, the rows and
+    # through zeroscan.ops.stats_many_call, not torch.ops: once, the rows and
     # fields torch.ops gives, and still the dispatcher's call, which dispatch
     # modes see.
     answered = []
-    native = zeroscan._C.stats_many_call
+    native = zeroscan.ops.stats_many_call
 
     def counting(*args: object) -> object:
         out = native(*args)
         answered.append(out is not None)
         return out
 
-    monkeypatch.setattr(zeroscan._C, "stats_many_call", counting)
+    monkeypatch.setattr(zeroscan.ops, "stats_many_call", counting)
     g = fresh_generator()
     tensors = [make_values(int(torch.randint(1, 9000, (), generator=g)), ALL_DTYPES[i % len(ALL_DTYPES)], g) for i in range(40)]
     tensors[3] = torch.nn.Parameter(make_values(777, torch.float32, g))

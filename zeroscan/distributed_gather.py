@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zeroscan import ops
 from zeroscan.distributed_agreement import Merged, check_agreement, tensor_words
 from zeroscan.distributed_common import PendingMerge, check_rows, comm_device, group_for, rows_of, scan_rows
 from zeroscan.ops import check_tensor, check_tol, refused
@@ -39,7 +40,7 @@ def combine_rows(gathered: torch.Tensor) -> torch.Tensor:
     if gathered.shape[0] == 0:
         raise ValueError(f"{op}: gathered holds no rank (W == 0)")
     try:
-        return torch.ops.zeroscan.combine_rows.default(gathered)
+        return ops.combine_rows(gathered)
     except RuntimeError as e:  # freed memory, say
         refused(op, [("gathered", gathered)], e)
 

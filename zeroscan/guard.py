@@ -62,6 +62,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from zeroscan import ops
 from zeroscan.ops import is_dtensor, unreadable  # importing zeroscan.ops registers the native ops
 from zeroscan.result_row import NONFINITE
 from zeroscan.stats import device_groups
@@ -76,7 +77,7 @@ _GUARDS: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKey
 def nonfinite_flags(grads: list[Tensor]) -> Tensor:
     """bool [len(grads)]: which tensors (all on one device) hold a NaN or an
     infinity. One native pass; nothing is read on the host."""
-    rows = torch.ops.zeroscan.stats_many.default(grads, None)
+    rows = ops.stats_many(grads, None)
     return rows[:, NONFINITE].sum(dim=1) > 0
 
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-import zeroscan._C
+from zeroscan import ops
 from zeroscan.ops import refused
 
 TRUNCATED = (
@@ -42,7 +42,7 @@ def maybe_mapped(x: torch.Tensor) -> bool:
     # a tenth of a small tensor's stats() call. A tensor with no storage to
     # ask (a lazy parameter, a torch.func wrapper) is left to the scan's own
     # checks, which name it.
-    return bool(zeroscan._C.foreign_storage(x))
+    return bool(ops.foreign_storage(x))
 
 
 def any_maybe_mapped(xs: Sequence[object]) -> bool:
@@ -50,7 +50,7 @@ def any_maybe_mapped(xs: Sequence[object]) -> bool:
     tensor on another device) are left to the scan's own checks."""
     if torch.compiler.is_compiling():
         return False
-    foreign = zeroscan._C.foreign_storage
+    foreign = ops.foreign_storage
     return any(foreign(x) for x in xs)
 
 
@@ -64,7 +64,7 @@ def guarded_rows(
     checks refuse is named as stats_many names it."""
     xs = [x for _, x in named]
     try:
-        rows, faulted, fields = torch.ops.zeroscan.stats_many_mapped.default(xs, tol, histogram)
+        rows, faulted, fields = ops.stats_many_mapped(xs, tol, histogram)
     except RuntimeError as e:
         refused(op, named, e)
     if bool(faulted.any()):  # on the CPU: no device to wait for (and a torch.func wrapper reads too)

@@ -43,6 +43,24 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (
 INT_DTYPES: tuple[torch.dtype, ...] = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 SCANNABLE_DTYPES = frozenset(FLOAT_DTYPES + INT_DTYPES)
 
+# The native ops, under the names the rest of zeroscan calls them by: nothing
+# outside this module reaches torch.ops.zeroscan (tests/test_layout.py checks).
+# Each is the op's OpOverload itself, so a call costs no Python frame of ours.
+stats = torch.ops.zeroscan.stats.default  # (x, tol) -> rows [NUM_FIELDS] int64
+stats_many = torch.ops.zeroscan.stats_many.default  # (xs, tol) -> rows [len(xs), NUM_FIELDS]
+# (xs, tol) -> rows [len(xs), NUM_FIELDS], fields [len(xs), widest field_bins]
+stats_many_hist = torch.ops.zeroscan.stats_many_hist.default
+# (xs, tol, histogram) -> rows [len(xs), NUM_FIELDS], faulted [len(xs)] bool, fields [len(xs), bins or 0]
+stats_many_mapped = torch.ops.zeroscan.stats_many_mapped.default
+combine_rows = torch.ops.zeroscan.combine_rows.default  # rows [ranks, n, NUM_FIELDS] -> [n, NUM_FIELDS]
+mark_nonfinite = torch.ops.zeroscan.mark_nonfinite.default  # (xs, flags [F] int32, slots [len(xs)]) -> None; ORs into flags
+# The library's direct entry points, which skip the dispatcher where no torch
+# function mode or compile can be active (zeroscan.stats says when).
+stats_call = zeroscan._C.stats_call  # (x, tol) -> rows [NUM_FIELDS], as stats
+stats_many_call = zeroscan._C.stats_many_call  # (xs, tol, histogram) -> rows | (rows, fields) | None
+tensor_metas = zeroscan._C.tensor_metas  # (xs) -> (dtypes, packed shapes, any mapped) | None
+foreign_storage = zeroscan._C.foreign_storage  # (x) -> whether x's memory is a mapped file's
+
 
 
 @torch.library.register_fake("zeroscan::stats")

@@ -40,7 +40,7 @@ from typing import Generic, TypeVar, overload
 import numpy
 import torch
 
-import zeroscan._C
+from zeroscan import ops
 from zeroscan.histogram import Histogram
 from zeroscan.mapped_reads import any_maybe_mapped, guarded_rows, maybe_mapped
 from zeroscan.ops import check_tensor, check_tol, refused, require_readable
@@ -50,14 +50,14 @@ from zeroscan.words import short_count
 
 # The native scan of one tensor, looked up once: the lookup through
 # torch.ops costs 0.5 us a call, a tenth of a small tensor's stats().
-_scan = torch.ops.zeroscan.stats.default
+_scan = ops.stats
 
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
 
 
 def _may_skip_torch_ops() -> bool:
-    """Whether an operator may be called from C++ (zeroscan._C.stats_call,
-    stats_many_call), without torch.ops' matching of the Python arguments to
+    """Whether an operator may be called from C++ (ops.stats_call,
+    ops.stats_many_call), without torch.ops' matching of the Python arguments to
     its schema: not while compiling (the graph must see the operator), nor
     under a TorchFunctionMode, whose __torch_function__ torch.ops calls and
     the dispatcher does not. The C++ calls take plain CPU tensors only and
@@ -69,7 +69,7 @@ def _scan_now(x: torch.Tensor, tol: float | None) -> torch.Tensor:
     """_scan(x, tol), from C++ where it may be: 1 us of a small tensor's 2.5
     us call was torch.ops' matching of the arguments."""
     if _may_skip_torch_ops():
-        out = zeroscan._C.stats_call(x, tol)
+        out = ops.stats_call(x, tol)
         if out is not None:
             return out
     return _scan(x, tol)
@@ -283,7 +283,7 @@ def scan_one(op: str, x: object, *, tol: object = None, histogram: object = Fals
     # does not read, freed memory) is named as the caller named it.
     if histogram:
         try:
-            rows, fields = torch.ops.zeroscan.stats_many_hist.default([x], tol)
+            rows, fields = ops.stats_many_hist([x], tol)
         except RuntimeError as e:
             refused(op, [("x", x)], e)
         return Stats(Readout(rows, fields), 0, meta_of(x), tol)
@@ -328,7 +328,7 @@ def scan_many(op: str, tensors: Iterable[torch.Tensor], *, tol: object = None, h
     # SIGBUS guard (zeroscan.mapped_reads).
     # torch.compile cannot trace the native metadata reader (a C function of
     # Python objects); under it the metadata is read in Python, and traced away.
-    metas = None if torch.compiler.is_compiling() else zeroscan._C.tensor_metas(xs)
+    metas = None if torch.compiler.is_compiling() else ops.tensor_metas(xs)
     readout: Readout | None = None
     if not (metas[2] if metas is not None else any_maybe_mapped(xs)):
         try:
@@ -368,7 +368,7 @@ def _stats_of_rows(
     readout: Readout, xs: list[torch.Tensor], tol: float | None, native: tuple[list[torch.dtype], bytes, bool] | None
 ) -> Callable[[int], Stats]:
     """What makes the Stats of row i of one native call over xs, from the
-    tensors' dtypes and shapes at the call (`native`: zeroscan._C.tensor_metas
+    tensors' dtypes and shapes at the call (`native`: ops.tensor_metas
     of xs, or None to read them here); it holds no tensor."""
     device = readout.buffer.device
     if native is None:  # compiling, or not every item a plain tensor with concrete sizes
@@ -391,15 +391,15 @@ def _scan_many_now(xs: list[torch.Tensor], tol: float | None, histogram: bool) -
     from C++ where they may be, as in _scan_now: torch.ops matches the list
     to the schema tensor by tensor, 0.05-0.2 us a tensor."""
     if _may_skip_torch_ops():
-        out = zeroscan._C.stats_many_call(xs, tol, histogram)
+        out = ops.stats_many_call(xs, tol, histogram)
         if isinstance(out, tuple):
             return Readout(*out)
         if out is not None:
             return Readout(out)
     if histogram:
-        rows, fields = torch.ops.zeroscan.stats_many_hist.default(xs, tol)
+        rows, fields = ops.stats_many_hist(xs, tol)
         return Readout(rows, fields)
-    return Readout(torch.ops.zeroscan.stats_many.default(xs, tol))
+    return Readout(ops.stats_many(xs, tol))
 
 
 def tensor_list(op: str, tensors: object, single_hint: str = "") -> list[torch.Tensor]:
@@ -441,7 +441,7 @@ def stats_many_mapped(
     # As in stats_many, the native call checks every tensor itself; what it
     # refuses (None, a meta, sparse or quantized tensor) is then named here.
     try:
-        rows, faulted, fields = torch.ops.zeroscan.stats_many_mapped.default(xs, tol, histogram)
+        rows, faulted, fields = ops.stats_many_mapped(xs, tol, histogram)
     except (RuntimeError, TypeError, ValueError) as e:
         refused(op, [(f"tensors[{i}]", x) for i, x in enumerate(xs)], e)
     if rows.is_meta:  # meta inputs reach the fake kernel
@@ -491,7 +491,7 @@ def buffers_of(
             buffers.append(guarded_rows(op, [(names(i), xs[i]) for i in group], tol, False)[0])
             continue
         try:
-            buffers.append(torch.ops.zeroscan.stats_many.default(tensors, tol))
+            buffers.append(ops.stats_many(tensors, tol))
         except RuntimeError as e:  # a quantized or nested tensor, a dtype not read, freed memory
             refused(op, [(names(i), xs[i]) for i in group], e)
     return buffers

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from zeroscan import ops
 from zeroscan.checkpoint.files import (
     FileSource,
     FileTensor,
@@ -233,7 +234,7 @@ class BatchScanner:
         """The Stats of a tensor from its pieces' rows (and histograms), which are then forgotten."""
         rows = torch.stack(self._piece_rows).unsqueeze(1)  # [pieces, 1 tensor, 16]
         self._piece_rows = []
-        merged = torch.ops.zeroscan.combine_rows.default(rows)[0]
+        merged = ops.combine_rows(rows)[0]
         meta = (last.dtype, last.shape, torch.device("cpu"))
         if not self.histogram:
             return Stats(Readout(merged), 0, meta, self.tol)

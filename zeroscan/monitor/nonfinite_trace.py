@@ -69,6 +69,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from zeroscan import ops
 from zeroscan.monitor.hooks import Hooks, weak_hook
 from zeroscan.monitor.step_record import Param
 from zeroscan.monitor.tensor_tree import flaggable, tensors_in
@@ -77,7 +78,7 @@ CHUNK = 1024  # flag slots per device buffer
 MAX_HOOKED = 2048  # gradient hooks per segment (see above: a graph freed with more in one chain can overflow the stack)
 TENSOR, PARAMETER = 0, 1  # what a gradient arrival is for
 NO_PASS = -1  # the pass column of a parameter's arrival: it belongs to the segment's backward
-_MARK = torch.ops.zeroscan.mark_nonfinite.default
+_MARK = ops.mark_nonfinite
 _NO_KERNEL: set[str] = set()  # device types mark_nonfinite has no kernel for (found on first use)
 
 

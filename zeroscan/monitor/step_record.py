@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from zeroscan import ops
 from zeroscan.monitor.table import FieldBlock, RowTable
 from zeroscan.ops import scannable_form
 from zeroscan.result_row import NUM_FIELDS, Row, decode
@@ -215,13 +216,13 @@ def collect_params(model: nn.Module) -> list[Param]:
 
 def native_many(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One native scan of tensors on one device: int64 [N, 16], not read."""
-    return torch.ops.zeroscan.stats_many.default(tensors, None)
+    return ops.stats_many(tensors, None)
 
 
 def native_many_hist(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """native_many that also counts each tensor's histogram in the same pass:
     rows int64 [N, 16] and fields int64 [N, B] (zeroscan.histogram), not read."""
-    return torch.ops.zeroscan.stats_many_hist.default(tensors, None)
+    return ops.stats_many_hist(tensors, None)
 
 
 def scan_one_device(tensors: list[torch.Tensor], slots: list[int], histogram: bool) -> Scan:
