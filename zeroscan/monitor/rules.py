@@ -25,7 +25,8 @@ from zeroscan.monitor.series import Series
 from zeroscan.monitor.steps import judged_records, nothing_ran, step_findings
 from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
 from zeroscan.result_row import Column, Row
-from zeroscan.verdicts import Cause, Severity
+from zeroscan.value_rules import Limits, Values, verdict_of
+from zeroscan.verdicts import Cause, Severity, Verdict
 from zeroscan.words import RankSet, count_noun, is_are, listed
 
 WEIGHT_RMS_FLOOR = 1e-2  # see Thresholds.exploding
@@ -203,80 +204,36 @@ def _grad_finding(
     th: Thresholds,
     zero_why: Why | None = None,
 ) -> Finding | None:
-    """`zero_why`: why the gradient is exactly zero, where the cause analysis knows;
-    `params`: every parameter (a gradient's neighbours tell its scale)."""
+    """What the gradient's values say, by the rule book of zeroscan/value_rules.py
+    (its verdicts in its order), worded for a gradient: where its zeros come
+    from, how it compares with its weight. `zero_why`: why the gradient is
+    exactly zero, where the cause analysis knows; `params`: every parameter
+    (a gradient's neighbours tell its scale)."""
     name = p.name
-    n = int(g["numel"])
-    if n == 0:
+    # A gradient's tiny values are its subnormal ones: its healthy entries are often below eps.
+    values = Values.of_row(g, p.tensor.dtype, tiny="subnormal")
+    limits = Limits(th.mostly_zero, th.partial_underflow)
+    rule = verdict_of(values, limits)
+    verdict = Verdict.HEALTHY if rule is None else rule.verdict
+    if verdict is Verdict.EMPTY:
         return None
-    if g["nan"] + g["posinf"] + g["neginf"]:
+    if verdict is Verdict.NONFINITE:
         return Finding(name, "grad", Severity.ERROR, Cause.NONFINITE, (
             f"the gradient of {name} holds {nonfinite_words(g)}: an overflow, a division by zero, "
             "log/sqrt of a non-positive value, or a torch.where whose unselected branch is NaN; "
             "the optimizer step will poison the weights (use GradScaler / anomaly mode to find it)"
         ))
-    zeros = int(g["zeros"])
-    if zeros == n:
-        streak = series.zero_streak(p.index)
-        lasting = streak >= th.zero_window or (streak >= 2 and series.unchanged_for(p.index) >= streak)
-        if underflowing and p.tensor.dtype in (torch.float16, torch.bfloat16):
-            return Finding(name, "grad", Severity.WARNING, Cause.UNDERFLOW, (
-                f"every entry of the gradient of {name} is exactly zero while other {dtype_name(p.tensor.dtype)} "
-                "gradients of this step are subnormal: it most likely underflowed to zero. Scale the "
-                "loss (torch.amp.GradScaler), use bfloat16, or keep float32 master gradients"
-            ))
-        # A design that starts at zero is zero from the first monitored step: after a nonzero one, it is not that.
-        half = fp16_underflow(p, g, series.records[-1].context, th, lasting or streak < len(series.records))
-        if half is not None:
-            return half
-        if zero_why is not None and lasting:  # a hook, an output weighted by 0, a Function, a compiled cut
-            # Named once the zeros last: before that a design that starts at zero (LoRA's B = 0) is
-            # likelier, whatever sits on the way, and the INFO below says so.
-            severity = Severity.ERROR if zero_why.cause == Cause.DETACHED else Severity.WARNING
-            return Finding(name, "grad", severity, Cause(zero_why.cause), zero_why.message, root=zero_why.root)
-        # An exact cancellation of what is otherwise rounding noise: once the zeros last, or where an
-        # earlier monitored step showed the noise (a one-element shift's sum cancels now and then).
-        noise_seen = any(c < n for c in series.zero_counts(p.index))
-        noise = structural_zero(p, params, series) if lasting or noise_seen else None
-        if noise is not None:
-            return noise
-        if dead:
-            why = (
-                f"the activation{'s' if len(dead) > 1 else ''} {', '.join(dead)} "
-                f"{'are' if len(dead) > 1 else 'is'} dead (every unit zero for the whole batch) "
-                "and pass no gradient"
-            )
-        else:
-            why = (
-                "a dead ReLU, a mask or torch.where that selects none of these elements, "
-                "a multiplication by zero, or a loss that is constant in this parameter"
-            )
-        if lasting:
-            return Finding(name, "grad", Severity.WARNING, Cause.EXACT_ZERO, (
-                f"every entry of the gradient of {name} is exactly zero, at the last {streak} monitored "
-                f"steps: {why}; it does not train"
-            ), root=(
-                f"every entry of these parameters' gradients is exactly zero, at the last {streak} monitored "
-                f"steps: {why}; they do not train"
-            ))
-        step = series.records[-1].step
-        by_design = (
-            "A parameter that starts at zero by design does this at its first step (LoRA's A while B = 0, "
-            f"the blocks of zero_init_residual); a warning if it lasts {th.zero_window} monitored steps"
-        )
-        return Finding(name, "grad", Severity.INFO, Cause.EXACT_ZERO, (
-            f"every entry of the gradient of {name} is exactly zero at step {step}: {why}. {by_design}"
-        ), root=f"every entry of these parameters' gradients is exactly zero at step {step}: {why}. {by_design}")
-    nonzero = n - zeros
-    sub = int(g["subnormal"])
+    if verdict is Verdict.EXACT_ZERO:
+        return _zero_grad_finding(p, params, g, dead, series, underflowing, th, zero_why)
+    n, zeros, nonzero, sub = values.numel, values.zeros, values.nonzero, values.subnormal
     dtype = dtype_name(p.tensor.dtype)
-    if sub and sub == nonzero:
+    if verdict is Verdict.UNDERFLOW:
         return Finding(name, "grad", Severity.ERROR, Cause.UNDERFLOW, (
             f"every nonzero entry of the gradient of {name} ({nonzero} of {n}) is subnormal in "
             f"{dtype} (|g| up to {g['max_abs']:.3g}); the rest underflowed to zero. Scale the "
             "loss (torch.amp.GradScaler), use bfloat16, or keep float32 master gradients"
         ))
-    if sub and sub / nonzero >= th.partial_underflow:
+    if verdict is Verdict.PARTIAL_UNDERFLOW:
         return Finding(name, "grad", Severity.WARNING, Cause.UNDERFLOW, (
             f"{100 * sub / nonzero:.3g}% of the nonzero gradient entries of {name} are subnormal in "
             f"{dtype} (and {100 * zeros / n:.3g}% are exactly zero): the gradient is underflowing; "
@@ -285,7 +242,7 @@ def _grad_finding(
     half = fp16_underflow(p, g, series.records[-1].context, th)
     if half is not None:
         return half
-    if zeros / n >= th.mostly_zero and not p.embedding:
+    if verdict is Verdict.MOSTLY_ZERO and not p.embedding:
         noise = structural_zero(p, params, series)
         if noise is not None:  # rounding noise, most of whose sums cancelled exactly
             return noise
@@ -301,6 +258,8 @@ def _grad_finding(
         return Finding(name, "grad", Severity.INFO, Cause.MOSTLY_ZERO, (
             f"{100 * zeros / n:.3g}% of the gradient entries of {name} are exactly zero; {why}"
         ))
+    if rule is not None and verdict not in _WEIGHED_BY_NORMS:  # a rule this module has no words of its own for
+        return Finding(name, "grad", verdict.severity, verdict.cause, f"the gradient of {name}: {rule.says(values, limits)}")
     if w is None:
         return None
     w_norm, g_norm = float(w["norm"]), float(g["norm"])
@@ -324,6 +283,77 @@ def _grad_finding(
             f"||w|| = {w_norm:.3g}); clip gradients, lower the learning rate, or check the loss scale"
         ))
     return None
+
+
+# Verdicts after which a gradient is judged by its size against its weight's.
+_WEIGHED_BY_NORMS = frozenset({Verdict.MOSTLY_ZERO, Verdict.CONSTANT, Verdict.HEALTHY})
+
+
+def _zero_grad_finding(
+    p: Param,
+    params: list[Param],
+    g: Row,
+    dead: list[str],
+    series: Series,
+    underflowing: bool,
+    th: Thresholds,
+    zero_why: Why | None,
+) -> Finding:
+    """Every entry of the gradient is exactly zero: underflowed, by design at
+    a first step, cut by something the cause analysis named, rounding noise
+    that cancelled, or dead units, a mask, a constant loss."""
+    name = p.name
+    n = int(g["numel"])
+    streak = series.zero_streak(p.index)
+    lasting = streak >= th.zero_window or (streak >= 2 and series.unchanged_for(p.index) >= streak)
+    if underflowing and p.tensor.dtype in (torch.float16, torch.bfloat16):
+        return Finding(name, "grad", Severity.WARNING, Cause.UNDERFLOW, (
+            f"every entry of the gradient of {name} is exactly zero while other {dtype_name(p.tensor.dtype)} "
+            "gradients of this step are subnormal: it most likely underflowed to zero. Scale the "
+            "loss (torch.amp.GradScaler), use bfloat16, or keep float32 master gradients"
+        ))
+    # A design that starts at zero is zero from the first monitored step: after a nonzero one, it is not that.
+    half = fp16_underflow(p, g, series.records[-1].context, th, lasting or streak < len(series.records))
+    if half is not None:
+        return half
+    if zero_why is not None and lasting:  # a hook, an output weighted by 0, a Function, a compiled cut
+        # Named once the zeros last: before that a design that starts at zero (LoRA's B = 0) is
+        # likelier, whatever sits on the way, and the INFO below says so.
+        severity = Severity.ERROR if zero_why.cause == Cause.DETACHED else Severity.WARNING
+        return Finding(name, "grad", severity, Cause(zero_why.cause), zero_why.message, root=zero_why.root)
+    # An exact cancellation of what is otherwise rounding noise: once the zeros last, or where an
+    # earlier monitored step showed the noise (a one-element shift's sum cancels now and then).
+    noise_seen = any(c < n for c in series.zero_counts(p.index))
+    noise = structural_zero(p, params, series) if lasting or noise_seen else None
+    if noise is not None:
+        return noise
+    if dead:
+        why = (
+            f"the activation{'s' if len(dead) > 1 else ''} {', '.join(dead)} "
+            f"{'are' if len(dead) > 1 else 'is'} dead (every unit zero for the whole batch) "
+            "and pass no gradient"
+        )
+    else:
+        why = (
+            "a dead ReLU, a mask or torch.where that selects none of these elements, "
+            "a multiplication by zero, or a loss that is constant in this parameter"
+        )
+    if lasting:
+        return Finding(name, "grad", Severity.WARNING, Cause.EXACT_ZERO, (
+            f"every entry of the gradient of {name} is exactly zero, at the last {streak} monitored "
+            f"steps: {why}; it does not train"
+        ), root=(
+            f"every entry of these parameters' gradients is exactly zero, at the last {streak} monitored "
+            f"steps: {why}; they do not train"
+        ))
+    step = series.records[-1].step
+    by_design = (
+        "A parameter that starts at zero by design does this at its first step (LoRA's A while B = 0, "
+        f"the blocks of zero_init_residual); a warning if it lasts {th.zero_window} monitored steps"
+    )
+    return Finding(name, "grad", Severity.INFO, Cause.EXACT_ZERO, (
+        f"every entry of the gradient of {name} is exactly zero at step {step}: {why}. {by_design}"
+    ), root=f"every entry of these parameters' gradients is exactly zero at step {step}: {why}. {by_design}")
 
 
 def _update_finding(p: Param, series: Series, th: Thresholds, optimizer: OptimizerView) -> Finding | None:
