@@ -398,7 +398,7 @@ def test_one_scan_per_step_and_no_readback(monkeypatch: pytest.MonkeyPatch) -> N
     def no_decode(*args: Any) -> Any:
         raise AssertionError("the Monitor read results back during training")
 
-    monitor_py = sys.modules["zeroscan.monitor.monitor"]  # where the Monitor reads records back
+    monitor_py = sys.modules["zeroscan.monitor.step_reads"]  # where the Monitor reads records back
     real_decode = monitor_py.decode_records
     monkeypatch.setattr(monitor_records, "native_many", counting)
     monkeypatch.setattr(monitor_py, "decode_records", no_decode)

@@ -199,7 +199,7 @@ def test_one_call_per_scan_no_readback_and_fields_of_the_latest_step_only(monkey
     def no_decode(*args: Any) -> Any:
         raise AssertionError("the Monitor read results back during training")
 
-    monitor_py = sys.modules["zeroscan.monitor.monitor"]
+    monitor_py = sys.modules["zeroscan.monitor.step_reads"]
     real_decode = monitor_py.decode_records
     monkeypatch.setattr(monitor_records, "native_many_hist", counting)
     monkeypatch.setattr(monitor_records, "native_many", witness_only)

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-from zeroscan.monitor.step_record import Param, grad_row
+from zeroscan.monitor.step_record import Param
 
 _ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
 
@@ -48,22 +48,6 @@ def grad_state(params: list[Param]) -> GradState:
         g = p.tensor.grad
         out.append(None if g is None else (weakref.ref(g), g._version))
     return out
-
-
-def present_grads(params: list[Param]) -> tuple[list[torch.Tensor], list[int], list[int]]:
-    """The gradients present now and their rows (step_record.grad_row), and
-    the indices of the parameters that require a gradient and have none."""
-    tensors: list[torch.Tensor] = []
-    slots: list[int] = []
-    missing: list[int] = []
-    for p in params:
-        g = p.tensor.grad
-        if g is not None:
-            tensors.append(g)
-            slots.append(grad_row(p.index))
-        elif p.tensor.requires_grad:
-            missing.append(p.index)
-    return tensors, slots, missing
 
 
 def same_grad(p: Param, was: tuple[weakref.ReferenceType[torch.Tensor], int] | None) -> bool:

@@ -2,20 +2,19 @@
 rows, the history and where a NaN was born, put together.
 
 The Monitor decides when a report is made and which records it judges
-(monitor.py); what each record means is rules.py and steps.py; this module
-only assembles their answers into one Report.
+(monitor.py); what each record means is rules.py and steps.py, whose
+findings this module puts into the Report as the rules worded them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 from torch import nn
 
 from zeroscan.monitor.causes import CauseFinder
-from zeroscan.monitor.changes import Memberships, change_findings, merged, without_superseded
+from zeroscan.monitor.changes import Memberships
 from zeroscan.monitor.grad_histograms import latest_histograms
 from zeroscan.monitor.nonfinite_origin import origin_finding, pointer
 from zeroscan.monitor.nonfinite_trace import StepTrace
@@ -26,7 +25,6 @@ from zeroscan.monitor.series import COUNT_COLUMNS, history, tensor_rows
 from zeroscan.monitor.step_record import Param, StepRecord
 from zeroscan.monitor.steps import history_records, judged_records
 from zeroscan.monitor.unregistered import unregistered_state
-from zeroscan.verdicts import Cause
 
 
 def compose_report(
@@ -49,25 +47,19 @@ def compose_report(
     `notices`: findings the Monitor made about itself (ranks.default_group);
     `grads_from`: where the gradients were read (grad_source.GradSource.where),
     said in each gradient finding's message where it is not .grad."""
-    latest = judged_records(params, recorded)[-1]
+    basis = judged_records(params, recorded)
+    latest = basis[-1]
     explain_zeros(params, latest, causes)
     model_findings = unregistered_state(model) + list(notices)
-    origin, pointing = None, ""
+    origin, origin_pointer = None, ""
     if traced is not None:
         found, origin = origin_finding(params, recorded, traced)
         model_findings += [found] if found is not None else []
-        pointing = pointer(origin, found)
-    findings = judge(params, recorded, thresholds, optimizer_view(optimizer, params), model_findings)
-    changes, superseded = change_findings(params, recorded, memberships)
-    findings = merged(without_superseded(findings, superseded), changes)
-    if pointing:
-        findings = [
-            replace(f, message=f.message + pointing) if f.cause in (Cause.NONFINITE, Cause.SKIPPED_STEPS) else f
-            for f in findings
-        ]
-    if grads_from != ".grad":
-        findings = [replace(f, message=f"{f.message} (gradient read from {grads_from})") if f.kind == "grad" else f
-                    for f in findings]
+        origin_pointer = pointer(origin, found)
+    findings = judge(
+        params, recorded, basis, thresholds, optimizer_view(optimizer, params), model_findings, memberships,
+        origin_pointer, grads_from,
+    )
     shown = history_records(params, recorded)
     return Report(
         latest.step, findings, tensor_rows(params, latest), history(params, shown),

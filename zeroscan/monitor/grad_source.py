@@ -265,34 +265,30 @@ class GradReads:
             self._partitioned = (params, self.source.partitioned_rows(params))
         return self._partitioned[1]
 
-    def unreached(self, params: list[Param]) -> list[int]:
-        """The parameters that require a gradient and that no backward pass
-        of this step reached (a source that keeps a buffer for every one)."""
-        seen = self.reached.seen if self.reached is not None else set()
-        return [p.index for p in params if p.tensor.requires_grad and p.index not in seen]
-
-    def at_step(
-        self, params: list[Param], backward: GradState | None, record: StepRecord
+    def gather(
+        self, params: list[Param], record: StepRecord | None = None, backward: GradState | None = None,
+        *, at_step: bool = True,
     ) -> tuple[list[torch.Tensor], list[int], list[int]]:
-        """The tensors to scan at a step (every gradient there is, every
-        weight) at their Slot rows, and the parameters that require a
-        gradient and have none. A gradient that backward left (`backward`:
-        the gradients as backward left them) and that is gone now goes into
-        `record.cleared`, with its cause."""
+        """A step's tensors to scan at their Slot rows, and the parameters
+        that require a gradient and have none. At the step (`at_step`): every
+        gradient there is and every weight; a gradient that backward left
+        (`backward`: the gradients as backward left them) and that is gone
+        now goes into `record.cleared`, with its cause. As backward ends
+        (not `at_step`): the gradients alone, and none where a framework
+        moves them at its step (only which parameters backward did not reach)."""
         tensors: list[torch.Tensor] = []
         slots: list[int] = []
         missing: list[int] = []
         source, reached = self.source, self.reached
         for p in params:
-            if reached is not None and p.index in reached.seen:
-                g = source.grad(p)  # None: outside the framework's optimizer, which keeps none (that finding says so)
-            elif reached is not None:
-                g = None
-                if p.tensor.requires_grad:
+            if reached is not None:
+                # None: outside the framework's optimizer, which keeps none (that finding says so)
+                g = source.grad(p) if at_step and p.index in reached.seen else None
+                if p.index not in reached.seen and p.tensor.requires_grad:
                     missing.append(p.index)
             else:
                 g = source.grad(p)
-                if g is None and backward is not None and backward[p.index] is not None:
+                if g is None and backward is not None and record is not None and backward[p.index] is not None:
                     record.cleared.append(p.index)
                     record.none_causes[p.index] = cleared_cause(p.name)
                 elif g is None and p.tensor.requires_grad:
@@ -300,7 +296,7 @@ class GradReads:
             if g is not None:
                 tensors.append(g)
                 slots.append(grad_row(p.index))
-            w = source.weight(p)
+            w = source.weight(p) if at_step else None
             if w is not None:
                 tensors.append(w)
                 slots.append(weight_row(p.index))

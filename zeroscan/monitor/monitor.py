@@ -1,17 +1,18 @@
 """The Monitor itself: its hooks, its lifecycle, and when it scans.
 
-What is measured lives elsewhere: the scan is zeroscan's native stats_many
-(step_record.py), run over a step's tensors by scanner.py, the activation scans
-are activations.py, what is read of the optimizer is optimizer.py, why a
-gradient is None is causes.py, what the records mean is rules.py, the
-exchange across ranks is ranks.py, where a NaN was born is
-nonfinite_trace.py (recording) and nonfinite_origin.py (reading), and the
-report is put together by compose.py.
+A monitored step runs one way: the hooks here decide when to read, then
+step_reads.py gathers the step's tensors (grad_source.py) and scans them
+into a StepRecord (scanner.py, zeroscan's native stats_many), and a report
+decodes the records and hands them to the rules (rules.py, with the rule
+book for values, zeroscan/value_rules.py), whose findings compose.py puts
+into a Report. What is read of the optimizer is optimizer.py, why a
+gradient is None is causes.py, the exchange across ranks is ranks.py, where
+a NaN was born is nonfinite_trace.py (recording) and nonfinite_origin.py
+(reading).
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 import weakref
 from collections import deque
@@ -23,27 +24,27 @@ from torch import nn
 
 from zeroscan.monitor import step_record
 from zeroscan.monitor.activations import ActivationScans, activation_modules, scannable
-from zeroscan.monitor.backward import BackwardWatch, GradState, grads_touched, present_grads, reset_kind
+from zeroscan.monitor.backward import BackwardWatch, grads_touched, reset_kind
 from zeroscan.monitor.causes import CauseFinder
 from zeroscan.monitor.changes import Memberships
-from zeroscan.monitor.deferred import OpenStep, Pending, ResetHabit, witness_of
+from zeroscan.monitor.compose import compose_report
+from zeroscan.monitor.deferred import OpenStep, ResetHabit
 from zeroscan.monitor.frameworks import gradient_source, recognize
+from zeroscan.monitor.grad_histograms import check_histogram, free_earlier_fields
 from zeroscan.monitor.grad_source import GradReads
 from zeroscan.monitor.graph import Root, output_roots
-from zeroscan.monitor.compose import compose_report
-from zeroscan.monitor.grad_histograms import check_histogram, free_earlier_fields
 from zeroscan.monitor.hooks import Hooks, weak_hook
 from zeroscan.monitor.nonfinite_trace import NonfiniteTrace
 from zeroscan.monitor.optimizer import param_groups_holder, step_lrs
 from zeroscan.monitor.optimizer_hook import attach_step
-from zeroscan.monitor.ranks import RankExchange, check_group, decode, default_group
-from zeroscan.monitor.step_record import StepRecord, decode_records, renumber
 from zeroscan.monitor.options import check_options
+from zeroscan.monitor.ranks import RankExchange, check_group, decode, default_group
 from zeroscan.monitor.report import Report, Thresholds
 from zeroscan.monitor.scanner import Scanner
+from zeroscan.monitor.step_reads import StepReads
+from zeroscan.monitor.step_record import StepRecord, renumber
 from zeroscan.monitor.structure import StructureWatch, carried_over
 from zeroscan.monitor.turns import Turns
-
 
 MAX_TRACED_STEPS = 1024  # with every > 1, steps the trace keeps at most (about 14 KiB each)
 
@@ -121,7 +122,7 @@ class Monitor:
         self._framework = framework
         process_group, self._mesh_warning = default_group(process_group, self._params)
         group = check_group(op, process_group, self._params)
-        self.histogram = check_histogram(op, histogram, group)
+        histogram = check_histogram(op, histogram, group)
         self._ranks = None if group is None else RankExchange(group, self._params, self.thresholds.replica_rtol)
         source = gradient_source(op, framework, groups, self._params)
         # Hooks hold this Monitor weakly, stay out of a pickled or copied model (hooks.py), and go with it.
@@ -135,7 +136,8 @@ class Monitor:
                         after=None if after is None else weak_hook(self, after))
         # Where each gradient is read (grad_source.py): one that a framework moves after
         # backward is read at the step, and which parameters backward reached is told by a hook.
-        self._reads = GradReads(source, self._params, self._hooks)
+        self._grads = GradReads(source, self._params, self._hooks)
+        self._reads = StepReads(self._grads, Scanner(self._ranks), histogram)
         self._last_stepped: StepRecord | None = None  # its framework's step may say it skipped
         # The step path (hooks, possibly on autograd's threads) and report() from any
         # thread take turns, a waiting step first (turns.py).
@@ -145,7 +147,6 @@ class Monitor:
         self._records: deque[StepRecord] = deque(maxlen=history)
         self._count = 0
         self._closed = False
-        self._scanner = Scanner(self._ranks)
         self._activations = ActivationScans()  # this step's; the next step gets a new one
         self._in_auto = False
         self._open: OpenStep | None = None
@@ -198,6 +199,10 @@ class Monitor:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def histogram(self) -> bool:
+        return self._reads.histogram
 
     @property
     def steps_seen(self) -> int:
@@ -259,7 +264,7 @@ class Monitor:
         with self._turns.step:
             self._habit.observe(self._params, last=True)
             open_step = self._open
-            self._open_touched = open_step is not None and self._reads.touched(self._params, open_step.grads)
+            self._open_touched = open_step is not None and self._grads.touched(self._params, open_step.grads)
             if self._open_touched:
                 assert open_step is not None
                 self._read_pending(open_step)  # before this pass writes gradients (into the same memory, maybe)
@@ -283,29 +288,10 @@ class Monitor:
         if self._monitored():  # the gradients as backward left them: a skipped step keeps these
             record = StepRecord(self._count)
             record.stepped = None
-            pending = self._read_backward(record)
-            record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
-        self._open = OpenStep(record, self._reads.state(self._params), pending)
-
-    def _read_backward(self, record: StepRecord) -> Pending | None:
-        """The gradients as backward left them: read into `record` now, held
-        to be read later (Pending), or left to the step where a framework
-        moves them (grad_source.py)."""
-        moved = self._reads.source.moved
-        tensors, slots, missing = ([], [], self._reads.unreached(self._params)) if moved else present_grads(
-            self._params
-        )
-        if missing:  # require grad, have none (or none reached): the engine says why while it can
-            self._causes.backward_finished(missing)
-        if moved:
-            return None
-        if not self._habit.defer:
-            self._scanner.scan_into(record, tensors, slots, self._params, self.histogram)
-            return None
-        # read at optimizer.step(), or once the loop lets them go (deferred.py)
-        if self._ranks is None:  # across ranks no row `before` is kept to read it
-            record.witness = witness_of(tensors, slots)
-        return Pending(tensors, slots)
+            pending = self._reads.at_backward_end(
+                record, self._params, self._causes, self._habit.defer, self._ranks is not None
+            )
+        self._open = OpenStep(record, self._grads.state(self._params), pending)
 
     def _read_pending(self, open_step: OpenStep) -> None:
         """The open step's gradients were touched with no optimizer step: its
@@ -319,7 +305,7 @@ class Monitor:
             self._habit.learn(in_place=kind == "in place")
         if self._open is open_step:
             self._open = open_step._replace(pending=None)
-        self._scanner.scan_into(open_step.record, pending.tensors, pending.slots, self._params, self.histogram)
+        self._reads.held(open_step.record, pending, self._params)
 
     # ---- stepping --------------------------------------------------------
 
@@ -350,10 +336,10 @@ class Monitor:
         record = None
         if open_step is not None and open_step.record is not None:
             record = open_step.record
-            self._scan(record, loss, open_step.grads)
+            self._reads.at_step(record, self._params, loss, open_step.grads, self._activations, self._causes, self._watch)
         elif self._monitored():
             record = StepRecord(self._count)
-            self._scan(record, loss, None)
+            self._reads.at_step(record, self._params, loss, None, self._activations, self._causes, self._watch)
         if record is not None and self._groups is not None:  # the rates and groups this step runs with
             record.lrs = step_lrs(self._groups)
             self._memberships.observe(record.step, self._groups, self._params, self._records)
@@ -361,7 +347,7 @@ class Monitor:
         self._habit.stepped(self._params)
         self._end_step(record, stepped=True)
         self._last_stepped = record
-        self._reads.stepped(self._params)
+        self._grads.stepped(self._params)
 
     def _after_framework_step(self, returned: Any) -> None:
         with self._turns.step:  # a framework's step returned: it may have updated nothing (frameworks.py)
@@ -383,26 +369,6 @@ class Monitor:
         self._count += 1
         self._causes.step_finished(monitored, self._watch.fired)
         self._activations = ActivationScans()
-
-    def _scan(
-        self, record: StepRecord, loss: torch.Tensor | None, backward: GradState | None, *, collective: bool = True
-    ) -> None:
-        """One native scan per device of every gradient and weight, into
-        `record`; never reads it. `backward`: the gradients as the step's
-        backward pass left them, where the Monitor saw it end.
-        collective=False (a report() on some ranks only) leaves out what only
-        a collective could read (a Partial DTensor)."""
-        tensors, slots, missing = self._reads.at_step(self._params, backward, record)
-        record.requires_grad = tuple(p.tensor.requires_grad for p in self._params)
-        partitioned = self._reads.partitioned(self._params)
-        self._scanner.scan_into(
-            record, tensors, slots, self._params, self.histogram, collective=collective, partitioned=partitioned
-        )
-        record.activations = self._activations.scans
-        record.notes.extend(self._activations.notes)
-        if missing:
-            seen = (backward is not None) if self._watch.active else None
-            record.none_causes.update(self._causes.explain(missing, loss, seen, self._watch.fired))
 
     # ---- reporting -------------------------------------------------------
 
@@ -444,19 +410,12 @@ class Monitor:
         if not recorded:  # this rank's own scan: no merge was started for it
             # An open step's gradients were read when backward ended: no step has been taken
             # yet, so the Monitor does not know yet whether they may wait (deferred.py).
-            now = self._open.record if self._open is not None and not self._reads.source.moved else None
-            if now is not None:  # read a copy: the open step goes on, and its merge is read later
-                now = copy.copy(now)
-            else:
-                now = StepRecord(-1)
-                now.stepped = None
-                self._scan(now, None, None, collective=False)
-            decode_records([now])
-            recorded = [now]
+            open_record = self._open.record if self._open is not None else None
+            recorded = [self._reads.now(open_record, self._params, self._activations, self._causes, self._watch)]
         traced = list(self._trace.steps) if self._trace is not None else None
         return compose_report(
             self._params, recorded, self.thresholds, self._groups, self.model, traced, self._causes, self._memberships,
-            [self._mesh_warning] if self._mesh_warning is not None else [], self._reads.source.where,
+            [self._mesh_warning] if self._mesh_warning is not None else [], self._grads.source.where,
         )
 
     def _close_trace(self) -> None:
@@ -490,10 +449,10 @@ class Monitor:
         for r in recorded:
             renumber(r, new_index, requires_grad)
         self._memberships.renumber(new_index)
-        self._reads.renumber(params, new_index)
+        self._grads.renumber(params, new_index)
         self._habit.forget()
         if self._open is not None:
-            self._open = self._open.renumbered(new_index, requires_grad, self._reads.state(params))
+            self._open = self._open.renumbered(new_index, requires_grad, self._grads.state(params))
         self._params = params
         self._causes.drop()
         self._causes = CauseFinder(self.model, params, self._hooks)

@@ -11,7 +11,7 @@ object whose param groups the Monitor reads, and optimizer_hook.py the one
 whose step it scans at.
 
 Each parameter's param group feeds the "not_in_optimizer" check and the
-lr-0 hints (rules.OptimizerView); each monitored step records the learning
+lr-0 hints (OptimizerView); each monitored step records the learning
 rate of every param group as the step runs with it (StepRecord.lrs), read
 before optimizer.step() and the scheduler change it.
 """
@@ -25,7 +25,11 @@ import torch
 
 from zeroscan.monitor.frameworks import Framework
 from zeroscan.monitor.step_record import Param
-from zeroscan.monitor.rules import OptimizerView
+
+# What the optimizer holds: each parameter's (index) param group, by its
+# number in optimizer.param_groups (StepRecord.lrs holds each group's learning
+# rate at that step); None for a Monitor without an optimizer.
+OptimizerView = dict[int, int] | None
 
 # Where wrappers keep the optimizer they wrap: Accelerate's AcceleratedOptimizer and
 # most research wrappers (.optimizer), timm's Lookahead (.base_optimizer, newer

@@ -12,8 +12,10 @@ import math
 
 import torch
 
+from zeroscan.monitor.changes import Memberships, change_findings, merged, without_superseded
 from zeroscan.monitor.drift import history_findings
 from zeroscan.monitor.grouping import group_findings
+from zeroscan.monitor.optimizer import OptimizerView
 from zeroscan.monitor.precision import fp16_underflow
 from zeroscan.monitor.structural import structural_zero
 from zeroscan.monitor.whole_model import all_zero_finding, input_cut_finding
@@ -22,7 +24,7 @@ from zeroscan.monitor.step_record import (
 )
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
 from zeroscan.monitor.series import Series
-from zeroscan.monitor.steps import judged_records, nothing_ran, step_findings
+from zeroscan.monitor.steps import nothing_ran, step_findings
 from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
 from zeroscan.result_row import Column, Row
 from zeroscan.value_rules import Limits, Values, verdict_of
@@ -31,25 +33,28 @@ from zeroscan.words import RankSet, count_noun, is_are, listed
 
 WEIGHT_RMS_FLOOR = 1e-2  # see Thresholds.exploding
 
-# What the optimizer holds: each parameter's (index) param group, by its
-# number in optimizer.param_groups (StepRecord.lrs holds each group's learning
-# rate at that step); None for a Monitor without an optimizer.
-OptimizerView = dict[int, int] | None
 
 
 def judge(
     params: list[Param],
     records: list[StepRecord],
+    basis: list[StepRecord],
     thresholds: Thresholds,
     optimizer: OptimizerView,
     model_findings: list[Finding],
+    memberships: Memberships | None = None,
+    origin_pointer: str = "",
+    grads_from: str = ".grad",
 ) -> list[Finding]:
-    """Every finding over decoded `records` (oldest first), ranked by severity
-    then by parameter order, one per root cause (grouping.py). `model_findings`
+    """Every finding over decoded `records` (oldest first; `basis`: the
+    records the rules judge a step by, steps.judged_records of them), ranked
+    by severity then by parameter order, one per root cause (grouping.py),
+    with the stopped_training findings among them (changes.py). `model_findings`
     (about the model itself, such as unregistered state) rank after the
-    parameters' own."""
+    parameters' own. The nonfinite and skipped_steps findings end with
+    `origin_pointer` (nonfinite_origin.pointer), and each gradient finding
+    says where the gradient was read where it is not .grad (`grads_from`)."""
     found: list[tuple[int, Finding]] = [(len(params), f) for f in model_findings]
-    basis = judged_records(params, records)
     series = Series(basis, len(params))
     found += _optimizer_findings(params, series, optimizer)
     if records:
@@ -57,7 +62,20 @@ def judge(
         found += _latest_findings(params, series, thresholds, optimizer)
         found += history_findings(params, series, thresholds)
     found.sort(key=lambda of: (-int(of[1].severity), of[0]))
-    return group_findings([f for _, f in found])
+    changes, superseded = change_findings(params, records, memberships)
+    findings = merged(without_superseded(group_findings([f for _, f in found]), superseded), changes)
+    return [_worded(f, origin_pointer, grads_from) for f in findings]
+
+
+def _worded(finding: Finding, origin_pointer: str, grads_from: str) -> Finding:
+    """`finding` as the report says it: pointing at where the inf/NaN was
+    born, saying where its gradient was read."""
+    message = finding.message
+    if origin_pointer and finding.cause in (Cause.NONFINITE, Cause.SKIPPED_STEPS):
+        message += origin_pointer
+    if grads_from != ".grad" and finding.kind == "grad":
+        message = f"{message} (gradient read from {grads_from})"
+    return finding if message == finding.message else dataclasses.replace(finding, message=message)
 
 
 def _optimizer_findings(params: list[Param], series: Series, optimizer: OptimizerView) -> list[tuple[int, Finding]]:
