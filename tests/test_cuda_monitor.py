@@ -107,7 +107,7 @@ def swallowed(monitor: Monitor) -> list[tuple[int, list[tuple[str, str]]]]:
     so does one raised in an activation hook (monitor.py Monitor._on_activation)."""
     return [
         (r.step, [*r.notes, *((u.label, u.why) for u in r.unscanned)])
-        for r in monitor._records
+        for r in monitor._log.records
         if r.notes or r.unscanned
     ]
 
@@ -381,7 +381,7 @@ def test_a_captured_step_with_the_monitor_replays_like_eager(options: str) -> No
     # witness of a few gradients' first values (the warm-up steps let their gradients go, so the
     # gradients wait for the step: monitor/deferred.py).
     assert monitor.steps_seen == WARMUP + 1
-    captured = monitor._records[-1]
+    captured = monitor._log.records[-1]
     assert captured.step == WARMUP and captured.stepped is True and len(captured.groups) == 1
     assert captured.witness is not None
     assert [tag for _, tag, _ in captured.activations] == (["relu", "relu"] if monitor_options else [])
@@ -394,7 +394,7 @@ def test_a_captured_step_with_the_monitor_replays_like_eager(options: str) -> No
         weights = [p.detach().clone() for p in params]  # what the step's scan sees: the weights before the update
         graph.replay()
         train_step(twin, twin_opt, (x, y))
-        assert monitor.steps_seen == WARMUP + 1 and monitor._records[-1] is captured  # a replay runs no Python
+        assert monitor.steps_seen == WARMUP + 1 and monitor._log.records[-1] is captured  # a replay runs no Python
         # The captured scans were rerun on this replay's gradients and weights, bit for bit.
         for (slots, rows), block in zip(captured.groups, captured.fields, strict=True):
             tensors = scanned(params, slots, weights)

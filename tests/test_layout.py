@@ -4,6 +4,7 @@ hints that name this project's distribution."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -107,6 +108,14 @@ def test_no_import_cycles() -> None:
 
 def test_no_module_over_500_lines() -> None:
     assert long_modules(ROOT) == []
+
+
+def test_the_monitor_class_decides_when_and_stays_small() -> None:
+    # The Monitor holds hooks, lifecycle and cadence; what it reads, how, and what
+    # the reads mean live in their own modules (monitor/step_reads.py, rules.py, ...).
+    tree = ast.parse((ROOT / "zeroscan" / "monitor" / "monitor.py").read_text())
+    (monitor,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Monitor"]
+    assert monitor.end_lineno - monitor.lineno + 1 <= 300
 
 
 def test_only_ops_py_reaches_the_native_library() -> None:

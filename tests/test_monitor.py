@@ -416,7 +416,7 @@ def test_one_scan_per_step_and_no_readback(monkeypatch: pytest.MonkeyPatch) -> N
     # (monitor/deferred.py): the first 64 values of each gradient, here the whole of
     # these small ones, kept apart from the step's rows.
     assert calls == [4, 8] * 12
-    records = list(mon._records)
+    records = list(mon._log.records)
     assert len(records) == 5 and [r.step for r in records] == [7, 8, 9, 10, 11]
     for r in records:
         assert [buffer.shape for _, buffer in r.groups] == [(8, 16)] and r.rows is None

@@ -101,7 +101,7 @@ def check_ddp_nan_on_one_rank(rank: int, seed: int) -> Report:
             monitor = example("monitor_ddp").train(seed, steps=steps, nan_rank=1, nan_param=nan_param)
     finally:
         monitor_records.decode = real_decode  # type: ignore[assignment]
-    records = list(monitor._records)
+    records = list(monitor._log.records)
     # One all_reduce when the Monitor is built (the ranks' parameters), then 3 + 2 per step.
     assert calls == ["all_reduce"] * (1 + 5 * steps), f"{calls} in {steps} steps"
     assert len(records) == steps and all(r.rows is None and r.exchange is not None for r in records)
@@ -114,7 +114,7 @@ def check_ddp_nan_on_one_rank(rank: int, seed: int) -> Report:
     grad_row = next(t for t in report.tensors if (t["name"], t["kind"]) == (nan_param, "grad"))
     model = monitor.model
     assert grad_row["nan"] == 0 and grad_row["numel"] == dict(model.named_parameters())[nan_param].numel()
-    assert all(r.exchange is None for r in monitor._records)  # read once, kept as global rows
+    assert all(r.exchange is None for r in monitor._log.records)  # read once, kept as global rows
     assert monitor.report().to_json_lines() == report.to_json_lines()
     return report
 
@@ -215,7 +215,7 @@ def check_fsdp2(rank: int, seed: int) -> Report:
     monitor.close()
     report = monitor.report()
     assert model[4].weight.to_local().numel() == (3 if rank == 0 else 0)  # an empty shard on rank 1
-    first = monitor._records[0].rows
+    first = monitor._log.records[0].rows
     assert first is not None
     for i, (name, (grad, weight)) in enumerate(zip(names, full)):
         assert_same_stats(first[Slot.grad(i)][0], zeroscan.stats(grad), MOMENT_RTOL, what=f"{name} grad")
@@ -346,8 +346,8 @@ def check_report_mid_step_alone(rank: int, seed: int) -> Report:
     report = monitor.report()
     monitor.close()
     assert report.step == steps - 1 and serious(report) == [], str(report)
-    assert all(r.exchange is None for r in monitor._records), "a step's merge was never read"
-    first = monitor._records[0]
+    assert all(r.exchange is None for r in monitor._log.records), "a step's merge was never read"
+    first = monitor._log.records[0]
     assert first.step == 0 and all(first.row(Slot.weight(i)) is not None for i in range(4)), "step 0 lost its weights"
     return report
 
@@ -481,7 +481,7 @@ def test_without_a_group_nothing_is_gathered(monkeypatch: pytest.MonkeyPatch) ->
             model(torch.randn(5, 4, generator=g)).sum().backward()
             monitor.step()
     report = monitor.report()
-    assert all(r.exchange is None and not r.rank_findings for r in monitor._records)
+    assert all(r.exchange is None and not r.rank_findings for r in monitor._log.records)
     grad = next(t for t in report.tensors if (t["name"], t["kind"]) == ("0.weight", "grad"))
     assert grad["norm"] == zeroscan.stats(model[0].weight.grad).norm
 

@@ -170,7 +170,7 @@ def test_off_by_default_and_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> 
             opt.zero_grad()
             backward(model, g)
             opt.step()
-        assert all(f is None for r in mon._records for f in r.fields)
+        assert all(f is None for r in mon._log.records for f in r.fields)
         report = mon.report()
     assert mon.histogram is False and report.histograms == {}
     assert len(report.tensors) == 12
@@ -218,7 +218,7 @@ def test_one_call_per_scan_no_readback_and_fields_of_the_latest_step_only(monkey
     # monitor/deferred.py), then the witness only (here the whole of these small gradients).
     assert calls == [6, 12] + [12] * 6
     assert witness == [6] * 6
-    records = list(mon._records)
+    records = list(mon._log.records)
     assert [r.step for r in records] == [2, 3, 4, 5, 6]
     for r in records[:-1]:  # a later step was taken: their fields are freed
         assert r.fields == [None] and r.rows is None
@@ -246,8 +246,8 @@ def test_steps_not_taken_keep_their_fields_and_the_report_shows_the_step_taken()
         for _ in range(2):  # backward passes that no optimizer step follows
             opt.zero_grad()
             backward(model, g)
-        kept = [any(f is not None for f in r.fields) for r in mon._records]
-        assert [r.stepped for r in mon._records] == [True, True, False]
+        kept = [any(f is not None for f in r.fields) for r in mon._log.records]
+        assert [r.stepped for r in mon._log.records] == [True, True, False]
         assert kept == [False, True, True]
         report = mon.report()
     assert report.step == 1

@@ -259,7 +259,7 @@ def test_under_torch_compile_the_hooks_stay_out_of_the_compiled_code() -> None:
             train(compiled, opt, g, 3)
             assert monitor.report().step == 2
             prefix = "_orig_mod." if target is compiled else ""
-            acts = [name for name, _, _ in monitor._records[-1].activations]
+            acts = [name for name, _, _ in monitor._log.records[-1].activations]
             assert acts == [f"{prefix}1", f"{prefix}3", f"{prefix}5"]
             got = saved(compiled)
             monitor.close()

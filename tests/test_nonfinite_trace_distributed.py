@@ -76,7 +76,7 @@ def origin_findings(report: Report) -> list[zeroscan.Finding]:
 
 
 def born_ranks(monitor: Monitor) -> list[tuple[int, int] | None]:
-    return [r.born_ranks for r in monitor._records]
+    return [r.born_ranks for r in monitor._log.records]
 
 
 def train_ddp(

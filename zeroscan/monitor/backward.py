@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import torch
 
+from zeroscan.monitor.graph import Root, output_roots
 from zeroscan.monitor.step_record import Param
 
 _ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
@@ -99,6 +100,15 @@ class BackwardWatch:
             fn.register_prehook(self._on_output_grad)
         for k, t in enumerate(outputs):
             t.register_hook(_Fired(self, k))
+
+    def watch_output(self, output: Any) -> list[Root]:
+        """Watches a forward pass's `output` (graph.output_roots: its tensors
+        with a grad_fn, nested); the Roots it found."""
+        roots: list[Root] = []
+        tensors: list[torch.Tensor] = []
+        output_roots(output, roots, tensors)
+        self.watch([t.grad_fn for t in tensors], tensors)
+        return roots
 
     def reset(self) -> None:
         """A new forward pass begins: a backward pass that raised never finished."""

@@ -15,39 +15,30 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import deque
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroscan.monitor import step_record
 from zeroscan.monitor.activations import ActivationScans, activation_modules, scannable
-from zeroscan.monitor.backward import BackwardWatch, grads_touched, reset_kind
+from zeroscan.monitor.backward import BackwardWatch
 from zeroscan.monitor.causes import CauseFinder
 from zeroscan.monitor.changes import Memberships
 from zeroscan.monitor.compose import compose_report
-from zeroscan.monitor.deferred import OpenStep, ResetHabit
-from zeroscan.monitor.frameworks import gradient_source, recognize
-from zeroscan.monitor.grad_histograms import check_histogram, free_earlier_fields
 from zeroscan.monitor.grad_source import GradReads
-from zeroscan.monitor.graph import Root, output_roots
 from zeroscan.monitor.hooks import Hooks, weak_hook
-from zeroscan.monitor.nonfinite_trace import NonfiniteTrace
-from zeroscan.monitor.optimizer import param_groups_holder, step_lrs
+from zeroscan.monitor.open_step import OpenSteps
+from zeroscan.monitor.optimizer import step_lrs
 from zeroscan.monitor.optimizer_hook import attach_step
-from zeroscan.monitor.options import check_options
-from zeroscan.monitor.ranks import RankExchange, check_group, decode, default_group
+from zeroscan.monitor.options import check_step_call, nonfinite_trace, set_up
 from zeroscan.monitor.report import Report, Thresholds
 from zeroscan.monitor.scanner import Scanner
 from zeroscan.monitor.step_reads import StepReads
-from zeroscan.monitor.step_record import StepRecord, renumber
+from zeroscan.monitor.step_log import StepLog
+from zeroscan.monitor.step_record import StepRecord
 from zeroscan.monitor.structure import StructureWatch, carried_over
 from zeroscan.monitor.turns import Turns
-
-MAX_TRACED_STEPS = 1024  # with every > 1, steps the trace keeps at most (about 14 KiB each)
-
 
 class Monitor:
     """Watches a model's gradients, weights and (optionally) activations.
@@ -74,25 +65,17 @@ class Monitor:
         nn.Softmax (saturated rows) modules.
     thresholds: a Thresholds (defaults documented there).
     process_group: a torch.distributed process group (dist.group.WORLD for
-        all ranks): the report then shows global findings, sharded tensors
-        merged and replicas compared across the group's ranks (see the module
-        doc). Every DTensor parameter's device mesh must hold exactly the
-        group's ranks. Building the Monitor is then a collective (every rank
-        of the group checks that the others monitor the same parameters), and
-        so is each monitored step. None (the default): this rank alone, or,
-        where every parameter is a DTensor on one mesh, that mesh's group
-        (ranks.default_group; otherwise a WARNING says what to pass).
+        all ranks): global findings, sharded tensors merged and replicas
+        compared across its ranks; building the Monitor and each monitored
+        step are then collectives (ranks.py). None: this rank alone, or the
+        mesh's group where every parameter is a DTensor on one mesh.
     histogram: also count, in the same scans, the exact log2-magnitude
         histogram of every gradient and weight (Report.histograms; see
         grad_histograms.py for what it keeps). Not with a process_group yet.
-    trace_nonfinite: at every step (monitored or not), flag on the device
-        whether each module call's inputs and outputs, the gradients backward
-        brings them, and each parameter's incoming gradient hold inf/NaN, so
-        that once a gradient holds inf/NaN the report names where it was born
-        (a nonfinite_origin finding, and Report.nonfinite_origin): the step,
-        the pass, and the first module whose output or gradient went
-        non-finite from finite inputs. One native pass per tensor, no host
-        sync; what it costs and cannot see: nonfinite_trace.py and the README.
+    trace_nonfinite: flag on the device, at every step, which module call
+        first made inf/NaN from finite inputs, forward or backward, so that
+        the report names where a non-finite gradient was born (a
+        nonfinite_origin finding); costs and limits: nonfinite_trace.py.
     """
 
     def __init__(
@@ -110,48 +93,37 @@ class Monitor:
         trace_nonfinite: bool = False,
     ) -> None:
         op = "zeroscan.Monitor"
-        self.thresholds = check_options(op, model, every, history, trace_nonfinite, thresholds)
-        framework = recognize(optimizer)  # DeepSpeed's, Megatron's: their own step, groups and gradients
-        groups = None if optimizer is None else param_groups_holder(op, optimizer, framework)  # whose lrs are read
-        self.model = model
-        self.optimizer = optimizer
-        self._groups = groups
+        setup = set_up(op, model, optimizer, every, history, trace_nonfinite, thresholds, process_group, histogram)
+        self.thresholds, self.model, self.optimizer, self.every = setup.thresholds, model, optimizer, every
+        self._params, self._framework, self._groups = setup.params, setup.framework, setup.groups
+        self._ranks, self._mesh_warning, self.histogram = setup.ranks, setup.mesh_warning, setup.histogram
         self._memberships = Memberships()  # which param group held each parameter, at each step
-        self.every = every
-        self._params = step_record.collect_params(model)
-        self._framework = framework
-        process_group, self._mesh_warning = default_group(process_group, self._params)
-        group = check_group(op, process_group, self._params)
-        histogram = check_histogram(op, histogram, group)
-        self._ranks = None if group is None else RankExchange(group, self._params, self.thresholds.replica_rtol)
-        source = gradient_source(op, framework, groups, self._params)
         # Hooks hold this Monitor weakly, stay out of a pickled or copied model (hooks.py), and go with it.
         self._hooks = Hooks()
         self._finalizer = weakref.finalize(self, Hooks.remove_all, self._hooks)
         self._finalizer.atexit = False  # at exit the process, hooks and all, goes anyway
         self._auto = bool(auto and optimizer is not None)
         if self._auto:  # first: where it cannot be hooked, nothing else is on the model yet
+            framework = self._framework
             owner, after = (optimizer, None) if framework is None else (framework.step_owner, "_after_framework_step")
             attach_step(op, owner, weak_hook(self, "_on_optimizer_step"), self._hooks,
                         after=None if after is None else weak_hook(self, after))
         # Where each gradient is read (grad_source.py): one that a framework moves after
         # backward is read at the step, and which parameters backward reached is told by a hook.
-        self._grads = GradReads(source, self._params, self._hooks)
-        self._reads = StepReads(self._grads, Scanner(self._ranks), histogram)
+        self._grads = GradReads(setup.source, self._params, self._hooks)
+        self._reads = StepReads(self._grads, Scanner(self._ranks), self.histogram)
         self._last_stepped: StepRecord | None = None  # its framework's step may say it skipped
         # The step path (hooks, possibly on autograd's threads) and report() from any
         # thread take turns, a waiting step first (turns.py).
         self._turns = Turns()
         self._training_thread: int | None = None  # the thread of the latest forward pass
         self._causes = CauseFinder(model, self._params, self._hooks)
-        self._records: deque[StepRecord] = deque(maxlen=history)
+        self._log = StepLog(history, self._ranks, self.histogram)  # the monitored steps kept
         self._count = 0
         self._closed = False
         self._activations = ActivationScans()  # this step's; the next step gets a new one
         self._in_auto = False
-        self._open: OpenStep | None = None
-        self._open_touched = False
-        self._habit = ResetHabit()  # whether the gradients can wait for optimizer.step() (deferred.py)
+        self._steps = OpenSteps(self._reads, self._grads)  # the step backward opened (deferred.py)
         self._watch = BackwardWatch(weak_hook(self, "_backward_started"), weak_hook(self, "_backward_finished"))
         self._structure = StructureWatch(model)
         self._hooks.forward_pre(model, weak_hook(self, "_root_pre"))
@@ -160,14 +132,7 @@ class Monitor:
             for name, tag, module in activation_modules(model):
                 self._hooks.forward(module, weak_hook(self, "_on_activation", name, tag))
         # After the root hooks above, which run first: _root_pre resets the trace's calls.
-        # The trace keeps as many steps as the records span (every monitored step of
-        # `history`, and the steps between them), up to MAX_TRACED_STEPS.
-        kept = min(history * every, max(history, MAX_TRACED_STEPS))
-        self._trace = NonfiniteTrace(model, self._params, self._hooks, kept) if trace_nonfinite else None
-        self._retrace = False  # the model changed: the trace hooks it again at the next step
-        if self._trace is not None and self._ranks is not None:
-            self._trace.exchanging = True
-            self._ranks.born = self._trace.born_words
+        self._trace = nonfinite_trace(setup, model, self._hooks, history, every) if trace_nonfinite else None
         self._causes.arm()  # the first monitored forward pass is probed
 
     # ---- lifecycle -------------------------------------------------------
@@ -186,11 +151,8 @@ class Monitor:
             if self._closed:
                 return
             self._closed = True
-            open_step = self._open
-            if open_step is not None and open_step.pending is not None:  # a closed Monitor holds no gradient
-                if self._ranks is None:  # a report() may still end the step; across ranks no step path will
-                    self._read_pending(open_step)
-                self._open = open_step._replace(pending=None)
+            # A closed Monitor holds no gradient, read first where a report() may still end the step.
+            self._steps.let_go(self._params, read=self._ranks is None)
             self._causes.close()
             self._finalizer()  # removes the hooks, once: it will not run again when the Monitor is freed
             self._structure.remove()
@@ -199,10 +161,6 @@ class Monitor:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def histogram(self) -> bool:
-        return self._reads.histogram
 
     @property
     def steps_seen(self) -> int:
@@ -225,10 +183,7 @@ class Monitor:
         with self._turns.step:
             self._training_thread = threading.get_ident()
             self._watch.reset()
-            self._habit.observe(self._params)
-            open_step = self._open
-            if open_step is not None and open_step.pending is not None and grads_touched(self._params, open_step.grads):
-                self._read_pending(open_step)  # a step not taken, its gradients let go: freed as soon as read
+            self._steps.forward_started(self._params)
             if self._trace is not None:
                 self._trace.forward_started()
             if self._monitored():
@@ -236,11 +191,7 @@ class Monitor:
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         with self._turns.step:
-            roots: list[Root] = []
-            if torch.is_grad_enabled() and not self._closed:
-                tensors: list[torch.Tensor] = []
-                output_roots(output, roots, tensors)
-                self._watch.watch([t.grad_fn for t in tensors], tensors)
+            roots = self._watch.watch_output(output) if torch.is_grad_enabled() and not self._closed else []
             self._causes.forward_finished(roots, self._monitored())
 
     def _on_activation(self, name: str, tag: str, module: nn.Module, args: Any, output: Any) -> None:
@@ -259,53 +210,26 @@ class Monitor:
                 self._in_auto = False
 
     def _backward_started(self) -> None:
-        # Read now, before this pass accumulates into .grad: gradients left as the
-        # last backward pass left them mean gradient accumulation (the step goes on).
         with self._turns.step:
-            self._habit.observe(self._params, last=True)
-            open_step = self._open
-            self._open_touched = open_step is not None and self._grads.touched(self._params, open_step.grads)
-            if self._open_touched:
-                assert open_step is not None
-                self._read_pending(open_step)  # before this pass writes gradients (into the same memory, maybe)
+            self._steps.backward_started(self._params)
 
     def _backward_finished(self) -> None:
         with self._turns.step:
-            self._on_backward_finished()
+            if not self._closed:
+                self._open_step()
 
-    def _on_backward_finished(self) -> None:
-        if self._closed:
-            return
+    def _open_step(self) -> None:
+        """Backward ended: the step it ends, if any, and the step it opens."""
         self._refresh_structure()
-        open_step = self._open
-        if open_step is not None:
-            self._open = None
-            if self._open_touched:  # reset or changed, and no step ran: a skipped step
-                self._end_step(open_step.record, stepped=False)
+        open_step = self._steps.take()
+        if open_step is not None and self._steps.touched:  # reset or changed, and no step ran: a skipped step
+            self._end_step(open_step.record, stepped=False)
         self._close_trace()  # the passes since the last close are this step's
         record = None
-        pending = None
         if self._monitored():  # the gradients as backward left them: a skipped step keeps these
             record = StepRecord(self._count)
             record.stepped = None
-            pending = self._reads.at_backward_end(
-                record, self._params, self._causes, self._habit.defer, self._ranks is not None
-            )
-        self._open = OpenStep(record, self._grads.state(self._params), pending)
-
-    def _read_pending(self, open_step: OpenStep) -> None:
-        """The open step's gradients were touched with no optimizer step: its
-        record reads the gradients backward left, held since (deferred.py),
-        and the Monitor learns how the loop resets them."""
-        pending = open_step.pending
-        if pending is None or open_step.record is None:
-            return
-        kind = reset_kind(self._params, open_step.grads)
-        if kind is not None:  # zeroed in place: nothing of a later skip would be left to read
-            self._habit.learn(in_place=kind == "in place")
-        if self._open is open_step:
-            self._open = open_step._replace(pending=None)
-        self._reads.held(open_step.record, pending, self._params)
+        self._steps.open(record, self._params, self._causes, self._ranks is not None)
 
     # ---- stepping --------------------------------------------------------
 
@@ -316,14 +240,7 @@ class Monitor:
         groups' as they are now: call it before optimizer.step() (and before
         the scheduler steps), as the optimizer hook of auto=True does."""
         self._check_open("step")
-        if self._auto and not self._in_auto:
-            raise RuntimeError(
-                "zeroscan.Monitor.step: this Monitor already scans at every optimizer.step() "
-                "(it was given an optimizer with auto=True); drop the manual step() call, "
-                "or create the Monitor with auto=False"
-            )
-        if loss is not None and not isinstance(loss, torch.Tensor):
-            raise TypeError(f"zeroscan.Monitor.step: loss must be a tensor or None, got {type(loss).__name__}")
+        check_step_call(self._auto and not self._in_auto, loss)
         with self._turns.step:
             self._advance(loss)
 
@@ -332,19 +249,17 @@ class Monitor:
         scanned as it is now (after clipping and unscaling)."""
         self._refresh_structure()
         self._close_trace()  # passes no backward watch closed (none, usually)
-        open_step, self._open = self._open, None
-        record = None
-        if open_step is not None and open_step.record is not None:
-            record = open_step.record
-            self._reads.at_step(record, self._params, loss, open_step.grads, self._activations, self._causes, self._watch)
-        elif self._monitored():
-            record = StepRecord(self._count)
-            self._reads.at_step(record, self._params, loss, None, self._activations, self._causes, self._watch)
+        open_step = self._steps.take()
+        opened = open_step is not None and open_step.record is not None  # monitored when backward ended
+        record = open_step.record if opened else StepRecord(self._count) if self._monitored() else None
+        if record is not None:
+            backward = open_step.grads if opened else None
+            self._reads.at_step(record, self._params, loss, backward, self._activations, self._causes, self._watch)
         if record is not None and self._groups is not None:  # the rates and groups this step runs with
             record.lrs = step_lrs(self._groups)
-            self._memberships.observe(record.step, self._groups, self._params, self._records)
+            self._memberships.observe(record.step, self._groups, self._params, self._log.records)
         self._causes.stamp(record, open_step)  # what the step ran under: autocast, GradScaler (context.py)
-        self._habit.stepped(self._params)
+        self._steps.habit.stepped(self._params)
         self._end_step(record, stepped=True)
         self._last_stepped = record
         self._grads.stepped(self._params)
@@ -357,35 +272,22 @@ class Monitor:
 
     def _end_step(self, record: StepRecord | None, stepped: bool) -> None:
         """One step ends (`record`: its scan, None when it was not monitored)."""
-        monitored = record is not None
         if record is not None:
             record.stepped = stepped
-            if self._ranks is not None:
-                record.exchange = self._ranks.start(record)
-                record.groups, record.fields = [], []  # the summary is all this step keeps
-            if self.histogram:
-                free_earlier_fields(self._records, record)
-            self._records.append(record)
+            self._log.keep(record)
         self._count += 1
-        self._causes.step_finished(monitored, self._watch.fired)
+        self._causes.step_finished(record is not None, self._watch.fired)
         self._activations = ActivationScans()
 
     # ---- reporting -------------------------------------------------------
 
     def report(self) -> Report:
         """Reads the recorded history back (one copy per device) and judges it.
-        With no step recorded it scans the gradients as they are now (as the
-        last backward pass left them) and says that no step was seen.
-        With a process group it reads the recorded steps' merged summaries
-        and issues no collective, so any rank may call it at any point of a
-        step, alone (see the package doc).
-
-        Safe from any thread while training runs (a logger's, a dashboard's):
-        the training thread's hooks wait while a report is being made, and go
-        before the next one (turns.py); a report made on another thread than
-        the training one judges the steps
-        that have ended, leaving a step that is between backward and
-        optimizer.step() open."""
+        With no step recorded it scans the gradients as they are now and says
+        that no step was seen. With a process group it reads the merged
+        summaries and issues no collective: any rank may call it, alone.
+        Safe from any thread while training runs (turns.py); from another
+        thread than the training one it judges the steps that have ended."""
         with self._turns.report:
             return self._report()
 
@@ -394,7 +296,7 @@ class Monitor:
         # model (its next merge then checks the ranks agree): one rank taking it in alone
         # would pack other rows than the others at the next step.
         self._refresh_structure(check=self._ranks is None)
-        open_step = self._open
+        open_step = self._steps.step
         on_training_thread = self._training_thread in (None, threading.get_ident())
         if open_step is not None and on_training_thread and self._ranks is None:
             # A backward pass with no step after it: GradScaler skipped the step (its
@@ -402,15 +304,12 @@ class Monitor:
             # follows at all. Judged as such: a skip only if its gradients hold inf/NaN.
             # Across ranks the step stays open (ending it merges it, a collective that
             # only the ranks calling report() would make): the next backward pass ends it.
-            self._read_pending(open_step)
-            self._open = None
+            self._steps.read_held(self._params)
+            self._steps.take()
             self._end_step(open_step.record, stepped=False)
-        recorded = list(self._records)
-        decode(recorded, self._ranks)
-        if not recorded:  # this rank's own scan: no merge was started for it
-            # An open step's gradients were read when backward ended: no step has been taken
-            # yet, so the Monitor does not know yet whether they may wait (deferred.py).
-            open_record = self._open.record if self._open is not None else None
+        recorded = self._log.decoded()
+        if not recorded:  # this rank's own scan, now: no merge was started for it
+            open_record = self._steps.step.record if self._steps.step is not None else None
             recorded = [self._reads.now(open_record, self._params, self._activations, self._causes, self._watch)]
         traced = list(self._trace.steps) if self._trace is not None else None
         return compose_report(
@@ -421,38 +320,19 @@ class Monitor:
     def _close_trace(self) -> None:
         """Ends the trace's segment as this step's (NonfiniteTrace.end_step)."""
         if self._trace is not None and not self._closed:
-            self._trace.end_step(self._count, self.model, self._params, self._retrace)
-            self._retrace = False
-
-    # ---- the model as it is now ---------------------------------------------
+            self._trace.end_step(self._count, self.model, self._params, self._structure.retrace)
+            self._structure.retrace = False
 
     def _refresh_structure(self, check: bool = False) -> None:
-        """Takes in a change of the model's modules or parameters (see
-        structure.py); `check` also compares the parameters themselves."""
-        changed = self._structure.changed
-        if not (changed or check):
+        """Takes in a change of the model (structure.py); `check`: compare the parameters anyway."""
+        params = self._structure.take_in(self._params, check)
+        if params is None:
             return
-        params = step_record.collect_params(self.model)
-        now = [(p.name, id(p.tensor)) for p in params]
-        self._structure.rebuild()
-        same = now == [(p.name, id(p.tensor)) for p in self._params]
-        self._retrace = self._retrace or changed or not same  # the trace hooks every module as it is now
-        if same:
-            return
-        # The records kept so far are read back (a rare host sync) and renumbered.
-        recorded = list(self._records)
-        decode(recorded, self._ranks)
-        if self._ranks is not None:
-            self._ranks.set_params(params)
         new_index = carried_over(self._params, params)
-        requires_grad = tuple(p.tensor.requires_grad for p in params)
-        for r in recorded:
-            renumber(r, new_index, requires_grad)
+        self._log.renumber(params, new_index)
         self._memberships.renumber(new_index)
         self._grads.renumber(params, new_index)
-        self._habit.forget()
-        if self._open is not None:
-            self._open = self._open.renumbered(new_index, requires_grad, self._grads.state(params))
+        self._steps.renumber(params, new_index)
         self._params = params
         self._causes.drop()
         self._causes = CauseFinder(self.model, params, self._hooks)

@@ -93,8 +93,9 @@ class StepReads:
     ) -> StepRecord:
         """With no step recorded, a record of the gradients as they are now,
         decoded: a copy of the open step's, whose gradients were read when
-        backward ended (the open step goes on, and its merge is read later),
-        else a fresh scan, made on this rank alone."""
+        backward ended (the open step goes on, and its merge is read later;
+        no step has been taken yet, so the Monitor does not know yet whether
+        they may wait: deferred.py), else a fresh scan, on this rank alone."""
         if open_record is not None and not self.reads.source.moved:
             now = copy.copy(open_record)
         else:

@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from zeroscan.monitor.step_record import Param
+from zeroscan.monitor.step_record import Param, collect_params
 
 _WATCHES: weakref.WeakSet[StructureWatch] = weakref.WeakSet()
 _REGISTERED: list[Any] = []  # the process-wide hooks' handles, once registered
@@ -40,6 +40,7 @@ class StructureWatch:
         self._model = model
         self._ids = {id(m) for m in model.modules()}
         self.changed = False
+        self.retrace = False  # the model changed since the NaN trace last hooked it
         if not _REGISTERED:
             _REGISTERED.append(module_hooks.register_module_module_registration_hook(_on_assign))
             _REGISTERED.append(module_hooks.register_module_parameter_registration_hook(_on_assign))
@@ -53,6 +54,20 @@ class StructureWatch:
         """The model's modules as they are now; the change is taken in."""
         self._ids = {id(m) for m in self._model.modules()}
         self.changed = False
+
+    def take_in(self, params: list[Param], check: bool) -> list[Param] | None:
+        """The model's parameters as they are now where they are not
+        `params` any more, else None; looked at only after a change (or,
+        `check`, always). Sets `retrace` after any change: the NaN trace then
+        hooks every module as it is now."""
+        changed = self.changed
+        if not (changed or check):
+            return None
+        now = collect_params(self._model)
+        self.rebuild()
+        same = [(p.name, id(p.tensor)) for p in now] == [(p.name, id(p.tensor)) for p in params]
+        self.retrace = self.retrace or changed or not same
+        return None if same else now
 
     def remove(self) -> None:
         _WATCHES.discard(self)
