@@ -8,7 +8,7 @@ parameter list, and times, per training step:
   all_gather      every rank's int64 [N, 16] rows (gather_rows: compare_replicas, by hand)
   combine         the local exact (Chan) merge of the gathered rows
   replica check   replica_report on gathered full-parameter rows (no rank differs)
-  all-reduce merge the two rounds of zeroscan/allreduce.py over the shard rows (the
+  all-reduce merge the two rounds of zeroscan/distributed/allreduce.py over the shard rows (the
                   Monitor's and zeroscan.distributed's merge; its size does not grow with W)
   merge_stats     StatsBatch -> rows -> the all-reduce merge, end to end
   DTensor stats   zeroscan.distributed.stats_many over Shard(0) DTensors
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import zeroscan
 import zeroscan.distributed as zd
-from zeroscan import allreduce
+from zeroscan.distributed import allreduce
 from timing import time_batches
 
 

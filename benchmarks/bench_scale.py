@@ -8,7 +8,7 @@
    record's bytes are read off the ring.
 2. Simulated: a Monitor of P parameters on one process records `--history`
    steps; each step's summary is what rank 0 of a world of W replicas (DDP)
-   would hold, from zeroscan.allreduce.simulate (the same code as the
+   would hold, from zeroscan.distributed.allreduce.simulate (the same code as the
    collective, over blocks of identical ranks), with one replica that holds
    a NaN in one gradient at a rank in the middle. Timed: report() over the
    whole ring (read back and judged), and the decoding of one step that
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroscan
-from zeroscan import allreduce
+from zeroscan.distributed import allreduce
 from zeroscan.monitor.ranks import RankExchange
 from zeroscan.monitor.step_record import Slot, slot_rows
 

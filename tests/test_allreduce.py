@@ -1,4 +1,4 @@
-"""zeroscan.allreduce: result rows merged by W-independent all-reduces, in one process.
+"""zeroscan.distributed.allreduce: result rows merged by W-independent all-reduces, in one process.
 
 `allreduce.simulate` runs both rounds over W ranks' inputs stacked on dim 0
 and returns the summary every rank would get. Checked here against the exact
@@ -21,9 +21,8 @@ import torch
 
 import zeroscan
 from helpers import assert_matches_reference, close, fresh_seed, make_values, stats_of_row
-from zeroscan import allreduce
-from zeroscan.allreduce import Col
-from zeroscan.distributed import combine_rows
+from zeroscan.distributed import allreduce, combine_rows
+from zeroscan.distributed.allreduce import Col
 from zeroscan.result_row import Column, Row, decode, empty_rows
 
 EXACT_WORDS = slice(0, Column.MAX_ABS + 1)  # counts and min/max |x|: bit for bit

@@ -1,6 +1,6 @@
 """Ranks that disagree on what a collective call merges: every rank raises
 the same one-line error naming the call, none aborts or hangs, and the
-group stays usable (zeroscan/distributed_agreement.py).
+group stays usable (zeroscan/distributed/agreement.py).
 
 Two gloo processes, spawned once by this file (bounded in time: an abort or
 a hang fails the run), run every check. Each check makes the ranks pass

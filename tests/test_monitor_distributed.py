@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroscan
-import zeroscan.distributed_gather
+import zeroscan.distributed.gather
 import zeroscan.monitor.step_record as monitor_records
 from zeroscan.monitor import Slot
 from helpers import assert_same_stats, example, fresh_generator, serious
@@ -471,8 +471,8 @@ def test_without_a_group_nothing_is_gathered(monkeypatch: pytest.MonkeyPatch) ->
     def no_gather(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a Monitor without a process group gathered")
 
-    monkeypatch.setattr(zeroscan.distributed_gather, "gather_rows", no_gather)  # where compare_replicas looks it up
-    monkeypatch.setattr(zeroscan.allreduce, "start", no_gather)
+    monkeypatch.setattr(zeroscan.distributed.gather, "gather_rows", no_gather)  # where compare_replicas looks it up
+    monkeypatch.setattr(zeroscan.distributed, "start_merge", no_gather)  # where the Monitor looks it up
     g = fresh_generator()
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
     with Monitor(model) as monitor:

@@ -74,7 +74,6 @@ __version__ = "0.1.0"
 # Submodules loaded on first attribute access (PEP 562): each costs start-up
 # time that a training loop calling stats() or Monitor should not pay.
 _LAZY_SUBMODULES = frozenset({
-    "allreduce",
     "checkpoint",
     "cli",
     "demo",
@@ -83,7 +82,6 @@ _LAZY_SUBMODULES = frozenset({
     "loggers",
     "plot",
     "histogram_plot",
-    "replicas",
     "report_data",
     "testing",
 })

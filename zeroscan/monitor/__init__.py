@@ -69,7 +69,7 @@ root cause is one finding (grouping.py).
 Across ranks (`process_group=`; ranks.py): building the Monitor and each
 monitored step are then collectives. Each step merges its rows over the
 group with two rounds of all-reduces of a few hundred bytes per tensor,
-whatever the world size (zeroscan/allreduce.py): sharded tensors (FSDP2,
+whatever the world size (zeroscan/distributed/allreduce.py): sharded tensors (FSDP2,
 tensor parallel) are merged into the statistics of the full tensor, and
 replicas (DDP) are compared, with findings that name the ranks that differ.
 The step keeps only the merged summary, 2P x 192 + 96 bytes on the device the

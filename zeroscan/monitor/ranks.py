@@ -5,10 +5,10 @@ Each monitored step scans as on one rank, a DTensor parameter or gradient
 reduced first, a collective of its own) and a plain tensor as one
 data-parallel replica (DDP), then packs the rows into one int64 [2P, 16]
 buffer (a row per Slot) and merges it over the group with the two rounds of
-all-reduces of zeroscan/allreduce.py: what each rank sends and keeps is a
+all-reduces of zeroscan/distributed/allreduce.py: what each rank sends and keeps is a
 few hundred bytes per tensor, whatever the world size. The step keeps only
 the summary, int64 [2P, 24] on the device the group's backend uses
-(allreduce.Col), and nothing is read back until report(), which judges:
+(Col), and nothing is read back until report(), which judges:
   sharded tensors    the ranks' rows merged (counts and min/max exact): the
                      statistics of the full tensor; a non-finite value is
                      reported with the ranks whose shards hold it.
@@ -21,7 +21,7 @@ exchange after the model changes, not at every step: every rank must
 monitor as many tensors, under the same names, of the same dtypes and
 shapes (a DTensor's global shape and placements), with the same
 replica_rtol, or every rank raises one error naming the ranks that differ
-(zeroscan/distributed_agreement.py, one all-reduce of two words). The
+(zeroscan/distributed/agreement.py, one all-reduce of two words). The
 model must change on every rank alike: a rank whose model alone changed
 checks while the others merge, and those collectives do not pair.
 """
@@ -37,10 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zeroscan import allreduce
 from zeroscan import distributed as zdist
-from zeroscan.allreduce import Col
-from zeroscan.distributed_agreement import Difference, Merged, check_agreement, tensor_words
+from zeroscan.distributed import Col, Difference, Merged, check_agreement, tensor_words
 from zeroscan.monitor.step_record import Param, Slot, StepRecord, decode_records, slot_rows
 from zeroscan.monitor.report import Finding
 from zeroscan.monitor.table import RowTable
@@ -70,7 +68,7 @@ class RankExchange:
     def simulated(cls, params: list[Param], world: int, replica_rtol: float = 1e-9) -> RankExchange:
         """Rank 0 of a world of `world` ranks, with no process group: pack()
         and decode() work (the scale benchmark feeds decode() summaries from
-        zeroscan.allreduce.simulate); start() is refused."""
+        zeroscan.distributed.allreduce.simulate); start() is refused."""
         exchange = cls.__new__(cls)
         exchange._setup(None, 0, range(world), params, replica_rtol)
         exchange._checked = True
@@ -147,9 +145,9 @@ class RankExchange:
         group: the summary, not read."""
         if self.group is None:
             raise RuntimeError("zeroscan.Monitor: a simulated exchange has no process group to merge over")
-        return allreduce.start(self.pack(record), self.group, rtol=self._rtol)
+        return zdist.start_merge(self.pack(record), self.group, rtol=self._rtol)
 
-    def pack(self, record: StepRecord) -> allreduce.Local:
+    def pack(self, record: StepRecord) -> zdist.MergeInput:
         """This rank's input to the merge of `record`'s rows: a row per slot (a
         slot in several scan groups takes the last group's row; the gradients
         cleared before the step are absent), on the device the group's
@@ -176,7 +174,7 @@ class RankExchange:
         born = header[4:] if self.born is None else self.born(self._rank, self._world, device)
         head = torch.cat([step, header[1:4], born])
         rank = torch.full((1,), self._rank, dtype=torch.int64, device=device)
-        return allreduce.Local(packed, present, counted, is_sharded, rank, head)
+        return zdist.MergeInput(packed, present, counted, is_sharded, rank, head)
 
     def _layout(
         self,
@@ -235,13 +233,13 @@ class RankExchange:
     def _global_rows(
         self, rec: StepRecord, host: np.ndarray
     ) -> tuple[RowTable, dict[Slot, Finding], dict[Slot, RankSet]]:
-        """The global rows of one step from its summary (allreduce.Col), the
+        """The global rows of one step from its summary (Col), the
         findings about ranks that disagree, and the ranks whose shards hold
         non-finite values."""
         n = slot_rows(len(self._params))
         world = self._world
-        body = host[: n * allreduce.SUMMARY_WIDTH].reshape(n, allreduce.SUMMARY_WIDTH)
-        low, high = allreduce.header_range(torch.from_numpy(host))
+        body = host[: n * zdist.SUMMARY_WIDTH].reshape(n, zdist.SUMMARY_WIDTH)
+        low, high = zdist.header_range(torch.from_numpy(host))
         want = [rec.step, len(self._params), self._names_crc, _layout_crc(rec.sharded)]
         if low[:3] != want[:3] or high[:3] != want[:3]:
             steps = f"step {low[0]}" if low[0] == high[0] else f"steps {low[0]} to {high[0]}"
@@ -292,7 +290,7 @@ class RankExchange:
         return RankSet(count, self._ranks[first], self._ranks[last])
 
     def _mismatch_finding(self, slot: Slot, row: np.ndarray) -> Finding:
-        """A "replica_mismatch" finding from a slot's summary row (allreduce.Col)."""
+        """A "replica_mismatch" finding from a slot's summary row (Col)."""
         p = self._params[slot.param]
         grad = slot.kind == "grad"
         world = self._world

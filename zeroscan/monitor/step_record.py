@@ -155,7 +155,7 @@ class StepRecord:
         # replaced (or that zero_grad() cleared before the step) is its row `before`.
         self.rows: RowTable | None = None
         self.acts: list[Activation] | None = None
-        # Across ranks: the merged summary of this step's rows (zeroscan.allreduce, on the
+        # Across ranks: the merged summary of this step's rows (zeroscan.distributed.allreduce, on the
         # device; dropped once decoded), findings about ranks that disagree, and for slots
         # whose merged shards hold non-finite values the ranks whose shards hold them.
         self.exchange: torch.Tensor | None = None

@@ -22,7 +22,7 @@ round one  SUM int64    the counts of the counted rows; how many ranks hold
 round two  SUM float64  the moments about a shift c known to every rank from
                         round one: sum of (n_i / n)(mean_i - c) and of
                         m2_i + n_i (mean_i - c)^2; the sizes of the replica
-                        classes (zeroscan/allreduce_replicas.py)
+                        classes (zeroscan/distributed/allreduce_replicas.py)
            MIN int64    the lowest and highest rank outside each class
 
 That is 320 bytes per row plus 64 per merge in five all-reduces, and 192
@@ -46,8 +46,8 @@ is the counted copy's mean, so its moments come back exactly.
 Replicas (data-parallel copies that should hold the same tensor) are
 compared without gathering them, in the same two rounds: the ranks outside
 the largest class of equal copies are named, or the summary marks that no
-majority is sure (zeroscan/allreduce_replicas.py says how). Floats, maxima
-and ranks travel as int64 words (zeroscan/allreduce_words.py).
+majority is sure (zeroscan/distributed/allreduce_replicas.py says how). Floats, maxima
+and ranks travel as int64 words (zeroscan/distributed/allreduce_words.py).
 
 `start` runs the rounds over a process group; `simulate` runs the same code
 over the stacked inputs of W ranks (or of blocks of identical ranks) in one
@@ -63,8 +63,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroscan import allreduce_replicas
-from zeroscan.allreduce_words import as_words, fingerprint, key_value, last_rank, neither, ordered
+from zeroscan.distributed import allreduce_replicas
+from zeroscan.distributed.allreduce_words import as_words, fingerprint, key_value, last_rank, neither, ordered
 from zeroscan.result_row import NONFINITE, NUM_COUNTS, NUM_FIELDS, Column, empty_rows, finite_count, moments
 
 NUM_HEADER = 6  # header words each rank adds: int64s whose least and greatest value every rank learns

@@ -1,8 +1,8 @@
 """int64 words that carry floats, maxima and ranks through exact all-reduces.
 
 A SUM or MIN all-reduce of int64 words gives every rank the same bits, in
-whatever order the ranks' words arrive. The merge of zeroscan/allreduce.py
-(and its replica comparison, zeroscan/allreduce_replicas.py) sends
+whatever order the ranks' words arrive. The merge of zeroscan/distributed/allreduce.py
+(and its replica comparison, zeroscan/distributed/allreduce_replicas.py) sends
 everything else as such words: a float64 as its ordered key (MIN of the
 keys is the least float, MIN of ~key the greatest), a row of exact words as
 a 64-bit fingerprint, a rank that takes no part as MIN's identity, and the

@@ -1,18 +1,17 @@
-"""zeroscan.distributed: statistics across ranks with torch.distributed.
+"""Statistics across ranks by all-reduces: zeroscan.distributed's stats,
+stats_many and merge_stats (each result a GlobalStats), and local_part and
+drop_uncounted, the parts of a merge by hand.
 
-Every call here that takes a process group (or a DTensor, whose mesh is
-one) is a COLLECTIVE: every rank of the group must make it, in the same
-order, or the ranks that did wait until the group's timeout. zeroscan.stats
-and zeroscan.stats_many never are: they refuse a DTensor and name the calls
-here. Each first checks, in one all-reduce of two words, that the ranks
+Each call first checks, in one all-reduce of two words, that the ranks
 agree on what they merge (as many tensors, the same dtypes, a DTensor's
 global shape, the same tol), and where they do not every rank raises the
-same one-line error instead of merging (zeroscan/distributed_agreement.py).
+same one-line error instead of merging (zeroscan/distributed/agreement.py).
 
 Every rank scans what it holds into result rows (int64 [N, 16], see
 zeroscan/result_row.py), and the ranks merge them with two rounds of
 all-reduces whose size does not depend on the world size W
-(zeroscan/allreduce.py says what travels, and bounds the moments' error):
+(zeroscan/distributed/allreduce.py says what travels, and bounds the
+moments' error):
 
   counts          summed (int64, exact)
   min/max |x|     reduced with MIN on the ordered bits of their float64s (exact)
@@ -42,27 +41,12 @@ in its `mode`):
   "replicated"    a DTensor with only Replicate placements: counted once.
   Partial placements are reduced first (redistributed to Replicate).
 
-Data-parallel replicas (DDP) are compared, not merged: `compare_replicas`
-reports which rank's gradient differs from the others (a NaN on one rank
-only, a replica that diverged), with every rank's values: it gathers the
-rows (W x N x 128 bytes), a diagnostic call. The Monitor compares replicas
-without gathering (zeroscan/allreduce.py).
-
 The pieces of a merge by hand: per tensor, `local_part(t, grouped=...)` (a
 DTensor's local shard and whether this rank's copy counts); scan the parts
 with `zeroscan.scan_buffers` (traceable, CUDA-graph safe) into rows [N, 16];
 then `gather_rows(drop_uncounted(rows, parts), group)` and
 `GatheredRows.merged()` (exact, the native combine; O(W N) memory) or
-`GatheredRows.replica_report(names)`.
-
-This module holds the all-reduce path; the gather-based calls
-(`gather_rows`, `combine_rows`, `compare_replicas`) live in
-zeroscan/distributed_gather.py and what every collective call shares
-(`PendingMerge`) in zeroscan/distributed_common.py; all are importable from
-here. So are helpers of the merge that are no part of the public API (not in
-`__all__`): `comm_device`, `empty_rows`, `rows_agree` and `replica_report`,
-which the Monitor and the tests reach here; `GatheredRows.replica_report` is
-the public form of the last.
+`GatheredRows.replica_report(names)` (zeroscan/distributed/gather.py).
 """
 
 from __future__ import annotations
@@ -73,19 +57,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zeroscan import allreduce
-from zeroscan.distributed_agreement import Merged, check_agreement, tensor_words
-from zeroscan.distributed_common import PendingMerge, check_rows, comm_device, group_for, rows_of, scan_rows
-from zeroscan.distributed_gather import GatheredRows, combine_rows, compare_replicas, gather_rows
+from zeroscan.distributed import allreduce
+from zeroscan.distributed.agreement import Merged, check_agreement, tensor_words
+from zeroscan.distributed.common import PendingMerge, check_rows, comm_device, group_for, rows_of, scan_rows
 from zeroscan.ops import check_tensor, check_tol, is_dtensor, require_readable
 from zeroscan.result_row import NUM_FIELDS, empty_rows
-from zeroscan.replicas import ReplicaMismatch, ReplicaReport, replica_report, rows_agree  # noqa: F401  (module doc)
-
-__all__ = [
-    "GatheredRows", "GlobalStats", "LocalPart", "PendingMerge", "ReplicaMismatch", "ReplicaReport",
-    "combine_rows", "compare_replicas", "drop_uncounted", "gather_rows", "local_part", "merge_stats", "stats",
-    "stats_many",
-]
 from zeroscan.stats import Readout, Stats, StatsBatch, TensorMeta, check_flag, tensor_list
 from zeroscan.words import count_noun
 
@@ -130,7 +106,7 @@ def merge_stats(
     about a shared shift; one merge (two rounds of all-reduces) for the whole batch.
     `shape` stays this rank's piece's shape; numel and every other field are
     global. The ranks must pass as many Stats, of the same dtypes and tol
-    (checked first, see zeroscan/distributed_agreement.py). async_op=True
+    (checked first, see zeroscan/distributed/agreement.py). async_op=True
     gives a PendingMerge, already merged (see the module doc on what waits)."""
     op = "zeroscan.distributed.merge_stats"
     single = isinstance(stats_or_batch, Stats)
@@ -171,7 +147,7 @@ def _merge(
 ) -> torch.Tensor:
     """int64 [N, 16]: the merge over `group` of every rank's rows int64 [N, 16]
     (those not `counted` here stay out; `pieces`: the ranks' rows are pieces
-    of one tensor, else copies of it), by all-reduces (zeroscan/allreduce.py)."""
+    of one tensor, else copies of it), by all-reduces (zeroscan/distributed/allreduce.py)."""
     n = rows.shape[0]
     device = rows.device
     local = allreduce.Local(
@@ -407,8 +383,8 @@ def stats(
     """zeroscan.stats for a tensor spread over ranks. For a DTensor the result
     is zeroscan.stats(x.full_tensor()) without gathering the tensor (counts
     and min/max exactly, the moments within the bound of
-    zeroscan/allreduce.py); its `mode` says how it was merged (see the module
-    doc)."""
+    zeroscan/distributed/allreduce.py); its `mode` says how it was merged
+    (see the module doc)."""
     op = "zeroscan.distributed.stats"
     result = _stats_many(op, [x], lambda: [check_tensor(op, "x", x, collective=True)], lambda i: "x", tol=tol,
                          group=group, async_op=async_op)

@@ -1,4 +1,4 @@
-"""The replica comparison of zeroscan/allreduce.py: candidates, classes, the reference.
+"""The replica comparison of zeroscan/distributed/allreduce.py: candidates, classes, the reference.
 
 Replicas (data-parallel copies that should hold the same tensor) are
 compared without gathering them. Three candidate values: the least and the
@@ -17,7 +17,7 @@ more than two values (some rank in no class, or three classes), the summary
 marks that no majority is sure. The fingerprint is a 64-bit hash: two
 different rows pass for equal with a probability near 2^-64.
 
-zeroscan/allreduce.py carries the candidates in round one's MIN words and
+zeroscan/distributed/allreduce.py carries the candidates in round one's MIN words and
 the classes in round two (class_words); this module says what they are and
 which class is the reference.
 """
@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from zeroscan.allreduce_words import INT64_MAX, as_words, last_rank, neither, ordered
+from zeroscan.distributed.allreduce_words import INT64_MAX, as_words, last_rank, neither, ordered
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rtol: float) -> torch.Tensor:

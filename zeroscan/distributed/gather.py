@@ -5,9 +5,9 @@ importable from there): `gather_rows` all-gathers every rank's int64
 [N, 16] rows in one collective (W x N x 128 bytes); `GatheredRows.merged()`
 (`combine_rows`) merges them exactly with the native combine, in O(W N)
 memory; `compare_replicas` reports which rank's copy of a tensor differs,
-with every rank's values (zeroscan/replicas.py). Every call here that takes
+with every rank's values (zeroscan/distributed/replicas.py). Every call here that takes
 a group is a COLLECTIVE (see zeroscan.distributed), which first checks that
-the ranks agree on what they gather (zeroscan/distributed_agreement.py).
+the ranks agree on what they gather (zeroscan/distributed/agreement.py).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from zeroscan import ops
-from zeroscan.distributed_agreement import Merged, check_agreement, tensor_words
-from zeroscan.distributed_common import PendingMerge, check_rows, comm_device, group_for, rows_of, scan_rows
+from zeroscan.distributed.agreement import Merged, check_agreement, tensor_words
+from zeroscan.distributed.common import PendingMerge, check_rows, comm_device, group_for, rows_of, scan_rows
+from zeroscan.distributed.replicas import ReplicaReport, check_report_options, replica_report
 from zeroscan.ops import check_tensor, check_tol, refused
 from zeroscan.result_row import NUM_FIELDS
-from zeroscan.replicas import ReplicaReport, check_report_options, replica_report
 from zeroscan.stats import Stats, StatsBatch
 
 

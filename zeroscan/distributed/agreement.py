@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroscan.distributed_common import comm_device
+from zeroscan.distributed.common import comm_device
 from zeroscan.words import span
 
 Item = tuple[str, str]  # an item's label ("tensors[1]", a parameter's name) and what must agree about it
