@@ -17,7 +17,7 @@ from helpers import fresh_generator, run_cli, run_cli_json
 from safetensors.torch import save_file
 
 from zeroscan import checkpoint
-from zeroscan.cli_format import LARGE_LOG_BYTES, Progress
+from zeroscan.cli.progress import LARGE_LOG_BYTES, Progress
 from zeroscan.checkpoint.groups import diff_groups, group_of, layer_of, module_of, scan_groups, worst_first
 
 GROUP_KEYS = {"group", "tensors", "elements", "zeros", "zero_fraction", "subnormal", "near_zero", "nan", "inf",

@@ -1,7 +1,8 @@
-"""The diff: `zeroscan diff A B` (and `zeroscan scan A B --diff`) compares two
-checkpoints tensor by tensor (zeroscan.checkpoint.diff) and reports it as a
-tensor table, a group table (--group-by) or one JSON object (--json; the
-schema is in zeroscan.cli's docstring)."""
+"""The diff: `zeroscan diff A B` (and `zeroscan scan A B --diff`,
+cmd_scan_diff) compares two checkpoints tensor by tensor
+(zeroscan.checkpoint.diff) and reports it as a tensor table, a group table
+(--group-by) or one JSON object (--json; the schema is in zeroscan.cli's
+docstring)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,25 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from zeroscan.cli.cells import fmt_num, fmt_percent, fmt_shape
+from zeroscan.cli.console import Style
 from zeroscan.cli.exits import UsageError, exit_status
 from zeroscan.cli.parser import version
-from zeroscan.cli.tables import check_limit, group_label, limited, more_line, row_order, short_name, worst_cell, worst_of
-from zeroscan.cli_format import Progress, Style, fmt_num, fmt_percent, fmt_shape, printable, render_table
+from zeroscan.cli.progress import Progress
+from zeroscan.cli.tables import (
+    check_limit,
+    group_label,
+    limited,
+    more_line,
+    render_table,
+    row_order,
+    short_name,
+    with_findings,
+    worst_cell,
+    worst_of,
+)
 from zeroscan.report_data import json_safe
+from zeroscan.safe_text import printable
 from zeroscan.checkpoint.groups import DIFF_STATUSES, RANK, diff_groups, diff_worst_key
 from zeroscan.words import count_noun, is_are, listed
 
@@ -26,6 +41,18 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     """`zeroscan diff A B`: compares checkpoint A with checkpoint B."""
     check_limit(args.limit)
     a, b = checkpoints_a_and_b(args.paths)
+    return compare(a, b, args, out)
+
+
+def cmd_scan_diff(args: argparse.Namespace, out: TextIO) -> int:
+    """`zeroscan scan A B --diff`: what `zeroscan diff A B` does, refusing the
+    scan's options a diff has no use for."""
+    check_limit(args.limit)
+    if args.plot:
+        raise UsageError("--plot draws a scan; leave out --diff to plot a checkpoint")
+    if args.histogram or args.target_format:
+        raise UsageError("--histogram counts a scan's magnitudes; leave out --diff to count them")
+    a, b = two_checkpoints(args.paths)
     return compare(a, b, args, out)
 
 
@@ -96,11 +123,6 @@ def diff_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     summary["became_zero"] = sum(1 for r in rows if r.get("became") == "zero")
     summary["worst"] = worst_of([str(r["severity"]) for r in rows])
     return summary
-
-
-def with_findings(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows or groups of --only-findings."""
-    return [r for r in items if r["severity"] != "ok"]
 
 
 def sort_diff_rows(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
