@@ -176,7 +176,7 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
     style = Style(out)
     files = []
     for path in expand_paths(args.paths):
-        progress = Progress(f"scanning {Path(path).name or path}", enabled=args.progress)
+        progress = Progress(f"scanning {Path(path.text).name or path.text}", enabled=args.progress)
         try:
             result = scan_checkpoint(path, tol=args.tol, mostly_zero=args.mostly_zero, progress=progress,
                                      histogram=args.histogram)
