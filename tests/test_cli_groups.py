@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from helpers import fresh_generator, run_cli, run_cli_json
 from safetensors.torch import save_file
 
 from zeroscan import checkpoint
-from zeroscan.cli_format import LARGE_LOG_BYTES, Progress
+from zeroscan.cli.progress import LARGE_LOG_BYTES, Progress
+from zeroscan.checkpoint import paths
 from zeroscan.checkpoint.groups import diff_groups, group_of, layer_of, module_of, scan_groups, worst_first
 
 GROUP_KEYS = {"group", "tensors", "elements", "zeros", "zero_fraction", "subnormal", "near_zero", "nan", "inf",
@@ -567,3 +569,41 @@ def test_a_sharded_folder_is_one_checkpoint(capsys: pytest.CaptureFixture[str], 
     assert rc == 0 and doc["summary"]["became_zero"] == 1  # a warning: below --fail-on error
     assert [(grp["group"], grp["became_zero"], grp["severity"]) for grp in doc["groups"]][0] == (
         "model-00001-of-00003.safetensors", 1, "warning")
+
+
+def test_each_folder_is_classified_once(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`zeroscan scan FOLDER` works out what each folder is once, whether it
+    lists the folder's checkpoints or opens the folder as one; so does
+    `zeroscan diff A B` for each of its folders. Every classification runs
+    paths.model_kind, which is counted here, folder by folder."""
+    g = fresh_generator()
+    root = tmp_path / "runs"
+    root.mkdir()
+    for step in (100, 200, 300):
+        save_file({"w": torch.randn(8, generator=g)}, str(root / f"step{step}.safetensors"))
+    model = root / "model"
+    save_shards(model, sharded_model(model, g))
+    after = tmp_path / "after"
+    after.mkdir()
+    for name in ("model.safetensors.index.json", *(f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3))):
+        (after / name).write_bytes((model / name).read_bytes())
+
+    classified: Counter[Path] = Counter()
+    classify = paths.model_kind
+
+    def counted(folder: Path) -> str | None:
+        classified[folder] += 1
+        return classify(folder)
+
+    monkeypatch.setattr(paths, "model_kind", counted)
+    _, doc = run_cli_json(capsys, "scan", str(root))
+    steps = [str(root / f"step{s}.safetensors") for s in (100, 200, 300)]
+    assert [f["path"] for f in doc["files"]] == [str(model), *steps]
+    assert doc["files"][0]["shards"] == 3  # the model folder opened as one checkpoint
+    assert classified == {root: 1, model: 1}
+
+    classified.clear()
+    _, doc = run_cli_json(capsys, "diff", str(model), str(after))
+    assert doc["summary"]["identical"] == 12
+    assert classified == {model: 1, after: 1}

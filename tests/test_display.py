@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zeroscan
-from zeroscan.cli_format import fmt_bytes
+from zeroscan.cli.cells import fmt_bytes
 from zeroscan.diagnosis import Verdict
 from zeroscan.histogram import Histogram
 from zeroscan.words import short_count

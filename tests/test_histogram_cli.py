@@ -22,7 +22,7 @@ import zeroscan
 from zeroscan import checkpoint
 from zeroscan.checkpoint.batches import BatchScanner
 from zeroscan.cli import main
-from zeroscan.cli_format import fmt_binades
+from zeroscan.cli.cells import fmt_binades
 from zeroscan.histogram import reference_histogram
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int32,

@@ -21,8 +21,8 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from zeroscan.cli_format import printable
 from zeroscan.diagnosis import Diagnosis, Verdict, diagnose
+from zeroscan.safe_text import printable
 
 WIDTH = 100
 

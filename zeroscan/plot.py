@@ -24,9 +24,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zeroscan.cli_format import printable
 from zeroscan.loggers import scanned_words
 from zeroscan.report_data import report_dict
+from zeroscan.safe_text import printable
 
 SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 SEVERITY_RANK = {"ok": 0, "info": 1, "warning": 2, "error": 3}

@@ -1,6 +1,8 @@
 """Opening a checkpoint: where its format is picked, by what the path is
 (a folder, a shard index, a DCP `.metadata`) and by what a file holds (its
-first bytes), never by a file's name alone.
+first bytes), never by a file's name alone. A folder is opened as what
+classifying it found (zeroscan.checkpoint.paths.Folder): a CheckpointPath
+from expand_paths carries it, any other folder is classified here.
 """
 
 from __future__ import annotations
@@ -11,12 +13,11 @@ from pathlib import Path
 from zeroscan.checkpoint.paths import (
     DCP_METADATA,
     INDEX_SUFFIX,
-    checkpoint_files,
-    checkpoint_kind,
+    CheckpointPath,
+    Folder,
+    classify_folder,
     folder_contents,
-    index_files,
     index_shards,
-    model_kind,
     read_index,
     shard_order,
 )
@@ -33,8 +34,10 @@ def open_checkpoint(path: str | os.PathLike[str]) -> TensorTable:
     same interface: entries, entry(), read(), scan_items(), close(). Raises
     CheckpointError with a one-line reason."""
     p = checked_path("zeroscan.open_checkpoint", "path", path)
+    if isinstance(path, CheckpointPath) and path.folder is not None:
+        return open_folder(path.folder)
     if p.is_dir():
-        return open_folder(p)
+        return open_folder(classify_folder(p))
     if p.name.endswith(INDEX_SUFFIX) and p.is_file():
         return open_index(p)
     if p.name == DCP_METADATA and p.is_file():  # the DCP checkpoint alone, in a folder holding others too
@@ -44,23 +47,16 @@ def open_checkpoint(path: str | os.PathLike[str]) -> TensorTable:
     return open_file(p)
 
 
-def open_folder(p: Path) -> TensorTable:
-    """A folder that is one checkpoint (zeroscan.checkpoint.paths.checkpoint_kind)."""
-    kind = checkpoint_kind(p)
-    if kind is None and model_kind(p) == "index":
-        # Its index's own errors (a shard missing) first: they say more than its other checkpoints.
-        open_index(index_files(p)[0]).close()
-    if kind == "dcp":
-        from zeroscan.checkpoint.dcp import open_dcp  # torch.distributed.checkpoint: imported only for a DCP folder
-
-        return open_dcp(p)
-    if kind == "index":
-        return open_index(index_files(p)[0])
-    if kind == "shards":
-        return open_shards(p, checkpoint_files(p))
-    if kind == "single":
-        return open_file(checkpoint_files(p)[0])
-    inside = folder_contents(p)
+def open_folder(folder: Folder) -> TensorTable:
+    """A folder that is one checkpoint (Folder.kind), opened as its model;
+    any other folder is a CheckpointError."""
+    if folder.kind is not None:
+        return open_model(folder)
+    if folder.model == "index":
+        # Its index's own errors (a shard unreadable) first: they say more than its other checkpoints.
+        open_model(folder).close()
+    p = folder.path
+    inside = folder_contents(folder, {p: folder})
     if not inside:
         raise CheckpointError(f"{p}: is a folder holding no checkpoint (no shard index, .metadata or checkpoint file)")
     names = ", ".join(os.path.relpath(c, p) for c in inside[:4])
@@ -71,6 +67,20 @@ def open_folder(p: Path) -> TensorTable:
     )
 
 
+def open_model(folder: Folder) -> TensorTable:
+    """The model a folder's own files make (Folder.model), from the files and
+    the index that classifying the folder found."""
+    if folder.model == "dcp":
+        from zeroscan.checkpoint.dcp import open_dcp  # torch.distributed.checkpoint: imported only for a DCP folder
+
+        return open_dcp(folder.path)
+    if folder.model == "index" and folder.model_path is not None:
+        return open_sharded(folder.model_path, list(folder.reads), folder.weight_map, folder.model_path.name)
+    if folder.model == "shards":
+        return open_shards(folder.path, list(folder.reads))
+    if folder.model == "single":
+        return open_file(folder.reads[0])
+    raise CheckpointError(f"{folder.path}: holds no model (no shard index, .metadata or checkpoint file)")
 
 
 def open_file(p: Path) -> Checkpoint:

@@ -12,7 +12,7 @@ one model when they are one of these (model_kind):
 * a folder holding a single checkpoint file (a model folder with one
   `model.safetensors` beside its config).
 
-The folder is that one checkpoint (checkpoint_kind) only when nothing else
+The folder is that one checkpoint (Folder.kind) only when nothing else
 in it is or holds a checkpoint: no checkpoint file the model does not read
 (an optimizer.pt beside an index, a shard the index does not name) and no
 sub-folder holding checkpoints (step_100/ beside llama.pt). Any other folder
@@ -26,6 +26,11 @@ holding, at any depth, an entry named like a checkpoint that is no regular
 file (a FIFO, a socket, a device, a link to nothing) is refused with a
 CheckpointError naming every such entry of its folder, as the entry alone
 would be refused (refuse_unreadable_entries).
+
+What a folder is, is worked out once (classify_folder: a Folder) and handed
+on: expand_paths gives each checkpoint folder it finds as a CheckpointPath
+carrying its Folder, which open_checkpoint opens without classifying it
+again.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import os
 import re
 import stat
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from zeroscan.checkpoint.table import SPECIAL_FILE_KINDS, CheckpointError, regular_file_size
@@ -149,21 +155,65 @@ def complete(key: ShardSet, shards: dict[int, Path]) -> bool:
     return sorted(shards) == list(range(1, int(key[2]) + 1))
 
 
-def checkpoint_kind(folder: Path) -> str | None:
-    """What the folder is as one checkpoint: "dcp", "index", "shards" (a
-    complete set of shard files without an index) or "single" (one checkpoint
-    file); None for a plain folder of separate checkpoints, which is also
-    what a folder is whose model (model_kind) leaves something out
-    (extras)."""
-    kind = model_kind(folder)
-    if kind is None or extras(folder, kind):
-        return None
-    return kind
+@dataclass(frozen=True)
+class Folder:
+    """What a folder holds, worked out once (classify_folder) and handed to
+    whatever lists its checkpoints or opens it, so that none works it out
+    again: its model (model_kind) and the files that model reads, and what
+    else in it is or holds a checkpoint (extras)."""
+
+    path: Path
+    model: str | None  # model_kind: "dcp", "index", "shards", "single"; None without a model
+    model_path: Path | None  # the index file or DCP `.metadata` that opens the model alone
+    weight_map: dict[str, str] | None  # an "index" model's index as read (read_index)
+    reads: tuple[Path, ...]  # the checkpoint files the model reads, in its order ("dcp": none by name)
+    accounted: frozenset[Path]  # reads, and the files a second index names (model_files)
+    extras: tuple[Path, ...]
+
+    @property
+    def kind(self) -> str | None:
+        """What the folder is as one checkpoint: "dcp", "index", "shards" (a
+        complete set of shard files without an index) or "single" (one
+        checkpoint file); None for a plain folder of separate checkpoints,
+        which is also what a folder is whose model leaves something out
+        (extras)."""
+        return None if self.extras else self.model
+
+
+def classify_folder(folder: Path) -> Folder:
+    """What `folder` holds (Folder): its model_kind, and when it has a model,
+    the files the model reads (an index read and checked: its errors are
+    CheckpointErrors here) and its extras."""
+    model = model_kind(folder)
+    if model is None:
+        return Folder(folder, None, None, None, (), frozenset(), ())
+    opens = None  # the model's own files open it: a shard set, the one file
+    weight_map = None
+    reads: tuple[Path, ...] = ()  # a DCP model's .distcp files are not checkpoint files by name
+    if model == "dcp":
+        opens = folder / DCP_METADATA
+    elif model == "index":
+        opens = index_files(folder)[0]
+        weight_map = read_index(opens)
+        reads = tuple(index_shards(opens, weight_map))
+    else:
+        reads = tuple(sorted(checkpoint_files(folder), key=lambda f: shard_order(f.name)))
+    accounted = model_files(folder, model, reads)
+    return Folder(folder, model, opens, weight_map, reads, accounted, tuple(extras(folder, accounted)))
+
+
+def classified(folder: Path, known: dict[Path, Folder]) -> Folder:
+    """The Folder of `folder`: from `known` (the folders classified so far,
+    each under its path), else classified now (classify_folder) and added
+    to it."""
+    if folder not in known:
+        known[folder] = classify_folder(folder)
+    return known[folder]
 
 
 def model_kind(folder: Path) -> str | None:
     """What the folder's own files make of it as one model, whatever else it
-    holds: "dcp", "index", "shards" or "single" (checkpoint_kind's words);
+    holds: "dcp", "index", "shards" or "single" (Folder.kind's words);
     None. A folder holding some shards of a model but not all, and no index,
     is a CheckpointError: scanning the shards there would pass over the
     missing ones in silence. So is a folder holding an entry named like a
@@ -193,35 +243,20 @@ def model_kind(folder: Path) -> str | None:
     return None
 
 
-def model_files(folder: Path, kind: str) -> set[Path]:
+def model_files(folder: Path, kind: str, reads: tuple[Path, ...]) -> frozenset[Path]:
     """The checkpoint files (by suffix) that the folder's model of this kind
-    reads: those its index names and the other shards of the sets it names
-    (index_shards), or every one. A second index
-    (the same weights in another format, index_files) accounts for the files
-    it names too, and its own errors are left to whoever opens it."""
-    if kind == "dcp":
-        return set()  # its .distcp files are not checkpoint files by name
-    if kind != "index":
-        return set(checkpoint_files(folder))
-
-    first, *others = index_files(folder)
-    files = set(index_shards(first, read_index(first)))
-    for other in others:
-        try:
-            files |= set(index_shards(other, read_index(other)))
-        except CheckpointError:
-            pass
-    return files
-
-
-def model_path(folder: Path, kind: str) -> Path | None:
-    """The path that opens the folder's model alone, where it is not the
-    folder's files themselves: its index file, or its DCP `.metadata`."""
-    if kind == "dcp":
-        return folder / DCP_METADATA
+    accounts for: those it `reads` (a DCP model's .distcp files are not
+    checkpoint files by name), and for an index model those a second index
+    names (the same weights in another format, index_files), whose own
+    errors are left to whoever opens it."""
+    files = set(reads)
     if kind == "index":
-        return index_files(folder)[0]
-    return None
+        for other in index_files(folder)[1:]:
+            try:
+                files |= set(index_shards(other, read_index(other)))
+            except CheckpointError:
+                pass
+    return frozenset(files)
 
 
 def sorted_names(folder: Path) -> list[str]:
@@ -256,11 +291,11 @@ def holds_checkpoints(folder: Path, seen: set[tuple[int, int]]) -> bool:
     return any((folder / n).is_dir() and holds_checkpoints(folder / n, seen) for n in names)
 
 
-def extras(folder: Path, kind: str) -> list[Path]:
-    """What the folder holds beside its model of this kind (model_kind) that
-    is or holds a checkpoint: checkpoint files the model does not read and
-    sub-folders holding checkpoints, by name."""
-    accounted = model_files(folder, kind)
+def extras(folder: Path, accounted: frozenset[Path]) -> list[Path]:
+    """What the folder holds beside its model (model_kind), whose files are
+    `accounted` (model_files), that is or holds a checkpoint: checkpoint
+    files the model does not read and sub-folders holding checkpoints, by
+    name."""
     out = []
     for n in sorted_names(folder):
         p = folder / n
@@ -272,11 +307,28 @@ def extras(folder: Path, kind: str) -> list[Path]:
     return out
 
 
-def expand_paths(paths: Sequence[str]) -> list[str]:
+@dataclass(frozen=True)
+class CheckpointPath:
+    """A checkpoint that expand_paths found: its path, as given or as found in
+    a folder, and for a folder what classifying it found (Folder), so that
+    opening it (open_checkpoint) does not classify it again. It is an
+    os.PathLike, and str() of it is its path."""
+
+    text: str
+    folder: Folder | None = None
+
+    def __fspath__(self) -> str:
+        return self.text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def expand_paths(paths: Sequence[str]) -> list[CheckpointPath]:
     """The checkpoints that `paths` name, each a path open_checkpoint opens,
     in the order given:
 
-    * a file is itself, and a folder that is one checkpoint (checkpoint_kind)
+    * a file is itself, and a folder that is one checkpoint (Folder.kind)
       itself;
     * any other folder is its checkpoints (folder_contents): its model by the
       path that opens it alone, its other checkpoint files and checkpoint
@@ -286,18 +338,24 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
     * the complete set of one model's shard files, all named (say by
       `dir/*.safetensors`), is their folder when the folder is that model.
 
-    Raises CheckpointError for a pattern that matches nothing and for a folder
-    that holds no checkpoint; anything else wrong with a path is reported
-    when it is opened."""
-    out: list[str] = []
+    Each folder is classified once (classify_folder), and a checkpoint
+    folder found carries its Folder. Raises CheckpointError for a pattern
+    that matches nothing and for a folder that holds no checkpoint; anything
+    else wrong with a path is reported when it is opened."""
+    known: dict[Path, Folder] = {}
+    out: list[CheckpointPath] = []
     for text in paths:
         if GLOB_CHARS & set(text) and not os.path.lexists(text):
             matches = sorted(glob.glob(text))
             if not matches:
                 raise CheckpointError(f"{text}: matches no file")
-            out.extend(grouped(matches))
-        elif os.path.isdir(text) and checkpoint_kind(Path(text)) is None:
-            inside = folder_contents(Path(text))
+            out.extend(grouped([CheckpointPath(m) for m in matches], known))
+        elif os.path.isdir(text):
+            folder = classified(Path(text), known)
+            if folder.kind is not None:
+                out.append(CheckpointPath(text, folder))
+                continue
+            inside = folder_contents(folder, known)
             if not inside:
                 raise CheckpointError(
                     f"{text}: holds no checkpoint (no {', '.join(CHECKPOINT_SUFFIXES)} file, "
@@ -305,64 +363,67 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
                 )
             out.extend(inside)
         else:
-            out.append(text)
+            out.append(CheckpointPath(text))
     return out
 
 
-def folder_contents(folder: Path) -> list[str]:
+def folder_contents(folder: Folder, known: dict[Path, Folder]) -> list[CheckpointPath]:
     """A plain folder's checkpoints, by name: its model by the path that opens
     it alone (an index file, a DCP `.metadata`) in place of the files the
     model reads, its other checkpoint files (shard sets as one), its
     sub-folders that are checkpoints, and the checkpoints of its other
-    sub-folders, at any depth."""
-    return grouped(contents(folder, set()))
+    sub-folders, at any depth. `known` as classified's."""
+    return grouped(contents(folder, known, set()), known)
 
 
-def contents(folder: Path, seen: set[tuple[int, int]]) -> list[str]:
+def contents(folder: Folder, known: dict[Path, Folder], seen: set[tuple[int, int]]) -> list[CheckpointPath]:
     """folder_contents before shard sets are grouped; `seen` as holds_checkpoints'."""
-    ident = identity(folder)
+    ident = identity(folder.path)
     if ident in seen:
         return []
     seen.add(ident)
-    kind = model_kind(folder)
-    model = model_path(folder, kind) if kind is not None else None
-    accounted = model_files(folder, kind) if model is not None else set()
+    model = folder.model_path
+    accounted = folder.accounted if model is not None else frozenset()
     entries = []
-    for n in sorted_names(folder):
-        p = folder / n
+    for n in sorted_names(folder.path):
+        p = folder.path / n
         if p == model or (n.endswith(CHECKPOINT_SUFFIXES) and is_regular_file(p) and p not in accounted):
-            entries.append(str(p))
+            entries.append(CheckpointPath(str(p)))
         elif p.is_dir():
-            if checkpoint_kind(p) is not None:
-                entries.append(str(p))
+            sub = classified(p, known)
+            if sub.kind is not None:
+                entries.append(CheckpointPath(str(p), sub))
             else:
-                entries.extend(contents(p, seen))
+                entries.extend(contents(sub, known, seen))
     return entries
 
 
-def grouped(paths: Sequence[str]) -> list[str]:
+def grouped(paths: Sequence[CheckpointPath], known: dict[Path, Folder]) -> list[CheckpointPath]:
     """`paths` with each complete set of one model's shards replaced by their
-    folder, where the folder opens as exactly that model; the rest as given."""
-    files = [Path(p) for p in paths]
-    replace: dict[Path, str] = {}
+    folder, where the folder opens as exactly that model; the rest as given.
+    `known` as classified's."""
+    files = [Path(p.text) for p in paths]
+    replace: dict[Path, CheckpointPath] = {}
     for key, shards in shard_sets([f for f in files if is_regular_file(f)]).items():
-        folder = key[0]
         if not complete(key, shards):
             continue
-        kind = checkpoint_kind(folder)
-        if kind == "shards":
-            target = str(folder)
-        elif model_kind(folder) == "index" and set(shards.values()) <= model_files(folder, "index"):
+        folder = classified(key[0], known)
+        if folder.kind == "shards":
+            target = CheckpointPath(str(folder.path), folder)
+        elif folder.model == "index" and set(shards.values()) <= folder.accounted:
             # the folder when it is the model alone, else its index file
-            target = str(folder) if kind == "index" else str(index_files(folder)[0])
+            target = CheckpointPath(str(folder.path), folder) if folder.kind == "index" else CheckpointPath(
+                str(folder.model_path))
         else:
             continue
         for f in shards.values():
             replace[f] = target
-    out: list[str] = []
+    out: list[CheckpointPath] = []
+    named: set[str] = set()
     for p, f in zip(paths, files):
         target = replace.get(f, p)
-        if target not in out:  # a glob may match an index file and the shards it stands for
+        if target.text not in named:  # a glob may match an index file and the shards it stands for
+            named.add(target.text)
             out.append(target)
     return out
 

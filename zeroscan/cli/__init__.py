@@ -54,7 +54,7 @@ once: "binades" lists the nonempty normal binades, "E" counting the finite
 values with 2^E <= |x| < 2^(E+1) (an integer's E is its bit length less 1);
 min_exponent and max_exponent are the dtype's lowest and highest binade. A
 complex tensor's counts its real and imaginary parts. In the tensor table,
---histogram adds a "binades" column (zeroscan.cli_format.fmt_binades):
+--histogram adds a "binades" column (zeroscan.cli.cells.fmt_binades):
 "2^-24..2^3, 99% in 2^-8..2^1" says every nonzero finite |x| is in
 [2^-24, 2^3) and at least 99% of them in [2^-8, 2^1). --plot then draws the
 histograms (zeroscan.histogram_plot.plot_histograms) instead of the scan's bars, with
@@ -84,8 +84,10 @@ a (an error: "became NaN/Inf at N elements"), "zero" for one all zero in b
 and not in a (a warning), "" otherwise.
 """
 
-# The modules: run (main, and the command each name runs) -> scan -> diff ->
-# parser -> tables -> exits; none imports one before it in that list.
+# The modules: run (main, and the command each name runs) -> scan, diff ->
+# parser, progress -> tables -> console, cells, exits; none imports one
+# before it in that list, nor one beside it (scan and diff import neither
+# the other).
 from zeroscan.cli.exits import EXIT_ERROR, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from zeroscan.cli.parser import build_parser
 from zeroscan.cli.run import main

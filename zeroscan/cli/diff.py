@@ -1,7 +1,8 @@
-"""The diff: `zeroscan diff A B` (and `zeroscan scan A B --diff`) compares two
-checkpoints tensor by tensor (zeroscan.checkpoint.diff) and reports it as a
-tensor table, a group table (--group-by) or one JSON object (--json; the
-schema is in zeroscan.cli's docstring)."""
+"""The diff: `zeroscan diff A B` (and `zeroscan scan A B --diff`,
+cmd_scan_diff) compares two checkpoints tensor by tensor
+(zeroscan.checkpoint.diff) and reports it as a tensor table, a group table
+(--group-by) or one JSON object (--json; the schema is in zeroscan.cli's
+docstring)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,27 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from zeroscan.cli.cells import fmt_num, fmt_percent, fmt_shape
+from zeroscan.cli.console import Style
 from zeroscan.cli.exits import UsageError, exit_status
 from zeroscan.cli.parser import version
-from zeroscan.cli.tables import check_limit, group_label, limited, more_line, row_order, short_name, worst_cell, worst_of
-from zeroscan.cli_format import Progress, Style, fmt_num, fmt_percent, fmt_shape, printable, render_table
+from zeroscan.cli.progress import Progress
+from zeroscan.cli.tables import (
+    check_limit,
+    group_label,
+    limited,
+    more_line,
+    render_table,
+    row_order,
+    short_name,
+    with_findings,
+    worst_cell,
+    worst_of,
+)
 from zeroscan.report_data import json_safe
+from zeroscan.safe_text import printable
 from zeroscan.checkpoint.groups import DIFF_STATUSES, RANK, diff_groups, diff_worst_key
+from zeroscan.checkpoint.paths import CheckpointPath, expand_paths
 from zeroscan.words import count_noun, is_are, listed
 
 SHOWN_PATHS = 4  # paths an error lists before "and N more"
@@ -29,12 +45,22 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     return compare(a, b, args, out)
 
 
-def checkpoints_a_and_b(paths: Sequence[str]) -> tuple[str, str]:
+def cmd_scan_diff(args: argparse.Namespace, out: TextIO) -> int:
+    """`zeroscan scan A B --diff`: what `zeroscan diff A B` does, refusing the
+    scan's options a diff has no use for."""
+    check_limit(args.limit)
+    if args.plot:
+        raise UsageError("--plot draws a scan; leave out --diff to plot a checkpoint")
+    if args.histogram or args.target_format:
+        raise UsageError("--histogram counts a scan's magnitudes; leave out --diff to count them")
+    a, b = two_checkpoints(args.paths)
+    return compare(a, b, args, out)
+
+
+def checkpoints_a_and_b(paths: Sequence[str]) -> tuple[CheckpointPath, CheckpointPath]:
     """The checkpoints `zeroscan diff A B` compares: exactly two PATHs, each
     naming one checkpoint (a file, a checkpoint folder, or a glob or folder
     that holds one). UsageError otherwise, naming what was given."""
-    from zeroscan.checkpoint.paths import expand_paths
-
     if len(paths) != 2:
         given = f"{count_noun(len(paths), 'path')}: {listed(list(paths), SHOWN_PATHS)}" if paths else "no path"
         raise UsageError(f"diff compares two checkpoints, A and B; got {given}")
@@ -42,29 +68,29 @@ def checkpoints_a_and_b(paths: Sequence[str]) -> tuple[str, str]:
     for label, path in zip("AB", paths):
         named = expand_paths([path])
         if len(named) != 1:  # a folder or glob of several checkpoints
+            names = listed([c.text for c in named], SHOWN_PATHS)
             raise UsageError(f"diff compares two checkpoints, A and B; {label} ({path}) names "
-                             f"{count_noun(len(named), 'checkpoint')}: {listed(named, SHOWN_PATHS)}")
+                             f"{count_noun(len(named), 'checkpoint')}: {names}")
         found.append(named[0])
     return found[0], found[1]
 
 
-def two_checkpoints(paths: Sequence[str]) -> tuple[str, str]:
+def two_checkpoints(paths: Sequence[str]) -> tuple[CheckpointPath, CheckpointPath]:
     """The two checkpoints `scan --diff` compares, from PATHs that may be folders or globs."""
-    from zeroscan.checkpoint.paths import expand_paths
-
     found = expand_paths(paths)
     if len(found) != 2:
         raise UsageError(f"--diff compares exactly two checkpoints; the paths given name {len(found)}: "
-                         f"{listed(found, SHOWN_PATHS)}")
+                         f"{listed([c.text for c in found], SHOWN_PATHS)}")
     return found[0], found[1]
 
 
-def compare(a: str, b: str, args: argparse.Namespace, out: TextIO) -> int:
-    """Diffs checkpoint `a` against `b` and writes the report `args` asks
-    for; returns the exit status --fail-on gives the worst finding."""
+def compare(a: CheckpointPath, b: CheckpointPath, args: argparse.Namespace, out: TextIO) -> int:
+    """Diffs checkpoint `a` against `b` (each opened as expand_paths found
+    it) and writes the report `args` asks for; returns the exit status
+    --fail-on gives the worst finding."""
     from zeroscan.checkpoint.diff import diff_checkpoints
 
-    progress = Progress(f"comparing {Path(a).name or a}", enabled=args.progress)
+    progress = Progress(f"comparing {Path(a.text).name or a.text}", enabled=args.progress)
     try:
         rows = diff_checkpoints(a, b, trained_from_first=args.trained_from_first, progress=progress)
     finally:
@@ -73,11 +99,11 @@ def compare(a: str, b: str, args: argparse.Namespace, out: TextIO) -> int:
     shown_rows = sort_diff_rows(with_findings(rows) if args.only_findings else rows, row_order(args))
     groups = None
     if args.group_by:
-        groups = diff_group_rows(rows, a, b, args.group_by)
+        groups = diff_group_rows(rows, a.text, b.text, args.group_by)
         if args.only_findings:
             groups = with_findings(groups)
     if args.json:
-        doc = {"zeroscan": version(), "command": "diff", "a": a, "b": b,
+        doc = {"zeroscan": version(), "command": "diff", "a": a.text, "b": b.text,
                "trained_from_first": args.trained_from_first, "tensors": shown_rows}
         if groups is not None:
             doc["groups"] = groups
@@ -85,7 +111,7 @@ def compare(a: str, b: str, args: argparse.Namespace, out: TextIO) -> int:
         json.dump(json_safe(doc), out, indent=1)
         out.write("\n")
     else:
-        write_diff_text(a, b, rows, shown_rows, groups, args, out)
+        write_diff_text(a.text, b.text, rows, shown_rows, groups, args, out)
     return exit_status(summary["worst"], args.fail_on)
 
 
@@ -96,11 +122,6 @@ def diff_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     summary["became_zero"] = sum(1 for r in rows if r.get("became") == "zero")
     summary["worst"] = worst_of([str(r["severity"]) for r in rows])
     return summary
-
-
-def with_findings(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows or groups of --only-findings."""
-    return [r for r in items if r["severity"] != "ok"]
 
 
 def sort_diff_rows(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:

@@ -13,11 +13,12 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, TextIO
 
-from zeroscan.cli.diff import cmd_diff
+from zeroscan.cli.console import fit_to_console
+from zeroscan.cli.diff import cmd_diff, cmd_scan_diff
 from zeroscan.cli.exits import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from zeroscan.cli.parser import build_parser
 from zeroscan.cli.scan import checked_plot_path, cmd_scan
-from zeroscan.cli_format import fit_to_console, printable
+from zeroscan.safe_text import printable
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
@@ -26,9 +27,14 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     return run_demo(out=out, plot=checked_plot_path(args.plot) if args.plot else None)
 
 
+def cmd_scan_or_diff(args: argparse.Namespace, out: TextIO) -> int:
+    """`zeroscan scan`: with --diff not a scan but the diff of its two checkpoints (cmd_scan_diff)."""
+    return cmd_scan_diff(args, out) if args.diff else cmd_scan(args, out)
+
+
 # Each command of build_parser() and what runs it.
 COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
-    "scan": cmd_scan,
+    "scan": cmd_scan_or_diff,
     "diff": cmd_diff,
     "demo": cmd_demo,
 }

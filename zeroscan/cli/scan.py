@@ -2,7 +2,7 @@
 (zeroscan.checkpoint.scan_checkpoint) and reports it as a tensor table, a
 group table (--group-by) or one JSON object (--json; the schema is in
 zeroscan.cli's docstring), and with --plot draws it. `scan A B --diff` is
-`zeroscan diff A B` (zeroscan.cli.diff)."""
+not a scan: it runs as `zeroscan diff A B` (zeroscan.cli.diff.cmd_scan_diff)."""
 
 from __future__ import annotations
 
@@ -14,31 +14,25 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from zeroscan.cli.diff import compare, two_checkpoints
+from zeroscan.cli.cells import fmt_binades, fmt_bytes, fmt_num, fmt_percent, fmt_shape
+from zeroscan.cli.console import Style
 from zeroscan.cli.exits import UsageError, exit_status
 from zeroscan.cli.parser import version
+from zeroscan.cli.progress import Progress
 from zeroscan.cli.tables import (
     check_limit,
     group_label,
     limited,
     more_line,
+    render_table,
     row_order,
     short_name,
+    with_findings,
     worst_cell,
     worst_of,
 )
-from zeroscan.cli_format import (
-    Progress,
-    Style,
-    fmt_binades,
-    fmt_bytes,
-    fmt_num,
-    fmt_percent,
-    fmt_shape,
-    printable,
-    render_table,
-)
 from zeroscan.report_data import json_safe
+from zeroscan.safe_text import printable
 from zeroscan.checkpoint.groups import RANK, scan_groups, worst_first
 from zeroscan.words import count_noun, short_count
 
@@ -162,7 +156,7 @@ def shard_files(f: Any) -> set[str]:
 
 def file_groups(f: Any, by: str, only_findings: bool) -> list[dict[str, Any]]:
     groups = scan_groups(f.rows, by, skipped=f.skipped, default_shard=Path(f.path).name)
-    return [g for g in groups if g["severity"] != "ok"] if only_findings else groups
+    return with_findings(groups) if only_findings else groups
 
 
 def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
@@ -173,8 +167,6 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
     from zeroscan.checkpoint.paths import expand_paths
 
     check_limit(args.limit)
-    if args.diff:
-        return scan_diff(args, out)
     if args.trained_from_first:
         raise UsageError("--trained-from-first says how the two files of --diff relate; add --diff")
     if args.target_format and not (args.histogram and args.plot):
@@ -184,7 +176,7 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
     style = Style(out)
     files = []
     for path in expand_paths(args.paths):
-        progress = Progress(f"scanning {Path(path).name or path}", enabled=args.progress)
+        progress = Progress(f"scanning {Path(path.text).name or path.text}", enabled=args.progress)
         try:
             result = scan_checkpoint(path, tol=args.tol, mostly_zero=args.mostly_zero, progress=progress,
                                      histogram=args.histogram)
@@ -224,16 +216,6 @@ def cmd_scan(args: argparse.Namespace, out: TextIO) -> int:
     return exit_status(worst, args.fail_on)
 
 
-def scan_diff(args: argparse.Namespace, out: TextIO) -> int:
-    """`scan A B --diff`: what `zeroscan diff A B` does, refusing the scan's options a diff has no use for."""
-    if args.plot:
-        raise UsageError("--plot draws a scan; leave out --diff to plot a checkpoint")
-    if args.histogram or args.target_format:
-        raise UsageError("--histogram counts a scan's magnitudes; leave out --diff to count them")
-    a, b = two_checkpoints(args.paths)
-    return compare(a, b, args, out)
-
-
 def plot_files(files: Sequence[Any], path: str, args: argparse.Namespace) -> str:
     """Draws the scanned checkpoints to `path` (--plot): their histograms
     with --histogram, else the scan's bars; returns the file written."""
@@ -254,7 +236,7 @@ def scan_file_json(f: Any, args: argparse.Namespace) -> dict[str, Any]:
         "format": f.format,
         "shards": f.shards,
         "nbytes": f.nbytes,
-        "tensors": sort_rows(shown(f.rows, args.only_findings), row_order(args)),
+        "tensors": sort_rows(shown_rows(f.rows, args.only_findings), row_order(args)),
         "skipped": f.skipped,
     }
     if args.group_by:
@@ -262,8 +244,9 @@ def scan_file_json(f: Any, args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
-def shown(rows: list[dict[str, Any]], only_findings: bool) -> list[dict[str, Any]]:
-    return [r for r in rows if r["severity"] != "ok"] if only_findings else rows
+def shown_rows(rows: list[dict[str, Any]], only_findings: bool) -> list[dict[str, Any]]:
+    """The rows a report shows: all, or with --only-findings those with a finding."""
+    return with_findings(rows) if only_findings else rows
 
 
 def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO) -> None:
@@ -279,7 +262,7 @@ def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO)
     if args.group_by:
         items, table, noun = file_groups(f, args.group_by, args.only_findings), group_table, "group"
     else:
-        items, table, noun = sort_rows(shown(f.rows, args.only_findings), row_order(args)), scan_table, "tensor"
+        items, table, noun = sort_rows(shown_rows(f.rows, args.only_findings), row_order(args)), scan_table, "tensor"
     lines, hidden = limited(items, args.limit)
     if lines:
         out.write("\n".join(table(lines, style)) + "\n")
@@ -288,7 +271,7 @@ def write_scan_text(f: Any, args: argparse.Namespace, style: Style, out: TextIO)
     if hidden:
         out.write(more_line(hidden, noun))
 
-    findings, hidden = limited(worst_first(r for r in f.rows if r["severity"] != "ok"), args.limit)
+    findings, hidden = limited(worst_first(with_findings(f.rows)), args.limit)
     if findings:
         out.write("\nfindings:\n")
         for r in findings:
