@@ -1,6 +1,7 @@
 """The package's shape: what `import zeroscan` loads, which names are reachable
-from it, no import cycles or overlong modules (import_graph.py), and install
-hints that name this project's distribution."""
+from it, no import cycles or overlong modules (import_graph.py), one table of
+the result row's columns, and install hints that name this project's
+distribution."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from import_graph import cycles, graph, long_modules
+
+from zeroscan.result_row import Column, Merge
 
 ROOT = Path(__file__).resolve().parent.parent
 DISTRIBUTION = "torch-zeroscan"
@@ -130,6 +133,75 @@ def test_only_ops_py_reaches_the_native_library() -> None:
         if reach.search(line.split("#", 1)[0])
     ]
     assert outside == []
+
+
+# The modules that may list the result row's columns: its table, and the
+# float64 reference, which defines each field itself, apart from the kernels
+# it checks.
+ROW_LISTERS = ("zeroscan/result_row.py", "zeroscan/reference.py")
+COLUMN_OF_FIELD = {c.name.lower(): c for c in Column if c.merge is not Merge.SPARE}
+RUN = 4  # this many columns in a row, in the row's order, is a copy of the table
+
+
+def named_column(node: ast.AST) -> Column | None:
+    """The column an item of a list, tuple, dict, call or class body names:
+    its field as a string, a keyword or a declared name, or the one Column.X
+    in it."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return COLUMN_OF_FIELD.get(node.value)
+    if isinstance(node, ast.keyword):
+        return COLUMN_OF_FIELD.get(node.arg or "")
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if len(targets) == 1 and isinstance(targets[0], ast.Name) and targets[0].id in COLUMN_OF_FIELD:
+            return COLUMN_OF_FIELD[targets[0].id]
+    named = {
+        sub.attr for sub in ast.walk(node)
+        if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "Column"
+    }
+    return Column[named.pop()] if len(named) == 1 and next(iter(named)) in Column.__members__ else None
+
+
+def column_lists(root: Path) -> list[str]:
+    """path:line of every run of RUN or more items, in any list of a module's
+    syntax tree, that name consecutive columns of the result row in order,
+    outside ROW_LISTERS."""
+    found = []
+    for path in sorted((root / "zeroscan").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in ROW_LISTERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            for items in ast.iter_fields(node):
+                if not isinstance(items[1], list):
+                    continue
+                run, last = 0, None
+                for item in items[1]:
+                    column = named_column(item) if isinstance(item, ast.AST) else None
+                    run = run + 1 if column is not None and last is not None and column == last + 1 else 1
+                    last = column
+                    if column is not None and run == RUN:
+                        found.append(f"{rel}:{item.lineno}")
+    return sorted(found)
+
+
+def test_only_the_row_table_lists_the_columns() -> None:
+    # A new count is a line of result_row.Column (and its definition in
+    # reference.py); everything else derives the columns from that table.
+    assert column_lists(ROOT) == []
+
+
+def test_a_hand_list_of_columns_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "zeroscan"
+    package.mkdir()
+    (package / "fields.py").write_text(
+        'PICKED = ("numel", "zeros", "subnormal")\n'  # three: a view's choice, not a copy
+        'BINS = ("zeros", "subnormal", "posinf", "neginf", "nan")\n'  # not in the row's order
+        'COUNTS = ("numel", "zeros", "subnormal", "near_zero", "nan")\n'
+        "class Stats:\n    nan = 1\n    posinf = 2\n    neginf = 3\n    negative = 4\n"
+        "WORDS = [f(row[Column.MIN_ABS]), f(row[Column.MIN_ABS_NONZERO]), ~f(row[Column.MAX_ABS]), g(Column.MEAN)]\n"
+    )
+    assert column_lists(tmp_path) == ["zeroscan/fields.py:3", "zeroscan/fields.py:8", "zeroscan/fields.py:9"]
 
 
 def test_import_graph_sees_function_level_imports(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import math
 import torch
 
 from zeroscan.ops import check_tol, require_readable
+from zeroscan.result_row import FIELDS
 
 # _exact_units counts in units of 2^-1126: frexp writes every float64 as a
 # whole number below 2^53 of units 2^(e - 53), e >= -1073 (the subnormal
@@ -131,7 +132,7 @@ def reference_stats(x: torch.Tensor, tol: float | None = None) -> dict[str, floa
         if n_finite
         else {"mean": math.nan, "std": math.nan, "norm": 0.0, "sum": 0.0}
     )
-    return {
+    fields = {
         "numel": v.numel(),
         "zeros": int((v == 0).sum()),
         "subnormal": int(((a > 0) & (a < tiny)).sum()),
@@ -146,3 +147,4 @@ def reference_stats(x: torch.Tensor, tol: float | None = None) -> dict[str, floa
         "max_abs": float(non_nan.max()) if non_nan.numel() else math.nan,
         **moments,
     }
+    return {name: fields[name] for name in FIELDS}  # in the row's order; a field not defined here is a KeyError

@@ -1,12 +1,15 @@
 """The result row: the Python side of csrc/stats_record.h, declared once.
 
-Every scan leaves one int64 row of NUM_FIELDS words per tensor. The first
-eight are exact counts; the next five hold float64 values bit for bit
-(`Column` mirrors the `Field` enum of csrc/stats_record.h); the last three
-are zero from the scan and free for callers to mark rows with (the Monitor
-does, across ranks). This module reads rows: one row into the public fields
-of a Stats (`FIELDS`), many rows at once, and the empty row that merges as
-the identity.
+Every scan leaves one int64 row of NUM_FIELDS words per tensor. `Column` is
+the one table of its columns: each one's name, position and merge kind.
+The first columns are exact counts (SUM); the next hold float64 values bit
+for bit: the extremes (MIN, MAX) and the moments (MOMENT: mean and m2); the
+last are zero from the scan and free for callers to mark rows with (the
+Monitor does, across ranks). Everything else that needs the columns derives
+them from this table: the count and float fields, the slices below, the
+fields of a Stats (`FIELDS`), the merges across ranks. This module also
+reads rows: one row into the public fields of a Stats, many rows at once,
+and the empty row that merges as the identity.
 """
 
 from __future__ import annotations
@@ -19,47 +22,84 @@ import numpy
 import torch
 
 
+class Merge(enum.Enum):
+    """How one column of two partial rows of a tensor (two chunks, two
+    shards) merges into the column of the whole: what csrc/stats_record.h's
+    `combine` does to it, and what the Python merges across ranks
+    (zeroscan/allreduce.py) do to it by kind."""
+
+    SUM = "sum"  # an exact count: added; 0 merges as nothing
+    MIN = "min"  # a float64 least value: the smaller; +inf merges as nothing
+    MAX = "max"  # a float64 greatest value: the larger; -inf merges as nothing
+    MOMENT = "moment"  # mean and m2 of the finite values, merged together (Chan et al.)
+    SPARE = "spare"  # zero from the scan; free for callers' marks
+
+
 class Column(enum.IntEnum):
-    """Columns of a result row (csrc/stats_record.h, `Field`)."""
+    """The result row, column by column: the one table of it in Python
+    (csrc/stats_record.h's `Field` in C++). Each column is `NAME = position,
+    merge`; its field is its name in lower case. The columns are grouped by
+    merge, counts first, then the extremes, the moments and the spares: the
+    slices below read them so."""
 
-    NUMEL = 0
-    ZEROS = 1
-    SUBNORMAL = 2
-    NEAR_ZERO = 3
-    NAN = 4
-    POSINF = 5
-    NEGINF = 6
-    NEGATIVE = 7
-    MIN_ABS = 8  # float64 bits, over non-NaN values; +inf when there are none
-    MIN_ABS_NONZERO = 9  # float64 bits; +inf when none
-    MAX_ABS = 10  # float64 bits; -inf when there are none
-    MEAN = 11  # float64 bits, over finite values
-    M2 = 12  # float64 bits: sum of squared deviations from MEAN
-    SPARE_0 = 13  # zero from the scan; free for callers' marks
-    SPARE_1 = 14
-    SPARE_2 = 15
+    merge: Merge
 
+    def __new__(cls, position: int, merge: Merge) -> Column:
+        column = int.__new__(cls, position)
+        column._value_ = position
+        column.merge = merge
+        return column
+
+    NUMEL = 0, Merge.SUM
+    ZEROS = 1, Merge.SUM
+    SUBNORMAL = 2, Merge.SUM
+    NEAR_ZERO = 3, Merge.SUM
+    NAN = 4, Merge.SUM
+    POSINF = 5, Merge.SUM
+    NEGINF = 6, Merge.SUM
+    NEGATIVE = 7, Merge.SUM
+    MIN_ABS = 8, Merge.MIN  # float64 bits, over non-NaN values; +inf when there are none
+    MIN_ABS_NONZERO = 9, Merge.MIN  # float64 bits; +inf when none
+    MAX_ABS = 10, Merge.MAX  # float64 bits; -inf when there are none
+    MEAN = 11, Merge.MOMENT  # float64 bits, over finite values
+    M2 = 12, Merge.MOMENT  # float64 bits: sum of squared deviations from MEAN
+    SPARE_0 = 13, Merge.SPARE
+    SPARE_1 = 14, Merge.SPARE
+    SPARE_2 = 15, Merge.SPARE
+
+
+def columns_of(*merges: Merge) -> tuple[Column, ...]:
+    """The columns that merge as one of `merges`, in row order."""
+    return tuple(c for c in Column if c.merge in merges)
+
+
+def field_names(columns: tuple[Column, ...]) -> tuple[str, ...]:
+    return tuple(c.name.lower() for c in columns)
+
+
+COUNT_COLUMNS = columns_of(Merge.SUM)
+EXTREME_COLUMNS = columns_of(Merge.MIN, Merge.MAX)  # min |x|, min nonzero |x|, max |x|
+MOMENT_COLUMNS = columns_of(Merge.MOMENT)  # mean, m2
+assert list(Column) == [*COUNT_COLUMNS, *EXTREME_COLUMNS, *MOMENT_COLUMNS, *columns_of(Merge.SPARE)], (
+    "Column must list the counts, then the extremes, the moments and the spares"
+)
 
 NUM_FIELDS = len(Column)
-NUM_COUNTS = 8
-COUNT_FIELDS = tuple(c.name.lower() for c in Column if c < NUM_COUNTS)
-FLOAT_FIELDS = ("min_abs", "min_abs_nonzero", "max_abs", "mean", "m2")
+NUM_COUNTS = len(COUNT_COLUMNS)
+NUM_SCANNED = NUM_COUNTS + len(EXTREME_COLUMNS) + len(MOMENT_COLUMNS)  # the columns a scan writes
+COUNT_FIELDS = field_names(COUNT_COLUMNS)
+EXTREME_FIELDS = field_names(EXTREME_COLUMNS)
+FLOAT_FIELDS = EXTREME_FIELDS + field_names(MOMENT_COLUMNS)
 COUNTS = slice(0, NUM_COUNTS)
-FLOATS = slice(Column.MIN_ABS, Column.M2 + 1)
+EXACT = slice(0, NUM_COUNTS + len(EXTREME_COLUMNS))  # counts and extremes: merged bit for bit
+FLOATS = slice(NUM_COUNTS, NUM_SCANNED)
+MOMENTS = slice(EXACT.stop, NUM_SCANNED)  # mean, m2
+SCANNED = slice(0, NUM_SCANNED)
 NONFINITE = slice(Column.NAN, Column.NEGINF + 1)  # nan, +inf, -inf
 
-# The fields of a decoded row, in the order Stats.to_dict lists them.
-FIELDS = (
-    *COUNT_FIELDS,
-    "finite",
-    "min_abs",
-    "min_abs_nonzero",
-    "max_abs",
-    "mean",
-    "std",
-    "norm",
-    "sum",
-)
+# The fields of a decoded row, in the order Stats.to_dict lists them: the
+# counts, the finite values, the extremes, then what the moments give.
+FIELDS = (*COUNT_FIELDS, "finite", *EXTREME_FIELDS, "mean", "std", "norm", "sum")
 
 Row = dict[str, float | int]
 
@@ -73,7 +113,7 @@ def as_float64(word: int) -> float:
 
 
 def finish_row(counts: list[int], floats: list[float]) -> Row:
-    """The public fields of one row from its eight counts and five floats."""
+    """The public fields of one row from its counts and floats (COUNT_FIELDS, FLOAT_FIELDS)."""
     row: Row = dict(zip(COUNT_FIELDS, counts))
     raw = dict(zip(FLOAT_FIELDS, floats))
     finite = row["numel"] - row["nan"] - row["posinf"] - row["neginf"]
@@ -139,12 +179,13 @@ NEG_INF_BITS = -0x10000000000000  # float64 -inf (0xFFF0000000000000) as an int6
 
 def empty_rows(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """int64 [n, 16] rows of the empty partial (the identity of the merge):
-    zeros, but min |x| and min nonzero |x| +inf and max |x| -inf. Made on
+    zeros, but each MIN column +inf and each MAX column -inf. Made on
     `device` from the column numbers, with no copy from the host (the
     Monitor's merge makes one at every step)."""
     column = torch.arange(NUM_FIELDS, dtype=torch.int64, device=device)
-    lowest = (column == Column.MIN_ABS) | (column == Column.MIN_ABS_NONZERO)
-    row = torch.where(lowest, POS_INF_BITS, torch.where(column == Column.MAX_ABS, NEG_INF_BITS, 0))
+    row = torch.zeros_like(column)
+    for c in EXTREME_COLUMNS:
+        row = torch.where(column == c, POS_INF_BITS if c.merge is Merge.MIN else NEG_INF_BITS, row)
     return row.expand(n, NUM_FIELDS).clone()
 
 

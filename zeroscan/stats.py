@@ -45,7 +45,7 @@ from zeroscan.histogram import Histogram
 from zeroscan.mapped_reads import any_maybe_mapped, guarded_rows, maybe_mapped
 from zeroscan.ops import check_tensor, check_tol, refused, require_readable
 from zeroscan.readout import Readout
-from zeroscan.result_row import COUNT_FIELDS, Column
+from zeroscan.result_row import COUNT_FIELDS, FIELDS, Column
 from zeroscan.words import short_count
 
 # The native scan of one tensor, looked up once: the lookup through
@@ -94,7 +94,7 @@ class Field(Generic[V]):
     other field decodes the whole row once (Readout).
     """
 
-    def __set_name__(self, owner: type, name: str) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
         self.column = Column[name.upper()] if name in COUNT_FIELDS else None
 
@@ -107,7 +107,10 @@ class Field(Generic[V]):
 
 
 class Stats:
-    """The statistics of one tensor. Every field is read lazily (see module doc)."""
+    """The statistics of one tensor. Every field is read lazily (see module doc).
+
+    Its fields (numel, zeros, ..., mean, std, norm, sum: zeroscan.FIELDS) are
+    the Field attributes set below the class, one per field of a row."""
 
     __slots__ = ("_readout", "_index", "dtype", "shape", "device", "tol")
 
@@ -116,23 +119,6 @@ class Stats:
         self._index = index
         self.dtype, self.shape, self.device = meta
         self.tol = tol
-
-    numel: Field[int] = Field()
-    zeros: Field[int] = Field()
-    subnormal: Field[int] = Field()
-    near_zero: Field[int] = Field()
-    nan: Field[int] = Field()
-    posinf: Field[int] = Field()
-    neginf: Field[int] = Field()
-    negative: Field[int] = Field()
-    finite: Field[int] = Field()
-    min_abs: Field[float] = Field()
-    min_abs_nonzero: Field[float] = Field()
-    max_abs: Field[float] = Field()
-    mean: Field[float] = Field()
-    std: Field[float] = Field()
-    norm: Field[float] = Field()
-    sum: Field[float] = Field()
 
     @property
     def zero_fraction(self) -> float:
@@ -183,6 +169,13 @@ class Stats:
         parts.append(f"|x|∈[{_num(r['min_abs'])}, {_num(r['max_abs'])}]")
         parts.append(f"μ={_num(r['mean'])} σ={_num(r['std'])} ‖x‖={_num(r['norm'])}")
         return "Stats(" + " ".join(parts) + ")"
+
+
+# One Field per field of a decoded row, from the row's table
+# (zeroscan.result_row): a count added there is a Stats attribute here.
+for _name in FIELDS:
+    setattr(Stats, _name, Field(_name))
+del _name
 
 
 def _percent(part: int, whole: int) -> str:

@@ -11,6 +11,7 @@ from zeroscan.checkpoint.opening import open_checkpoint
 from zeroscan.checkpoint.roles import judge_in_role, tensor_role
 from zeroscan.checkpoint.table import CheckpointError, ProgressFn, TensorEntry, checked_path
 from zeroscan.diagnosis import Severity, diagnose_stats
+from zeroscan.result_row import FIELDS
 from zeroscan.stats import Stats, check_flag
 
 @dataclass
@@ -116,36 +117,25 @@ def scan_checkpoint(
 
 
 
+# The statistics of a checkpoint row: every field of a Stats (zeroscan.FIELDS)
+# but finite (numel less the non-finite counts) and sum (mean times finite).
+ROW_FIELDS = tuple(f for f in FIELDS if f not in ("finite", "sum"))
+
+
 def scan_row(
     entry: TensorEntry, s: dict[str, object], verdict: str, role: str, severity: str, reason: str
 ) -> dict[str, object]:
-    numel = int(s["numel"])  # type: ignore[call-overload]
-    zeros = int(s["zeros"])  # type: ignore[call-overload]
+    """One tensor's row of a CheckpointScan: where it is, its statistics
+    (ROW_FIELDS, with zero_fraction after zeros) and its judgement."""
     row: dict[str, object] = {
-        "name": entry.name,
-        "shard": entry.shard,
-        "dtype": entry.dtype,
-        "shape": list(entry.shape),
-        "numel": numel,
-        "zeros": zeros,
-        "zero_fraction": zeros / numel if numel else 0.0,
-        "subnormal": s["subnormal"],
-        "near_zero": s["near_zero"],
-        "nan": s["nan"],
-        "posinf": s["posinf"],
-        "neginf": s["neginf"],
-        "negative": s["negative"],
-        "min_abs": s["min_abs"],
-        "min_abs_nonzero": s["min_abs_nonzero"],
-        "max_abs": s["max_abs"],
-        "mean": s["mean"],
-        "std": s["std"],
-        "norm": s["norm"],
-        "verdict": verdict,
-        "role": role,
-        "severity": severity,
-        "reason": reason,
+        "name": entry.name, "shard": entry.shard, "dtype": entry.dtype, "shape": list(entry.shape),
     }
+    for field in ROW_FIELDS:
+        row[field] = s[field]
+        if field == "zeros":
+            numel, zeros = int(s["numel"]), int(s["zeros"])  # type: ignore[call-overload]
+            row["zero_fraction"] = zeros / numel if numel else 0.0
+    row.update(verdict=verdict, role=role, severity=severity, reason=reason)
     if "histogram" in s:  # scanned with histogram=True
         row["histogram"] = s["histogram"]
     return row

@@ -65,28 +65,32 @@ import torch.distributed as dist
 
 from zeroscan.distributed import allreduce_replicas
 from zeroscan.distributed.allreduce_words import as_words, fingerprint, key_value, last_rank, neither, ordered
-from zeroscan.result_row import NONFINITE, NUM_COUNTS, NUM_FIELDS, Column, empty_rows, finite_count, moments
+from zeroscan.result_row import (
+    EXACT, EXTREME_COLUMNS, NONFINITE, NUM_COUNTS, NUM_FIELDS, NUM_SCANNED, SCANNED, Merge, empty_rows, finite_count,
+    moments,
+)
 
 NUM_HEADER = 6  # header words each rank adds: int64s whose least and greatest value every rank learns
 
 
 class Col(enum.IntEnum):
     """Columns of the summary: int64 [N, SUMMARY_WIDTH], the same on every rank.
-    Columns 0..12 are a result row (zeroscan.result_row.Column) of the merged
-    counted rows; ranks are group ranks (0..W-1); a "last" rank is -1 and a
-    "first" rank is W when there is none."""
+    Its first NUM_SCANNED columns are a result row (zeroscan.result_row.Column,
+    its spare columns left out) of the merged counted rows; these follow them.
+    Ranks are group ranks (0..W-1); a "last" rank is -1 and a "first" rank is
+    W when there is none."""
 
-    PRESENT = 13  # ranks that hold the tensor
-    NONFINITE_RANKS = 14  # ranks whose own row holds a NaN or an infinity
-    FIRST_NONFINITE = 15
-    LAST_NONFINITE = 16
-    FIRST_ABSENT = 17  # the lowest rank without the tensor
-    LAST_ABSENT = 18
-    REFERENCE = 19  # replicas: ranks in the reference class (W: all agree); negative: no sure majority
-    FIRST_OTHER = 20  # replicas: the lowest rank outside the reference class
-    LAST_OTHER = 21
-    MEAN_LO = 22  # replicas: float64 bits, the least and greatest mean of any rank holding it
-    MEAN_HI = 23
+    PRESENT = NUM_SCANNED  # ranks that hold the tensor
+    NONFINITE_RANKS = enum.auto()  # ranks whose own row holds a NaN or an infinity
+    FIRST_NONFINITE = enum.auto()
+    LAST_NONFINITE = enum.auto()
+    FIRST_ABSENT = enum.auto()  # the lowest rank without the tensor
+    LAST_ABSENT = enum.auto()
+    REFERENCE = enum.auto()  # replicas: ranks in the reference class (W: all agree); negative: no sure majority
+    FIRST_OTHER = enum.auto()  # replicas: the lowest rank outside the reference class
+    LAST_OTHER = enum.auto()
+    MEAN_LO = enum.auto()  # replicas: float64 bits, the least and greatest mean of any rank holding it
+    MEAN_HI = enum.auto()
 
 
 SUMMARY_WIDTH = len(Col) + Col.PRESENT
@@ -137,7 +141,7 @@ def prepare(local: Local) -> Prepared:
     mean, m2 = moments(mine)
     own_mean, own_m2 = moments(local.rows)
     held = local.present.unsqueeze(-1)
-    exact = torch.cat([local.rows[..., : Column.MAX_ABS + 1], held.to(torch.int64)], -1)
+    exact = torch.cat([local.rows[..., EXACT], held.to(torch.int64)], -1)
     return Prepared(
         mine, finite_count(mine), mean, m2, own_mean, own_m2, finite_count(local.rows),
         local.present & (local.rows[..., NONFINITE].sum(-1) > 0),
@@ -157,11 +161,26 @@ class RoundTwo(NamedTuple):
     mins: torch.Tensor  # int64 [..., N, 6]: first and ~last rank outside L, outside H, outside C
 
 
-# Columns of RoundOne.mins (per row, before the header words).
-(M_MIN_ABS, M_MIN_NONZERO, M_MAX_ABS, M_PRINT_LO, M_PRINT_HI, M_PRINT_COPY, M_MEAN_LO, M_MEAN_HI, M_MEAN_COPY,
- M_M2_LO, M_M2_HI, M_FIRST_NONFINITE, M_LAST_NONFINITE, M_FIRST_ABSENT, M_LAST_ABSENT) = range(15)
-ONE_MINS = 15
+# Columns of RoundOne.mins (per row, before the header words): a key of each
+# extreme of the row (extreme_keys), then these.
+(M_PRINT_LO, M_PRINT_HI, M_PRINT_COPY, M_MEAN_LO, M_MEAN_HI, M_MEAN_COPY, M_M2_LO, M_M2_HI, M_FIRST_NONFINITE,
+ M_LAST_NONFINITE, M_FIRST_ABSENT, M_LAST_ABSENT) = range(len(EXTREME_COLUMNS), len(EXTREME_COLUMNS) + 12)
+ONE_MINS = M_LAST_ABSENT + 1
 S_PRESENT, S_NONFINITE = NUM_COUNTS, NUM_COUNTS + 1
+
+
+def extreme_keys(rows: torch.Tensor) -> list[torch.Tensor]:
+    """The MIN words of the extremes of int64 [..., 16] rows, one per extreme
+    column: a MIN column's ordered key, a MAX column's complement of it (the
+    least ~key is the greatest value's)."""
+    keys = [ordered(rows[..., c]) for c in EXTREME_COLUMNS]
+    return [k if c.merge is Merge.MIN else ~k for c, k in zip(EXTREME_COLUMNS, keys)]
+
+
+def extreme_words(mins: torch.Tensor) -> list[torch.Tensor]:
+    """The float64 bits of the merged extremes from the reduced MIN words of
+    extreme_keys (int64 [..., N, ONE_MINS])."""
+    return [ordered(mins[..., k] if c.merge is Merge.MIN else ~mins[..., k]) for k, c in enumerate(EXTREME_COLUMNS)]
 
 
 def round_one(local: Local, prep: Prepared, world: int) -> RoundOne:
@@ -174,9 +193,7 @@ def round_one(local: Local, prep: Prepared, world: int) -> RoundOne:
     counted = local.counted
     mean_key, m2_key = ordered(as_words(prep.own_mean)), ordered(as_words(prep.own_m2))
     mins = torch.stack([
-        ordered(mine[..., Column.MIN_ABS]),
-        ordered(mine[..., Column.MIN_ABS_NONZERO]),
-        ~ordered(mine[..., Column.MAX_ABS]),
+        *extreme_keys(mine),
         fp,
         ~fp,
         neither(counted, fp),
@@ -261,9 +278,7 @@ def summarize(one: RoundOne, two: RoundTwo, world: int, sharded: torch.Tensor, r
         two.fsums[..., 2:], two.mins, mins[..., M_FIRST_NONFINITE], keys, world
     )
     columns = [
-        ordered(mins[..., M_MIN_ABS]),
-        ordered(mins[..., M_MIN_NONZERO]),
-        ordered(~mins[..., M_MAX_ABS]),
+        *extreme_words(mins),
         as_words(mean),
         as_words(m2),
         one.sums[..., S_PRESENT],
@@ -376,7 +391,7 @@ def summary_rows(summary: torch.Tensor, rows: int) -> torch.Tensor:
     """int64 [rows, 16]: the merged result rows of a summary (spare columns zero)."""
     body = summary[: rows * SUMMARY_WIDTH].view(rows, SUMMARY_WIDTH)
     out = torch.zeros((rows, NUM_FIELDS), dtype=torch.int64, device=summary.device)
-    out[:, : Column.M2 + 1] = body[:, : Column.M2 + 1]
+    out[:, SCANNED] = body[:, SCANNED]
     return out
 
 

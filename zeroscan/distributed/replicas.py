@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroscan.result_row import FIELDS, NONFINITE, Column, decode, finite_count, moments
+from zeroscan.result_row import EXACT, FIELDS, MOMENTS, NONFINITE, decode, finite_count, moments
 from zeroscan.words import brief, count_noun
 
 
@@ -78,16 +78,14 @@ def rows_agree(a: torch.Tensor, b: torch.Tensor, rtol: float) -> torch.Tensor:
     """Elementwise over leading dims of int64 [..., 16] rows: True where counts
     and min/max |x| are equal and mean and m2 agree within rtol of the
     values' scale (root mean square and sum of squares)."""
-    exact = slice(0, Column.MAX_ABS + 1)  # the counts and min/max |x|
-    same = (a[..., exact] == b[..., exact]).all(-1)
+    same = (a[..., EXACT] == b[..., EXACT]).all(-1)  # the counts and min/max |x|
     n = finite_count(a).clamp_min(1.0)
     (ma, m2a), (mb, m2b) = moments(a), moments(b)
     mean_sq = torch.maximum(ma * ma, mb * mb)
     m2 = torch.maximum(m2a, m2b)
     mean_ok = (ma - mb).abs() <= rtol * torch.sqrt(m2 / n + mean_sq)
     m2_ok = (m2a - m2b).abs() <= rtol * (m2 + n * mean_sq)
-    both = slice(Column.MEAN, Column.M2 + 1)
-    same_bits = (a[..., both] == b[..., both]).all(-1)
+    same_bits = (a[..., MOMENTS] == b[..., MOMENTS]).all(-1)
     return same & ((mean_ok & m2_ok) | same_bits)
 
 
