@@ -6,8 +6,9 @@ Every dashboard and file is a sink: an object with one method,
 
 (the Sink protocol below). A report becomes scalars by one function,
 scalars(report), whose tags are the one scheme of the README's "What each
-number means" ("zeroscan.grad/zero_pct/fc1.weight"); every logger here and
-every framework integration (zeroscan.integrations) hands those to sinks.
+number means" ("zeroscan.grad/zero_pct/fc1.weight"); every dashboard call
+here and every framework integration (zeroscan.integrations) hands those
+to sinks.
 Built in:
 
     TensorBoardSink(writer)          writer.add_scalar for each (you pass the
