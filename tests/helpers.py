@@ -228,6 +228,17 @@ def train_monitored(
     return monitor.report()
 
 
+class RecordingSink:
+    """A user-written zeroscan.loggers.Sink: any object with log(scalars, step).
+    Keeps each call as (step, scalars)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, dict[str, float]]] = []
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        self.calls.append((step, dict(scalars)))
+
+
 def safetensors_bytes(header: dict[str, object], data: bytes) -> bytes:
     """A .safetensors file's bytes: the 8-byte header length, `header` as JSON
     (padded with spaces to a multiple of 8 bytes, as the package pads it), then `data`."""

@@ -6,6 +6,7 @@ reports go through log() to a recording tracker and to Python logging."""
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import math
 import re
@@ -19,12 +20,14 @@ import pytest
 import torch
 
 import frameworks
+from helpers import RecordingSink
 
 accelerate = frameworks.require("accelerate")
 
 import zeroscan.integrations.accelerate as za  # noqa: E402  (after the require above)
 from accelerate.tracking import GeneralTracker  # noqa: E402
 from zeroscan import Cause, Severity  # noqa: E402
+from zeroscan.loggers import JsonlLogger, Sink  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
@@ -80,12 +83,14 @@ def train(
     scaler: torch.amp.GradScaler | None = None,
     nan_at: int | None = None,
     monitor_options: dict[str, Any] | None = None,
+    sinks: tuple[Sink, ...] = (),
     **accelerator_options: Any,
 ) -> Run:
     """Trains the tiny GPT-2 with `problem` planted for `batches` batches of 4,
     logging a report every `log_every` optimizer steps and after the last.
     nan_at: a NaN made in one module's forward at that optimizer step
-    (frameworks.plant_nan_at); monitor_options: passed on to monitor()."""
+    (frameworks.plant_nan_at); monitor_options: passed on to monitor();
+    sinks: passed on to log()."""
     accelerator = accelerate.Accelerator(cpu=True, **accelerator_options)
     if scaler is not None:
         # Accelerate makes no GradScaler on CPU; one set before prepare() is used as
@@ -123,7 +128,7 @@ def train(
             steps += 1
             if steps % log_every == 0 or len(run.synced) == batches:
                 run.reports.append(monitor.report())
-                run.logged.append(za.log(accelerator, run.reports[-1], step=steps))
+                run.logged.append(za.log(accelerator, run.reports[-1], step=steps, sinks=sinks))
     monitor.close()
     return run
 
@@ -261,6 +266,18 @@ def test_tensorboard_tracker_gets_the_scalars(tmp_path: Path) -> None:
     assert "zeroscan.grad/zero_pct" in acc.Tags()["scalars"]
 
 
+def test_a_user_sink_gets_what_the_tracker_gets(tmp_path: Path) -> None:
+    """log(sinks=...): any object with log(scalars, step) is handed what the
+    Accelerator's trackers get, at the same steps; so is a built-in JsonlLogger."""
+    tracker, mine = Recorder(), RecordingSink()
+    with JsonlLogger(tmp_path / "z.jsonl") as jsonl:
+        run = train("frozen", batches=4, log_every=2, log_with=[tracker], sinks=(mine, jsonl))
+    assert [(2, run.logged[0]), (4, run.logged[1])] == tracker.rows == mine.calls
+    assert mine.calls[-1][1]["zeroscan.findings/info"] >= 1  # the frozen block
+    lines = [json.loads(line) for line in (tmp_path / "z.jsonl").read_text().splitlines()]
+    assert [(doc["step"], doc["scalars"]) for doc in lines] == mine.calls
+
+
 def test_log_per_tensor_and_default_step() -> None:
     tracker = Recorder()
     run = train(batches=2, log_every=99, log_with=[tracker])
@@ -296,6 +313,8 @@ def test_argument_errors_name_the_argument() -> None:
         (lambda: za.log(None, {"findings": []}), "accelerator must be an accelerate.Accelerator, got NoneType"),
         (lambda: za.log(accelerator, [], step=1), "report must be a zeroscan Report or its to_dict() dict, got list"),
         (lambda: za.log(accelerator, {"step": 0}, step="1"), "step must be an int or None, got '1'"),
+        (lambda: za.log(accelerator, {"step": 0}, sinks=[print]), "sinks[0] must have log(scalars, step)"),
+        (lambda: za.log(accelerator, {"step": 0}, sinks=None), "sinks must be a list or tuple of sinks"),
     ]
     for call, message in cases:
         with pytest.raises((TypeError, ValueError)) as err:

@@ -16,6 +16,7 @@ from typing import Any
 import frameworks
 import pytest
 import torch
+from helpers import RecordingSink
 from torch.utils.data import DataLoader
 
 from zeroscan import Cause, Severity, loggers
@@ -221,12 +222,16 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path) -> None:
 
 
 def test_report_every_and_final_report(tmp_path: Path) -> None:
-    callback = ZeroscanCallback(report_every=2, per_tensor=True, prefix="zs")
+    mine = RecordingSink()
+    callback = ZeroscanCallback(report_every=2, per_tensor=True, prefix="zs", sinks=[mine])
     trainer = fit(tmp_path, TinyGPT2(), callback, steps=5)
     rows = zeroscan_rows(trainer, prefix="zs")
     # Steps 2 and 4, and the final report at the last step (5).
     assert [int(row["step"]) for row in rows] == [2, 4, 5]
     assert all(row["zs.grad/norm/model.transformer.h.1.mlp.c_fc.weight"] for row in rows)
+    # A user's sink gets what the Trainer's CSVLogger writes, at its steps.
+    written = [(int(row["step"]), {k: float(v) for k, v in row.items() if k.startswith("zs.") and v}) for row in rows]
+    assert written == mine.calls
 
 
 class StepLog(lightning.Callback):
@@ -413,6 +418,7 @@ def test_several_optimizers(tmp_path: Path, caplog: pytest.LogCaptureFixture) ->
         ({"report_every": 2.5}, ValueError, "report_every must be an int >= 1 or None, got 2.5"),
         ({"prefix": 3}, TypeError, "prefix must be a str, got int"),
         ({"histgram": True}, TypeError, "unexpected keyword argument(s) histgram"),
+        ({"sinks": [print]}, TypeError, "sinks[0] must have log(scalars, step)"),
     ],
 )
 def test_argument_errors(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:

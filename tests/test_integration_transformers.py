@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import frameworks
-from helpers import example, fresh_seed
+from helpers import RecordingSink, example, fresh_seed
 from zeroscan import Cause, Severity
 
 pytestmark = pytest.mark.integration
@@ -272,8 +272,13 @@ def test_report_every_spaces_the_reports(tmp_path: Path) -> None:
 
 
 def test_per_tensor_scalars_and_prefix(tmp_path: Path) -> None:
-    trainer, _, _ = run(tmp_path, callback=ZeroscanCallback(per_tensor=True, prefix="zs"))
-    row = zeroscan_rows(trainer, prefix="zs")[-1]
+    mine = RecordingSink()
+    trainer, _, _ = run(tmp_path, callback=ZeroscanCallback(per_tensor=True, prefix="zs", sinks=[mine]))
+    # A user's sink gets what each row of the Trainer gets, at its step.
+    rows = zeroscan_rows(trainer, prefix="zs")
+    assert [(row["step"], {k: v for k, v in row.items() if k.startswith("zs.")}) for row in rows] == mine.calls
+    assert [step for step, _ in mine.calls] == [2, 4, 6]
+    row = rows[-1]
     assert "zs.grad/norm/transformer.h.0.mlp.c_fc.weight" in row
     assert math.isfinite(row["zs.grad/norm/transformer.h.0.mlp.c_fc.weight"])
     assert not any(k.startswith("zeroscan.") for k in row)
@@ -322,6 +327,7 @@ def test_without_a_trainer_findings_still_reach_python_logging(caplog: pytest.Lo
         ({"prefix": 3}, "prefix must be a str, got int"),
         ({"logger": "zeroscan"}, "logger must be a logging.Logger or None, got str"),
         ({"histogram": True, "warmup": 3}, "unexpected keyword argument(s) warmup"),
+        ({"sinks": [print]}, "sinks[0] must have log(scalars, step)"),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict, message: str) -> None:

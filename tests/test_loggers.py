@@ -1,5 +1,5 @@
-"""zeroscan.loggers: dashboard scalars, TensorBoard, JSON lines, CSV, logging
-and the Lightning callback, on hand-built report dicts and on a real Monitor."""
+"""zeroscan.loggers: dashboard scalars, the sinks (TensorBoard, JSON lines,
+CSV, a user's own), logging, on hand-built report dicts and on a real Monitor."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import fresh_generator, train_monitored
+from helpers import RecordingSink, fresh_generator, train_monitored
 from torch import nn
 
 from zeroscan import loggers
-from zeroscan.loggers import CsvLogger, JsonlLogger, log_report, log_tensorboard, scalars
+from zeroscan.loggers import CsvLogger, JsonlLogger, TensorBoardSink, log_report, log_tensorboard, scalars
 
 
 def hand_report(g: torch.Generator, n: int = 5, step: int = 7) -> dict[str, Any]:
@@ -62,6 +62,33 @@ def test_scalars_tags_and_values() -> None:
         assert got[tag] == pytest.approx(value, rel=1e-12), tag
     weights = scalars(report, prefix="zs", kinds=("weight",))
     assert len([t for t in weights if t.startswith("zs.weight/norm/")]) == 5
+
+
+def test_summary_scalars_are_of_the_whole_model() -> None:
+    """summary=True adds the integrations' fixed handful: shares over all gradient
+    elements (weighted by numel, not averaged per tensor), the non-finite count and
+    the gradients scanned, under the same groups as the per-tensor tags."""
+    report = hand_report(fresh_generator())
+    grads = [t for t in report["tensors"] if t["kind"] == "grad"]
+    grads[0]["nan"], grads[2]["inf"] = 3, 2
+    numel = sum(t["numel"] for t in grads)
+    got = scalars(report, summary=True, per_tensor=False)
+    assert got == pytest.approx({
+        "zeroscan.findings/error": 1.0, "zeroscan.findings/warning": 1.0, "zeroscan.findings/info": 1.0,
+        "zeroscan.grad/scanned": float(len(grads)),
+        "zeroscan.grad/zero_pct": 100 * sum(t["zero_fraction"] * t["numel"] for t in grads) / numel,
+        "zeroscan.grad/underflow_pct": 100 * sum(t["subnormal_fraction"] * t["numel"] for t in grads) / numel,
+        "zeroscan.grad/nonfinite": 5.0,
+    }, rel=1e-12)
+    both = scalars(report, summary=True)
+    assert both == got | scalars(report)
+    assert all(tag.startswith(("zeroscan.findings/", "zeroscan.grad/")) for tag in both)
+    # With no gradient scanned, no share is made up: only the counts.
+    no_grads = {"findings": [], "tensors": [t for t in report["tensors"] if t["kind"] == "weight"]}
+    assert scalars(no_grads, summary=True, per_tensor=False) == {
+        "zeroscan.findings/error": 0.0, "zeroscan.findings/warning": 0.0, "zeroscan.findings/info": 0.0,
+        "zeroscan.grad/scanned": 0.0,
+    }
 
 
 def test_underflow_is_read_from_old_rows_too() -> None:
@@ -179,6 +206,40 @@ def test_csv_logger(tmp_path: Path) -> None:
     assert by[("1", "layer0.weight", "grad")]["severity"] == ""
 
 
+def test_file_loggers_as_sinks(tmp_path: Path) -> None:
+    """log(scalars, step): JSON lines {"step", "time", "scalars"}; CSV rows step, tag, value."""
+    a, b = two_steps()
+    with JsonlLogger(tmp_path / "s.jsonl") as jsonl, CsvLogger(tmp_path / "s.csv") as table:
+        for report in (a, b):
+            jsonl.log(scalars(report), report["step"])
+            table.log(scalars(report), report["step"])
+    docs = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [(d["step"], d["scalars"]) for d in docs] == [(1, scalars(a)), (2, scalars(b))]
+    assert all(set(d) == {"step", "time", "scalars"} for d in docs)
+    with open(tmp_path / "s.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(loggers.SCALAR_CSV_COLUMNS)
+    want = [(r["step"], tag, value) for r in (a, b) for tag, value in scalars(r).items()]
+    assert [(int(r["step"]), r["tag"], float(r["value"])) for r in rows] == want
+
+
+def test_a_csv_file_holds_rows_of_one_form(tmp_path: Path) -> None:
+    """A table of tensors and a table of scalars have other columns: each needs its own file."""
+    a, _ = two_steps()
+    with CsvLogger(tmp_path / "tensors.csv") as table:
+        table.log(a)
+        with pytest.raises(ValueError, match=r"tensors.csv'\): the file has the columns step,name,.* cannot take scalars"):
+            table.log(scalars(a), 1)
+    with CsvLogger(tmp_path / "tensors.csv") as table:  # the form is read back from the file's header
+        with pytest.raises(ValueError, match="cannot take scalars"):
+            table.log(scalars(a), 1)
+    with CsvLogger(tmp_path / "scalars.csv") as table:
+        table.log(scalars(a), 1)
+        with pytest.raises(ValueError, match="cannot take a report's per-tensor rows"):
+            table.log(a)
+    assert (tmp_path / "scalars.csv").read_text().count("step,tag,value") == 1
+
+
 def test_log_report_levels(caplog: pytest.LogCaptureFixture) -> None:
     report = hand_report(fresh_generator(), step=5)
     log = logging.getLogger("zeroscan.test")
@@ -234,6 +295,30 @@ def test_loggers_on_a_real_monitor_report(tmp_path: Path, caplog: pytest.LogCapt
     with caplog.at_level(logging.WARNING, logger="zeroscan"):
         log_report(report)
     assert any("a.weight (+1 more) (grad): detached" in r.getMessage() for r in caplog.records)
+
+
+def test_a_user_sink_gets_what_the_built_in_loggers_write(tmp_path: Path) -> None:
+    """Any object with log(scalars, step) is a sink: from a Monitor report it is
+    handed exactly what TensorBoard (through log_tensorboard, the front door, and
+    TensorBoardSink), the JSON lines and the CSV file write."""
+    report, _ = monitored_report(fresh_generator())
+    values = scalars(report)
+    assert values["zeroscan.findings/error"] == 1  # a report with something to say
+    mine, board, front = RecordingSink(), FakeWriter(), FakeWriter()
+    with JsonlLogger(tmp_path / "s.jsonl") as jsonl, CsvLogger(tmp_path / "s.csv") as table:
+        for sink in (mine, TensorBoardSink(board), jsonl, table):
+            sink.log(values, report.step)
+    log_tensorboard(front, report, histograms=False)
+    ((step, got),) = mine.calls
+    assert step == report.step == 2 and got == values
+    written = [(tag, value, step) for tag, value in got.items()]
+    assert board.calls == front.calls == written
+    doc = json.loads((tmp_path / "s.jsonl").read_text())
+    assert (doc["step"], doc["scalars"]) == (step, got)
+    with open(tmp_path / "s.csv", newline="") as f:
+        assert [(r["tag"], float(r["value"]), int(r["step"])) for r in csv.DictReader(f)] == written
+    with pytest.raises(TypeError, match="TensorBoardSink: writer must have add_scalar .* got object"):
+        TensorBoardSink(object())  # type: ignore[arg-type]
 
 
 def test_history_names_underflow_as_the_rows_do(tmp_path: Path) -> None:

@@ -1,18 +1,33 @@
 """Sending a Monitor report where people look: TensorBoard, W&B, files, logging.
 
-Everything here takes a Report or its ``to_dict()`` dict (see
-zeroscan.monitor), so a report saved as JSON can be replayed too:
+Every dashboard and file is a sink: an object with one method,
 
-    scalars(report)                  {tag: value}: norm, zero %, underflow % per tensor
-                                     ("zeroscan.grad/zero_pct/fc1.weight"), and finding
-                                     counts; feed it to any dashboard
-    log_tensorboard(writer, report)  writer.add_scalar for each of them (you pass the
-                                     SummaryWriter; zeroscan never creates one), and
-                                     writer.add_histogram_raw for each histogram of a
-                                     Monitor(histogram=True) report
-    JsonlLogger(path).log(report)    one JSON object per report, one per line
+    sink.log(scalars, step)          scalars: {tag: value}; step: the step they are of
+
+(the Sink protocol below). A report becomes scalars by one function,
+scalars(report), whose tags are the one scheme of the README's "What each
+number means" ("zeroscan.grad/zero_pct/fc1.weight"); every dashboard call
+here and every framework integration (zeroscan.integrations) hands those
+to sinks.
+Built in:
+
+    TensorBoardSink(writer)          writer.add_scalar for each (you pass the
+                                     SummaryWriter; zeroscan never creates one)
+    JsonlLogger(path)                one JSON object per call, one per line
+    CsvLogger(path)                  one row per scalar: step, tag, value
+
+and any object with that log() is one: wandb (wandb.log(scalars, step)),
+an accelerate.Accelerator, or your own class. Front doors that take a
+Report or its ``to_dict()`` dict (so a report saved as JSON can be
+replayed too):
+
+    log_tensorboard(writer, report)  TensorBoardSink(writer).log(scalars(report), step),
+                                     and writer.add_histogram_raw for each histogram of
+                                     a Monitor(histogram=True) report
+    JsonlLogger(path).log(report)    the report itself, one JSON object per report
     CsvLogger(path).log(report)      one row per tensor per report
     log_report(report, logger)       each finding to Python logging at its severity
+                                     (text, not scalars)
 
 Weights & Biases takes the same scalars:
 
@@ -36,8 +51,18 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, TextIO, cast
+from typing import Any, Protocol, TextIO, cast
 
+# The histogram calls are this module's too: log_tensorboard draws them, and users find
+# every TensorBoard call in zeroscan.loggers.
+from zeroscan.histogram_tensorboard import (  # noqa: F401  (names of this module)
+    HistogramWriter,
+    MagnitudeHistogram,
+    log_tensorboard_histograms,
+    magnitude_histogram,
+    require_histogram_writer,
+    with_histograms,
+)
 from zeroscan.report_data import json_safe, report_dict
 
 LOG_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -60,46 +85,27 @@ CSV_COLUMNS = (
     "severity",
     "cause",
 )
+SCALAR_CSV_COLUMNS = ("step", "tag", "value")
+REPORT_KEYS = ("step", "findings", "tensors")  # a dict with any of these is a report, not scalars
+
+
+class Sink(Protocol):
+    """Where scalars go: the one interface of every logger and integration.
+
+    log(scalars, step) is called once per report with its scalars by tag
+    (scalars(report): "zeroscan.findings/error", "zeroscan.grad/zero_pct",
+    ...) and the step they are of: the report's own step, or, from a
+    framework integration, its framework's step. A sink keeps or sends them
+    as it likes."""
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None: ...
 
 
 class ScalarWriter(Protocol):
-    """What log_tensorboard needs: torch.utils.tensorboard.SummaryWriter, or
-    anything else with the same add_scalar."""
+    """What TensorBoardSink and log_tensorboard need: torch.utils.tensorboard.SummaryWriter,
+    or anything else with the same add_scalar."""
 
     def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
-
-
-class HistogramWriter(Protocol):
-    """What log_tensorboard_histograms needs: torch.utils.tensorboard.SummaryWriter,
-    or anything else with the same add_histogram_raw and add_scalar."""
-
-    def add_histogram_raw(
-        self,
-        tag: str,
-        min: float,
-        max: float,
-        num: int,
-        sum: float,
-        sum_squares: float,
-        bucket_limits: list[float],
-        bucket_counts: list[int],
-        global_step: int | None = None,
-    ) -> Any: ...
-
-    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
-
-
-class MagnitudeHistogram(NamedTuple):
-    """The arguments of SummaryWriter.add_histogram_raw that draw one tensor's
-    histogram of |x| (see magnitude_histogram)."""
-
-    min: float
-    max: float
-    num: int
-    sum: float
-    sum_squares: float
-    bucket_limits: list[float]
-    bucket_counts: list[int]
 
 
 def underflow_fraction(t: Mapping[str, Any]) -> float | None:
@@ -122,24 +128,86 @@ def scanned_words(tensors: Sequence[Mapping[str, Any]]) -> str:
     return ", ".join(words)
 
 
-# --- dashboards ----------------------------------------------------------------
+# --- a report as scalars -------------------------------------------------------------
 
 
-def scalars(report: object, *, prefix: str = "zeroscan", kinds: Sequence[str] = ("grad",)) -> dict[str, float]:
-    """Dashboard scalars of one report, by tag.
+def report_rows(report: object) -> Mapping[str, Any]:
+    """What the loggers read of a report: its "step", "findings" (as dicts)
+    and "tensors". Report.to_dict() would also convert the history, P x
+    steps values, which no scalar uses. A Report is known by its lists of
+    findings and tensors (zeroscan.monitor imports this module, through its
+    plots, so this one cannot import the Report class)."""
+    findings, tensors = getattr(report, "findings", None), getattr(report, "tensors", None)
+    if not isinstance(report, Mapping) and isinstance(findings, list) and isinstance(tensors, list):
+        return {"step": getattr(report, "step", None), "findings": [f.to_dict() for f in findings], "tensors": tensors}
+    return report_dict(report)
 
-    Per tensor of the given kinds ("grad", "weight", "activation"), tags
-    ``{prefix}.{kind}/norm/{name}``, ``{prefix}.{kind}/zero_pct/{name}`` and
-    ``{prefix}.{kind}/underflow_pct/{name}`` (underflow: subnormal values
-    only); plus ``{prefix}.findings/{severity}`` counts. One scheme with the
-    model-wide ``{prefix}.grad/zero_pct`` of the framework integrations
-    (zeroscan.integrations.common.summary_scalars), so each quantity's tags
-    sit under one group. Missing values (a gradient that was never computed)
-    are left out.
+
+def scalars(
+    report: object,
+    *,
+    prefix: str = "zeroscan",
+    kinds: Sequence[str] = ("grad",),
+    per_tensor: bool = True,
+    summary: bool = False,
+) -> dict[str, float]:
+    """The scalars of one report, by tag: what every sink is given.
+
+    Always ``{prefix}.findings/error``, ``/warning`` and ``/info``: the
+    findings of each severity.
+
+    per_tensor (the default): per tensor of the given kinds ("grad",
+    "weight", "activation"), ``{prefix}.{kind}/norm/{name}``,
+    ``{prefix}.{kind}/zero_pct/{name}`` and ``{prefix}.{kind}/underflow_pct/{name}``
+    (underflow: subnormal values only). Missing values (a gradient that was
+    never computed) are left out.
+
+    summary: a fixed handful for the whole model, whatever its size (what
+    the framework integrations log):
+
+        {prefix}.grad/zero_pct        exact zeros, % of all gradient elements scanned
+        {prefix}.grad/underflow_pct   subnormal values (underflow), % of the same
+        {prefix}.grad/nonfinite       NaN and inf gradient elements
+        {prefix}.grad/scanned         gradients scanned (a None gradient is not)
+
+    with no gradient scanned, the three gradient shares are left out (not
+    logged as 0). The per-tensor tags add the tensor's name to the
+    model-wide ones ({prefix}.grad/zero_pct/fc1.weight), so each quantity's
+    tags sit under one group.
     """
-    data = report_dict(report)
+    data = report_rows(report)
+    counts = {"error": 0, "warning": 0, "info": 0}
+    for f in data.get("findings", []):
+        severity = str(f.get("severity", "info")).lower()
+        if severity in counts:
+            counts[severity] += 1
+    out = {f"{prefix}.findings/{severity}": float(n) for severity, n in counts.items()}
+    if summary:
+        out.update(_model_wide(data.get("tensors", []), prefix))
+    if per_tensor:
+        out.update(_per_tensor(data.get("tensors", []), prefix, kinds))
+    return out
+
+
+def _model_wide(tensors: Sequence[Mapping[str, Any]], prefix: str) -> dict[str, float]:
+    """The gradients' summary scalars of scalars(summary=True), the finite ones."""
+    grads = [t for t in tensors if t.get("kind") == "grad"]
+    out = {f"{prefix}.grad/scanned": float(len(grads))}
+    grads = [t for t in grads if int(t["numel"])]  # an empty gradient has no share to add
+    numel = sum(int(t["numel"]) for t in grads)
+    if numel:
+        zeros = sum(float(t["zero_fraction"]) * int(t["numel"]) for t in grads)
+        subnormal = sum(float(t["subnormal_fraction"]) * int(t["numel"]) for t in grads)
+        out[f"{prefix}.grad/zero_pct"] = 100.0 * zeros / numel
+        out[f"{prefix}.grad/underflow_pct"] = 100.0 * subnormal / numel
+        out[f"{prefix}.grad/nonfinite"] = float(sum(int(t["nan"]) + int(t["inf"]) for t in grads))
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def _per_tensor(tensors: Sequence[Mapping[str, Any]], prefix: str, kinds: Sequence[str]) -> dict[str, float]:
+    """The per-tensor scalars of scalars(per_tensor=True)."""
     out: dict[str, float] = {}
-    for t in data.get("tensors", []):
+    for t in tensors:
         kind = str(t.get("kind", "grad"))
         if kind not in kinds:
             continue
@@ -153,14 +221,22 @@ def scalars(report: object, *, prefix: str = "zeroscan", kinds: Sequence[str] = 
         for metric, value in values.items():
             if value is not None:
                 out[f"{prefix}.{kind}/{metric}/{name}"] = float(value)
-    counts = {"error": 0, "warning": 0, "info": 0}
-    for f in data.get("findings", []):
-        sev = str(f.get("severity", "info")).lower()
-        if sev in counts:
-            counts[sev] += 1
-    for sev, n in counts.items():
-        out[f"{prefix}.findings/{sev}"] = float(n)
     return out
+
+
+# --- TensorBoard -----------------------------------------------------------------------
+
+
+class TensorBoardSink:
+    """A Sink that writes each scalar with writer.add_scalar(tag, value, global_step=step)."""
+
+    def __init__(self, writer: ScalarWriter) -> None:
+        _require_add_scalar("TensorBoardSink", writer)
+        self.writer = writer
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, global_step=step)
 
 
 def log_tensorboard(
@@ -172,139 +248,48 @@ def log_tensorboard(
     kinds: Sequence[str] = ("grad",),
     histograms: bool = True,
 ) -> int:
-    """Writes scalars(report) with writer.add_scalar at `step` (default the
-    report's step) and, with histograms=True, the histograms of the report's
-    tensors of `kinds` where it has them (log_tensorboard_histograms; the
-    writer then needs add_histogram_raw); returns how many were written."""
-    if not callable(getattr(writer, "add_scalar", None)):
-        raise TypeError(
-            f"log_tensorboard: writer must have add_scalar (a torch.utils.tensorboard.SummaryWriter), "
-            f"got {type(writer).__name__}"
-        )
+    """Writes scalars(report) through TensorBoardSink(writer) at `step`
+    (default the report's step) and, with histograms=True, the histograms of
+    the report's tensors of `kinds` where it has them
+    (log_tensorboard_histograms; the writer then needs add_histogram_raw);
+    returns how many were written."""
+    _require_add_scalar("log_tensorboard", writer)
     data = report_dict(report)
     if step is None:
         step = data.get("step")
     if histograms:
-        _require_histogram_writer("log_tensorboard", writer, _with_histograms(data, kinds))
+        require_histogram_writer("log_tensorboard", writer, with_histograms(data, kinds))
     values = scalars(data, prefix=prefix, kinds=kinds)
-    for tag, value in values.items():
-        writer.add_scalar(tag, value, global_step=step)
+    TensorBoardSink(writer).log(values, step)
     if not histograms:
         return len(values)
-    # _require_histogram_writer has checked that it has add_histogram_raw where needed.
+    # require_histogram_writer has checked that it has add_histogram_raw where needed.
     hist_writer = cast(HistogramWriter, writer)
     return len(values) + log_tensorboard_histograms(hist_writer, data, step, prefix=prefix, kinds=kinds)
 
 
-def magnitude_histogram(t: Mapping[str, Any]) -> MagnitudeHistogram | None:
-    """TensorBoard's form of the exact histogram of one report tensor (an
-    entry of Report.to_dict()["tensors"] with its "histogram"): a histogram of
-    |x| over the tensor's finite values, None when it has no histogram or no
-    finite value.
-
-    Buckets, by upper limit: 0 holds the zeros; the dtype's smallest normal
-    2^min_exponent (float32: 2^-126) the subnormals; 2^(e + 1) the binade
-    2^e <= |x| < 2^(e + 1), from the lowest binade holding a value to the
-    highest (one empty bucket ending at 2^lowest, so that the lowest binade
-    keeps its width). NaN and inf fit no bucket: they are left out (num is
-    the finite count; log_tensorboard_histograms logs them as scalars).
-    min/max are the row's min_abs/max_abs (max: the highest bucket's limit
-    when an inf hides the largest finite |x|); sum is the row's sum of x
-    (signed: the scan has no sum of |x|) and sum_squares its norm^2, both
-    over the finite values."""
-    hist = t.get("histogram")
-    if not hist:
-        return None
-    binades = {int(e): int(n) for e, n in hist["binades"].items() if int(n)}
-    limits = [0.0, _power_of_two(int(hist["min_exponent"]))]
-    counts = [int(hist["zeros"]), int(hist["subnormal"])]
-    if binades:
-        low, high = min(binades), max(binades)
-        if low > int(hist["min_exponent"]):
-            limits.append(_power_of_two(low))
-            counts.append(0)
-        for e in range(low, high + 1):
-            limits.append(_power_of_two(e + 1))
-            counts.append(binades.get(e, 0))
-    finite = sum(counts)
-    if finite == 0:
-        return None
-    top = max(k for k, n in enumerate(counts) if n)
-    mean, norm = _finite_or(t.get("mean"), 0.0), _finite_or(t.get("norm"), 0.0)
-    return MagnitudeHistogram(
-        min=_finite_or(t.get("min_abs"), 0.0),
-        max=_finite_or(t.get("max_abs"), limits[top]),
-        num=finite,
-        sum=mean * finite,
-        sum_squares=norm * norm,
-        bucket_limits=limits,
-        bucket_counts=counts,
-    )
-
-
-def log_tensorboard_histograms(
-    writer: HistogramWriter,
-    report: object,
-    step: int | None = None,
-    *,
-    prefix: str = "zeroscan",
-    kinds: Sequence[str] = ("grad",),
-) -> int:
-    """Writes the histogram of |x| of each tensor of the given kinds that has
-    one (Monitor(histogram=True)) with writer.add_histogram_raw, tag
-    ``{prefix}.{kind}/magnitude/{name}``, from the report's exact counts (no
-    second pass over any tensor; see magnitude_histogram), and its NaN and
-    inf counts, which a TensorBoard histogram cannot hold, with
-    writer.add_scalar as ``{prefix}.{kind}/nan/{name}`` and
-    ``{prefix}.{kind}/inf/{name}``; at `step` (default the report's step).
-    Returns how many histograms and scalars were written."""
-    data = report_dict(report)
-    if step is None:
-        step = data.get("step")
-    tensors = _with_histograms(data, kinds)
-    _require_histogram_writer("log_tensorboard_histograms", writer, tensors)
-    written = 0
-    for t in tensors:
-        kind, name, hist = str(t.get("kind", "grad")), str(t["name"]), t["histogram"]
-        writer.add_scalar(f"{prefix}.{kind}/nan/{name}", float(hist["nan"]), global_step=step)
-        writer.add_scalar(f"{prefix}.{kind}/inf/{name}", float(hist["posinf"] + hist["neginf"]), global_step=step)
-        written += 2
-        raw = magnitude_histogram(t)
-        if raw is not None:
-            writer.add_histogram_raw(f"{prefix}.{kind}/magnitude/{name}", **raw._asdict(), global_step=step)
-            written += 1
-    return written
-
-
-def _with_histograms(data: Mapping[str, Any], kinds: Sequence[str]) -> list[Mapping[str, Any]]:
-    """The report's tensors of `kinds` that have a histogram."""
-    return [t for t in data.get("tensors", []) if t.get("histogram") and str(t.get("kind", "grad")) in kinds]
-
-
-def _require_histogram_writer(op: str, writer: object, tensors: list[Mapping[str, Any]]) -> None:
-    """Checked before anything is written, so that a failing call writes nothing."""
-    if tensors and not callable(getattr(writer, "add_histogram_raw", None)):
+def _require_add_scalar(user: str, writer: object) -> None:
+    if not callable(getattr(writer, "add_scalar", None)):
         raise TypeError(
-            f"{op}: writer must have add_histogram_raw (a torch.utils.tensorboard.SummaryWriter) to log the "
-            f"report's histograms, got {type(writer).__name__}; pass histograms=False to log scalars only"
+            f"{user}: writer must have add_scalar (a torch.utils.tensorboard.SummaryWriter), "
+            f"got {type(writer).__name__}"
         )
-
-
-def _power_of_two(e: int) -> float:
-    """2.0 ** e as a float; inf above the float64 range (the top limit of float64's top binade)."""
-    return math.ldexp(1.0, e) if e < 1024 else math.inf
-
-
-def _finite_or(value: object, fallback: float) -> float:
-    """value as a float, or `fallback` where it is missing (None in JSON) or not finite."""
-    number = None if value is None else float(value)  # type: ignore[arg-type]
-    return number if number is not None and math.isfinite(number) else fallback
 
 
 # --- files -------------------------------------------------------------------------
 
 
+def is_report(data: object) -> bool:
+    """Whether a file logger's log() was given a report (a Report, or a dict
+    with "step", "findings" or "tensors") rather than scalars by tag."""
+    return not isinstance(data, Mapping) or any(key in data for key in REPORT_KEYS)
+
+
 class _FileLogger:
+    """A file a Sink appends to. log(scalars, step) is the Sink's; log(report)
+    (a Report or its to_dict() dict, `step` optional) writes the report
+    itself, each subclass in its own form."""
+
     def __init__(self, path: str | os.PathLike[str], mode: str) -> None:
         if mode not in ("a", "w"):
             raise ValueError(f"mode must be 'a' (append) or 'w' (overwrite), got {mode!r}")
@@ -316,6 +301,20 @@ class _FileLogger:
         if self._file is None:
             raise ValueError(f"{type(self).__name__}({str(self.path)!r}) is closed")
         return self._file
+
+    def log(self, data: Mapping[str, float] | object, step: int | None = None) -> None:
+        if is_report(data):
+            report = report_dict(data)
+            self.write_report(report, report.get("step") if step is None else step)
+        else:
+            self.write_scalars(cast(Mapping[str, float], data), step)
+        self.file.flush()
+
+    def write_report(self, report: Mapping[str, Any], step: int | None) -> None:
+        raise NotImplementedError
+
+    def write_scalars(self, scalars: Mapping[str, float], step: int | None) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         if self._file is not None:
@@ -330,53 +329,84 @@ class _FileLogger:
 
 
 class JsonlLogger(_FileLogger):
-    """Appends one JSON object per report to a file, one per line: the
-    report's dict plus "time" (Unix seconds). The history is left out unless
-    asked for, since it grows with every step."""
+    """Appends one JSON object per log() to a file, one per line, with "time"
+    (Unix seconds): log(scalars, step) writes {"step", "time", "scalars"};
+    log(report) the report's dict plus "time". The history is left out
+    unless asked for, since it grows with every step."""
 
     def __init__(self, path: str | os.PathLike[str], *, mode: str = "a", history: bool = False) -> None:
         super().__init__(path, mode)
         self.history = history
 
-    def log(self, report: object) -> None:
-        data = dict(report_dict(report))
+    def write_scalars(self, scalars: Mapping[str, float], step: int | None) -> None:
+        self._write({"step": step, "time": time.time(), "scalars": dict(scalars)})
+
+    def write_report(self, report: Mapping[str, Any], step: int | None) -> None:
+        data = dict(report)
         if not self.history:
             data.pop("history", None)
+        if "step" in data or step is not None:
+            data["step"] = step
         data["time"] = time.time()
+        self._write(data)
+
+    def _write(self, data: Mapping[str, Any]) -> None:
         self.file.write(json.dumps(json_safe(data), separators=(",", ":")) + "\n")
-        self.file.flush()
 
 
 class CsvLogger(_FileLogger):
-    """Appends one row per tensor per report (columns CSV_COLUMNS; the header
-    is written once, when the file is empty). severity and cause are those of
-    the worst finding about the tensor's name (its gradient, weight or the
+    """Appends rows to a CSV file: log(scalars, step) one row per scalar
+    (columns SCALAR_CSV_COLUMNS: step, tag, value); log(report) one row per
+    tensor (columns CSV_COLUMNS), whose severity and cause are those of the
+    worst finding about the tensor's name (its gradient, weight or the
     parameter as a whole; a grouped finding's members each count for their
-    own name), empty when it has none."""
+    own name), empty when it has none.
+
+    The header is written once, by the first log() into an empty file; a
+    file holds rows of one form, and log() of the other raises ValueError."""
 
     def __init__(self, path: str | os.PathLike[str], *, mode: str = "a") -> None:
         super().__init__(path, mode)
-        self.writer = csv.DictWriter(self.file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        if self.file.tell() == 0:
-            self.writer.writeheader()
-            self.file.flush()
+        self.columns: tuple[str, ...] | None = _csv_header(self.path) if self.file.tell() else None
 
-    def log(self, report: object) -> None:
-        data = report_dict(report)
+    def write_scalars(self, scalars: Mapping[str, float], step: int | None) -> None:
+        writer = self._writer(SCALAR_CSV_COLUMNS, "scalars")
+        for tag, value in scalars.items():
+            writer.writerow({"step": "" if step is None else step, "tag": tag, "value": value})
+
+    def write_report(self, report: Mapping[str, Any], step: int | None) -> None:
+        writer = self._writer(CSV_COLUMNS, "a report's per-tensor rows")
         worst: dict[str, Mapping[str, Any]] = {}
-        for f in (m for g in data.get("findings", []) for m in (g.get("members") or [g])):
+        for f in (m for g in report.get("findings", []) for m in (g.get("members") or [g])):
             name = str(f.get("name"))
             sev = str(f.get("severity", "info")).lower()
             if name not in worst or SEVERITY_RANK.get(sev, 0) > SEVERITY_RANK.get(str(worst[name].get("severity")), 0):
                 worst[name] = f
-        for t in data.get("tensors", []):
+        for t in report.get("tensors", []):
             f = worst.get(str(t.get("name")), {})
             row = {c: t.get(c) for c in CSV_COLUMNS}
-            row["step"] = data.get("step")
+            row["step"] = step
             row["severity"] = str(f.get("severity", "")).lower()
             row["cause"] = f.get("cause", "")
-            self.writer.writerow({k: "" if v is None else v for k, v in row.items()})
-        self.file.flush()
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+
+    def _writer(self, columns: tuple[str, ...], what: str) -> csv.DictWriter[str]:
+        """A writer of rows of `columns`, after the header where the file has none yet."""
+        if self.columns is None:
+            self.columns = columns
+            csv.writer(self.file).writerow(columns)
+        elif self.columns != columns:
+            raise ValueError(
+                f"CsvLogger({str(self.path)!r}): the file has the columns {','.join(self.columns)}, "
+                f"so it cannot take {what} (columns {','.join(columns)}); give each its own file"
+            )
+        return csv.DictWriter(self.file, fieldnames=columns, extrasaction="ignore")
+
+
+def _csv_header(path: Path) -> tuple[str, ...]:
+    """The first row of a CSV file, as written there."""
+    with open(path, encoding="utf-8", newline="") as f:
+        return tuple(next(csv.reader(f), ()))
 
 
 # --- Python logging --------------------------------------------------------------------

@@ -26,7 +26,7 @@ class Merge(enum.Enum):
     """How one column of two partial rows of a tensor (two chunks, two
     shards) merges into the column of the whole: what csrc/stats_record.h's
     `combine` does to it, and what the Python merges across ranks
-    (zeroscan/allreduce.py) do to it by kind."""
+    (zeroscan/distributed/allreduce.py) do to it by kind."""
 
     SUM = "sum"  # an exact count: added; 0 merges as nothing
     MIN = "min"  # a float64 least value: the smaller; +inf merges as nothing

@@ -11,7 +11,8 @@ Each integration is its own module, imported only when first used, so
 Each needs its framework, installed with the extra of the same name of
 zeroscan's distribution, torch-zeroscan (pip install "torch-zeroscan[transformers]",
 or pip install --no-build-isolation -e ".[transformers]" in a checkout); without it, importing the module
-raises an ImportError that names the extra. common.py holds what they share.
+raises an ImportError that names the extra. common.py holds what they share;
+every report's scalars go to sinks (zeroscan.loggers.Sink).
 """
 
 from __future__ import annotations

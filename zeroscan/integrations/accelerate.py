@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,6 +63,7 @@ from torch import nn
 
 from zeroscan.inputs import received
 from zeroscan.integrations import common
+from zeroscan.loggers import Sink, report_rows
 from zeroscan.monitor import Monitor, Report
 
 # Imported now, so that without Accelerate the import of this module fails
@@ -137,13 +138,14 @@ def log(
     per_tensor: bool = False,
     prefix: str = "zeroscan",
     logger: logging.Logger | None = None,
+    sinks: Sequence[Sink] = (),
 ) -> dict[str, float]:
     """Sends one report where an Accelerate run looks, and returns the scalars sent.
 
-    The scalars (common.summary_scalars: finding counts and the gradients'
-    zero %, underflow % and non-finite count; with per_tensor=True also
-    zeroscan.loggers.scalars: a norm, zero % and underflow % per gradient)
-    go to accelerator.log, that is to every tracker given as
+    The scalars (zeroscan.loggers.scalars(report, summary=True): finding
+    counts and the gradients' zero %, underflow % and non-finite count; with
+    per_tensor=True also a norm, zero % and underflow % per gradient) go to
+    the accelerator as a sink (accelerator.log), that is to every tracker given as
     Accelerator(log_with=...) once accelerator.init_trackers() has run (with
     none, nothing is sent), at `step`: pass the step the loop's other logs
     use (W&B drops a step lower than one already logged); by default the
@@ -152,23 +154,26 @@ def log(
     what changed in the findings since the last log() for this accelerator
     goes to Python logging (`logger`, default the "zeroscan" logger): each
     finding when it first appears or changes severity, at its severity, and
-    a line when it clears; the lines name the same `step`."""
+    a line when it clears; the lines name the same `step`. `sinks`: more
+    sinks (zeroscan.loggers.Sink: objects with log(scalars, step)) that the
+    scalars go to, on the main process, at the same step."""
     _check_accelerator(LOG, accelerator)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise TypeError(f"{LOG}: step must be an int or None, got {received(step)}")
     if not isinstance(report, (Report, Mapping)):
         raise TypeError(f"{LOG}: report must be a zeroscan Report or its to_dict() dict, got {type(report).__name__}")
-    data = common.report_rows(report)
-    values = common.logged_scalars(data, prefix=prefix, per_tensor=per_tensor)
+    checked_sinks = common.check_sinks(LOG, sinks)
+    rows = report_rows(report)
     if step is None:
-        step = data.get("step")
-    # accelerator.log reaches the trackers on the main process only; the findings
-    # go to logging there too, so that a multi-process run prints each once.
-    accelerator.log(values, step=step)
-    if accelerator.is_main_process:
-        logged = _LOGGED.setdefault(accelerator, common.LoggedFindings())
-        logged.log(data, logger or logging.getLogger("zeroscan"), step=step, summary_level=logging.DEBUG)
-    return values
+        step = rows.get("step")
+    # accelerator.log reaches the trackers on the main process only; the findings and the
+    # other sinks get the report there too, so that a multi-process run writes each once.
+    main = accelerator.is_main_process
+    return common.send_report(
+        rows, step=step, sinks=[accelerator, *(checked_sinks if main else ())], prefix=prefix,
+        per_tensor=per_tensor, findings=_LOGGED.setdefault(accelerator, common.LoggedFindings()) if main else None,
+        logger=logger or logging.getLogger("zeroscan"),
+    )
 
 
 def _check_accelerator(user: str, accelerator: object) -> None:

@@ -1,12 +1,16 @@
 """What every framework integration shares: importing the framework with an
 error that names zeroscan's extra, the torch optimizer inside a wrapper,
-the scalars each logs, what each has sent to Python logging (so that a
-finding is logged once, not at every report), and the callbacks' common
-arguments.
+one report's trip to the sinks and to Python logging (send_report), what
+each has sent to Python logging (so that a finding is logged once, not at
+every report), and the callbacks' common arguments and state
+(ReportingCallback).
 
-The summary is a handful of numbers per report whatever the model's size,
-so it can ride along in a framework's own log rows (and its console
-printout); per-tensor scalars (zeroscan.loggers.scalars) are opt-in.
+Each integration logs zeroscan.loggers.scalars(report, summary=True): a
+handful of numbers per report whatever the model's size, so they can ride
+along in a framework's own log rows (and its console printout); the
+per-tensor scalars are opt-in (per_tensor=True). They go to sinks
+(zeroscan.loggers.Sink): the framework's own (Lightning's loggers, the
+Trainer's log row, the Accelerator's trackers) and any given as `sinks=`.
 
 Steps: an integration logs everything of a report (its scalars, its log
 lines) at its framework's step, the count of optimizer steps taken, from 1
@@ -19,17 +23,15 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
 
 from zeroscan.inputs import received
-from zeroscan.loggers import SEVERITY_RANK, log_finding, log_summary, scalars
-from zeroscan.monitor import Report, Severity
-from zeroscan.report_data import report_dict
+from zeroscan.loggers import SEVERITY_RANK, Sink, log_finding, log_summary, report_rows, scalars
+from zeroscan.monitor import Monitor, Report
 from zeroscan.words import listed
 
 
@@ -45,59 +47,41 @@ def require(module: str, extra: str, user: str) -> ModuleType:
         ) from err
 
 
-def report_rows(report: Report | Mapping[str, Any]) -> Mapping[str, Any]:
-    """What the loggers read of a report: its "step", "findings" (as dicts)
-    and "tensors". Report.to_dict() would also convert the history, P x
-    steps values, which no logged scalar uses."""
-    if isinstance(report, Report):
-        return {"step": report.step, "findings": [f.to_dict() for f in report.findings], "tensors": report.tensors}
-    return report_dict(report)
-
-
-def summary_scalars(report: Report | Mapping[str, Any], *, prefix: str = "zeroscan") -> dict[str, float]:
-    """A fixed handful of scalars for one report, whatever the model's size:
-
-    {prefix}.findings/error, /warning, /info   findings of each severity
-    {prefix}.grad/zero_pct                     exact zeros, % of all gradient elements scanned
-    {prefix}.grad/underflow_pct                subnormal values (underflow), % of the same
-    {prefix}.grad/nonfinite                    NaN and inf gradient elements
-    {prefix}.grad/scanned                      gradients scanned (a None gradient is not)
-
-    The tag scheme of zeroscan.loggers.scalars, whose per-tensor tags add
-    the tensor's name ({prefix}.grad/zero_pct/fc1.weight), so the two merge
-    into one dict. The gradient numbers are of the report's step; with no
-    gradient scanned, the three gradient shares are left out (not logged
-    as 0).
-    """
-    data = report_rows(report)
-    counts = {s.name.lower(): 0 for s in (Severity.ERROR, Severity.WARNING, Severity.INFO)}
-    for f in data.get("findings", []):
-        severity = str(f.get("severity", "info")).lower()
-        if severity in counts:
-            counts[severity] += 1
-    out = {f"{prefix}.findings/{severity}": float(n) for severity, n in counts.items()}
-    grads = [t for t in data.get("tensors", []) if t.get("kind") == "grad"]
-    out[f"{prefix}.grad/scanned"] = float(len(grads))
-    grads = [t for t in grads if int(t["numel"])]  # an empty gradient has no share to add
-    numel = sum(int(t["numel"]) for t in grads)
-    if numel:
-        zeros = sum(float(t["zero_fraction"]) * int(t["numel"]) for t in grads)
-        subnormal = sum(float(t["subnormal_fraction"]) * int(t["numel"]) for t in grads)
-        out[f"{prefix}.grad/zero_pct"] = 100.0 * zeros / numel
-        out[f"{prefix}.grad/underflow_pct"] = 100.0 * subnormal / numel
-        out[f"{prefix}.grad/nonfinite"] = float(sum(int(t["nan"]) + int(t["inf"]) for t in grads))
-    return {k: v for k, v in out.items() if math.isfinite(v)}
-
-
-def logged_scalars(report: Report | Mapping[str, Any], *, prefix: str, per_tensor: bool) -> dict[str, float]:
-    """What an integration logs of one report: summary_scalars, plus, with
-    per_tensor, zeroscan.loggers.scalars (a norm, zero % and underflow % per
-    gradient)."""
-    data = report_rows(report)
-    values = summary_scalars(data, prefix=prefix)
-    if per_tensor:
-        values.update(scalars(data, prefix=prefix))
+def send_report(
+    report: Report | Mapping[str, Any],
+    *,
+    step: int,
+    sinks: Iterable[Sink],
+    prefix: str,
+    per_tensor: bool,
+    findings: LoggedFindings | None,
+    logger: logging.Logger,
+    summary_level: int = logging.DEBUG,
+) -> dict[str, float]:
+    """What an integration does with one report: its scalars
+    (zeroscan.loggers.scalars with the summary, and with per_tensor the
+    per-tensor ones) to each sink at `step`, then, where `findings` is given
+    (the main process), what changed in its findings to `logger`, naming the
+    same step. Returns the scalars."""
+    rows = report_rows(report)
+    values = scalars(rows, prefix=prefix, per_tensor=per_tensor, summary=True)
+    for sink in sinks:
+        sink.log(values, step)
+    if findings is not None:
+        findings.log(rows, logger, step=step, summary_level=summary_level)
     return values
+
+
+def check_sinks(user: str, sinks: Sequence[Sink]) -> tuple[Sink, ...]:
+    """`sinks` as a tuple, each checked to have a log() (zeroscan.loggers.Sink)."""
+    if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Sequence):
+        raise TypeError(f"{user}: sinks must be a list or tuple of sinks (objects with log(scalars, step)), "
+                        f"got {received(sinks)}")
+    for k, sink in enumerate(sinks):
+        if not callable(getattr(sink, "log", None)):
+            raise TypeError(f"{user}: sinks[{k}] must have log(scalars, step) (a zeroscan.loggers.Sink), "
+                            f"got {type(sink).__name__}")
+    return tuple(sinks)
 
 
 class LoggedFindings:
@@ -210,6 +194,7 @@ class CallbackSettings(NamedTuple):
     per_tensor: bool
     prefix: str
     logger: logging.Logger
+    sinks: tuple[Sink, ...]
     options: dict[str, Any]
 
 
@@ -221,6 +206,7 @@ def callback_settings(
     per_tensor: bool,
     prefix: str,
     logger: logging.Logger | None,
+    sinks: Sequence[Sink],
     options: dict[str, Any],
 ) -> CallbackSettings:
     """The arguments the Trainer and Lightning callbacks share, checked with
@@ -234,5 +220,82 @@ def callback_settings(
         raise TypeError(f"{user}: logger must be a logging.Logger or None, got {type(logger).__name__}")
     return CallbackSettings(
         checked_every, checked_report_every, bool(per_tensor), prefix,
-        logger or logging.getLogger("zeroscan"), monitor_options(user, options),
+        logger or logging.getLogger("zeroscan"), check_sinks(user, sinks), monitor_options(user, options),
     )
+
+
+class ReportingCallback:
+    """What the Trainer and Lightning callbacks (ZeroscanCallback in
+    zeroscan.integrations.transformers and .lightning) share: their
+    arguments, the Monitor of the run and its latest Report, and one
+    report's trip to the sinks and to Python logging (take_report). Each
+    names itself in USER and comes before its framework's Callback class
+    among its bases.
+
+    every: scan one optimizer step in `every` (Monitor's `every`).
+    report_every: optimizer steps between reports. None (the default):
+        follow the framework's own logging interval.
+    per_tensor: also log a norm, zero % and underflow % per gradient
+        (three scalars per parameter; zeroscan.loggers.scalars).
+    prefix: the first part of every logged key ("zeroscan.findings/error").
+    logger: where findings go (default logging.getLogger("zeroscan")).
+    sinks: more sinks (zeroscan.loggers.Sink: objects with log(scalars,
+        step)) that each report's scalars go to, on the main process, at the
+        framework's step, besides the framework's own loggers.
+    monitor_options: history, activations, thresholds, histogram,
+        trace_nonfinite, passed on to zeroscan.Monitor.
+    """
+
+    USER = "zeroscan.integrations.common.ReportingCallback"  # the callback's name in its errors
+
+    def __init__(
+        self,
+        *,
+        every: int = 1,
+        report_every: int | None = None,
+        per_tensor: bool = False,
+        prefix: str = "zeroscan",
+        logger: logging.Logger | None = None,
+        sinks: Sequence[Sink] = (),
+        **monitor_options: Any,
+    ) -> None:
+        super().__init__()
+        self.every, self.report_every, self.per_tensor, self.prefix, self.logger, self.sinks, self.options = (
+            callback_settings(
+                self.USER, every=every, report_every=report_every, per_tensor=per_tensor, prefix=prefix,
+                logger=logger, sinks=sinks, options=monitor_options,
+            )
+        )
+        self.monitor: Monitor | None = None
+        self.report: Report | None = None
+        self._reported_at = 0  # the framework's step at the last report
+        self._steps_reported = 0  # the Monitor's steps_seen at the last report
+        self._logged = LoggedFindings()  # the findings sent to Python logging so far
+
+    def _start_run(self, step: int) -> None:
+        """Forgets the last run's reports: a new Monitor starts at the framework's `step`."""
+        self.report = None
+        self._reported_at = step
+        self._steps_reported = 0
+        self._logged.clear()
+
+    def _unreported(self) -> bool:
+        """Whether the Monitor has seen steps since the last report (or none was made)."""
+        assert self.monitor is not None
+        return self.report is None or self.monitor.steps_seen > self._steps_reported
+
+    def take_report(self, step: int, *, main_process: bool, final: bool, sinks: Sequence[Sink]) -> dict[str, float]:
+        """One report of the Monitor, at the framework's `step`: its scalars
+        to `sinks` (the framework's own), and on the main process to the
+        callback's sinks, and what changed in its findings to Python logging
+        (the summary line at INFO when `final`, else DEBUG). Returns the
+        scalars."""
+        assert self.monitor is not None
+        self.report = self.monitor.report()
+        self._reported_at = step
+        self._steps_reported = self.monitor.steps_seen
+        return send_report(
+            self.report, step=step, sinks=[*sinks, *(self.sinks if main_process else ())], prefix=self.prefix,
+            per_tensor=self.per_tensor, findings=self._logged if main_process else None, logger=self.logger,
+            summary_level=logging.INFO if final else logging.DEBUG,
+        )

@@ -20,6 +20,11 @@ grad_source.py), reads the fp32 master weights that the step updates, and
 counts a step that DeepSpeed skipped (an overflow: inf/NaN gradients) as a
 skipped step. On one rank no process group is used. Keyword arguments go to
 the Monitor (every, trace_nonfinite, thresholds, ...).
+
+The loop is the user's, so its reports go where it sends them: to any
+sink (zeroscan.loggers.Sink), as the other integrations send theirs,
+
+    sink.log(zeroscan.loggers.scalars(report, summary=True), engine.global_steps)
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ Reports follow the Trainer's own logging: at each `log_every_n_steps`-th
 optimizer step (trainer.global_step), or every `report_every` steps when
 given, the callback
 
-- logs summary_scalars(report) (zeroscan.integrations.common), and with
-  per_tensor=True zeroscan.loggers.scalars(report) too, through each of the
-  Trainer's loggers (Logger.log_metrics at trainer.global_step);
+- logs zeroscan.loggers.scalars(report, summary=True) (per-tensor ones
+  only with per_tensor=True) through each of the Trainer's loggers
+  (Logger.log_metrics at trainer.global_step, each as a LoggerSink), and,
+  on the global-zero process, to the callback's own `sinks`;
 - on the global-zero process, sends to Python logging (the "zeroscan"
   logger, at the finding's severity: warnings and errors show by default)
   each finding when it first appears and when its severity changes, and a
@@ -53,14 +54,14 @@ monitors its replica or shard.
 from __future__ import annotations
 
 import importlib
-import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from zeroscan.integrations import common
-from zeroscan.monitor import Monitor, Report
+from zeroscan.monitor import Monitor
 
 USER = "zeroscan.integrations.lightning.ZeroscanCallback"
 
@@ -79,51 +80,27 @@ except ImportError as missing:
 __all__ = ["ZeroscanCallback"]
 
 
-class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
+class ZeroscanCallback(common.ReportingCallback, pl.Callback):  # type: ignore[misc,name-defined]
     """A Lightning Callback that runs a zeroscan.Monitor over the LightningModule.
 
-    every: scan one optimizer step in `every` (Monitor's `every`).
-    report_every: optimizer steps between reports. None (the default):
-        the Trainer's log_every_n_steps.
-    per_tensor: also log zeroscan.loggers.scalars(report): a norm, zero %
-        and underflow % per gradient (three scalars per parameter).
-    prefix: the first part of every logged key ("zeroscan.findings/error").
-    logger: where findings go (default logging.getLogger("zeroscan")).
-    monitor_options: history, activations, thresholds, histogram,
-        trace_nonfinite, passed on to zeroscan.Monitor.
+    Its arguments (every, report_every, per_tensor, prefix, logger, sinks,
+    and the Monitor's options) are those of common.ReportingCallback;
+    report_every None follows the Trainer's log_every_n_steps, and `sinks`
+    get each report's scalars besides the Trainer's loggers.
 
     After fit(), `monitor` is the (closed) Monitor of the run and `report`
     its latest Report (None before the first).
     """
 
-    def __init__(
-        self,
-        *,
-        every: int = 1,
-        report_every: int | None = None,
-        per_tensor: bool = False,
-        prefix: str = "zeroscan",
-        logger: logging.Logger | None = None,
-        **monitor_options: Any,
-    ) -> None:
-        super().__init__()
-        self.every, self.report_every, self.per_tensor, self.prefix, self.logger, self.options = (
-            common.callback_settings(
-                USER, every=every, report_every=report_every, per_tensor=per_tensor, prefix=prefix,
-                logger=logger, options=monitor_options,
-            )
-        )
-        self.monitor: Monitor | None = None
-        self.report: Report | None = None
-        self._hooks: list[RemovableHandle] = []  # the callback's step hooks on the optimizers
-        self._several = False  # several optimizers: one Monitor step per batch
-        self._batch_scanned = False  # the Monitor has stepped in this batch
-        self._inside: set[int] = set()  # optimizers (by id) whose step() runs its closure
-        self._closure_ran: set[int] = set()  # optimizers whose closure ran before their step()
-        self._checked_at = 0  # trainer.global_step when on_train_batch_end last looked
-        self._reported_at = 0  # trainer.global_step at the last report
-        self._steps_reported = 0  # the Monitor's steps_seen at the last report
-        self._logged = common.LoggedFindings()  # the findings sent to Python logging so far
+    USER = USER
+
+    # Set for each fit() in on_fit_start; these values stand before the first.
+    _hooks: tuple[RemovableHandle, ...] = ()  # the callback's step hooks on the optimizers
+    _several = False  # several optimizers: one Monitor step per batch
+    _batch_scanned = False  # the Monitor has stepped in this batch
+    _inside: set[int]  # optimizers (by id) whose step() runs its closure
+    _closure_ran: set[int]  # optimizers whose closure ran before their step()
+    _checked_at = 0  # trainer.global_step when on_train_batch_end last looked
 
     # ---- the Trainer's events --------------------------------------------------------------
 
@@ -141,14 +118,14 @@ class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
         self.monitor = Monitor(
             pl_module, holding[0] if len(holding) == 1 else None, self.every, auto=False, **self.options
         )
-        for o in optimizers:
-            self._hooks.append(o.register_step_pre_hook(self._optimizer_step_starts))
-            self._hooks.append(o.register_step_post_hook(self._optimizer_step_ends))
-        self._inside.clear()
-        self._closure_ran.clear()
-        self.report = None
-        self._steps_reported = 0
-        self._logged.clear()
+        self._hooks = tuple(
+            hook for o in optimizers
+            for hook in (o.register_step_pre_hook(self._optimizer_step_starts),
+                         o.register_step_post_hook(self._optimizer_step_ends))
+        )
+        self._inside = set()
+        self._closure_ran = set()
+        self._start_run(trainer.global_step)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Here rather than in on_fit_start: a resumed fit() restores global_step in between.
@@ -228,9 +205,7 @@ class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.monitor is None or self.monitor.closed:
             return
-        if self.report is None or self.monitor.steps_seen > self._steps_reported or (
-            trainer.global_step != self._reported_at
-        ):
+        if self._unreported() or trainer.global_step != self._reported_at:
             self._report(trainer, pl_module, final=True)
         elif trainer.is_global_zero:  # nothing new since the last report, made just now
             self.logger.info(
@@ -248,26 +223,30 @@ class ZeroscanCallback(pl.Callback):  # type: ignore[misc,name-defined]
         """Removes every hook: the Monitor's and the callback's own on the optimizers."""
         for h in self._hooks:
             h.remove()
-        self._hooks = []
+        self._hooks = ()
         if self.monitor is not None:
             self.monitor.close()
 
     # ---- reporting ------------------------------------------------------------------------
 
     def _report(self, trainer: Any, pl_module: Any, *, final: bool) -> None:
-        """One report: its scalars to every logger of the Trainer, what changed
-        in its findings to Python logging, both at trainer.global_step."""
-        assert self.monitor is not None
-        self.report = self.monitor.report()
-        self._reported_at = trainer.global_step
-        self._steps_reported = self.monitor.steps_seen
-        rows = common.report_rows(self.report)
-        values = common.logged_scalars(rows, prefix=self.prefix, per_tensor=self.per_tensor)
+        """One report: its scalars to every logger of the Trainer (and the
+        callback's sinks), what changed in its findings to Python logging,
+        both at trainer.global_step."""
         # Logger.log_metrics directly, not LightningModule.log: self.log is not allowed in
         # on_train_end and would apply its own cadence (log_every_n_steps) on top of ours.
-        for lg in pl_module.loggers:
-            lg.log_metrics(values, step=trainer.global_step)
-        if trainer.is_global_zero:
-            self._logged.log(
-                rows, self.logger, step=trainer.global_step, summary_level=logging.INFO if final else logging.DEBUG
-            )
+        self.take_report(
+            trainer.global_step, main_process=trainer.is_global_zero, final=final,
+            sinks=[LoggerSink(lg) for lg in pl_module.loggers],
+        )
+
+
+class LoggerSink:
+    """A Lightning Logger (CSVLogger, TensorBoardLogger, WandbLogger, ...) as
+    a zeroscan.loggers.Sink: log(scalars, step) is its log_metrics."""
+
+    def __init__(self, logger: Any) -> None:
+        self.logger = logger
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        self.logger.log_metrics(dict(scalars), step=step)

@@ -15,13 +15,15 @@ Reports follow the Trainer's own logging (TrainingArguments.logging_steps).
 At each training log row, or, with `report_every`, at the first such row at
 least that many steps past the last report, the callback does two things:
 
-- it adds summary_scalars(report) to that row: to the `logs` dict that
-  on_log hands every callback, and to the row's copy in log_history, so
-  they reach every `report_to` integration (TensorBoard, W&B, MLflow, ...)
-  and the console printer in the Trainer's own row, and log_history has
-  no row of zeroscan's alone (unless the row log_history ends with is not
-  the copy of that `logs`, as in a Trainer that logs otherwise: then the
-  scalars get a row of their own rather than join another);
+- it adds zeroscan.loggers.scalars(report, summary=True) (per-tensor ones
+  only with per_tensor=True) to that row, through a RowSink: to the `logs`
+  dict that on_log hands every callback, and to the row's copy in
+  log_history, so they reach every `report_to` integration (TensorBoard,
+  W&B, MLflow, ...) and the console printer in the Trainer's own row, and
+  log_history has no row of zeroscan's alone (unless the row log_history
+  ends with is not the copy of that `logs`, as in a Trainer that logs
+  otherwise: then the scalars get a row of their own rather than join
+  another); on the main process they also go to the callback's `sinks`;
 - it sends to Python logging (the "zeroscan" logger, at the finding's
   severity) each finding when it first appears and when its severity
   changes, and a short INFO line when it clears: a finding that holds for
@@ -56,14 +58,14 @@ the only report comes at the end.
 
 from __future__ import annotations
 
-import logging
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from zeroscan.integrations import common
-from zeroscan.monitor import Monitor, Report
+from zeroscan.monitor import Monitor
 
 transformers = common.require("transformers", "transformers", "zeroscan.integrations.transformers")
 
@@ -71,43 +73,20 @@ USER = "zeroscan.integrations.transformers.ZeroscanCallback"
 STACK_DEPTH = 16  # frames searched for the Trainer, above on_train_begin
 
 
-class ZeroscanCallback(transformers.TrainerCallback):  # type: ignore[misc,name-defined]
+class ZeroscanCallback(common.ReportingCallback, transformers.TrainerCallback):  # type: ignore[misc,name-defined]
     """A TrainerCallback that runs a zeroscan.Monitor over the Trainer's model.
 
-    every: scan one optimizer step in `every` (Monitor's `every`).
-    report_every: optimizer steps between reports. None (the default):
-        a report at every training log row of the Trainer (logging_steps).
-    per_tensor: also log zeroscan.loggers.scalars(report): a norm, zero %
-        and underflow % per gradient (three scalars per parameter).
-    prefix: the first part of every logged key ("zeroscan.findings/error").
-    logger: where findings go (default logging.getLogger("zeroscan")).
-    options: history, activations, thresholds, histogram, trace_nonfinite,
-        passed on to zeroscan.Monitor.
+    Its arguments (every, report_every, per_tensor, prefix, logger, sinks,
+    and the Monitor's options) are those of common.ReportingCallback;
+    report_every None makes a report at every training log row of the
+    Trainer (logging_steps), and `sinks` get each report's scalars besides
+    the Trainer's row.
     """
 
-    def __init__(
-        self,
-        *,
-        every: int = 1,
-        report_every: int | None = None,
-        per_tensor: bool = False,
-        prefix: str = "zeroscan",
-        logger: logging.Logger | None = None,
-        **options: Any,
-    ) -> None:
-        self.every, self.report_every, self.per_tensor, self.prefix, self.logger, self.options = (
-            common.callback_settings(
-                USER, every=every, report_every=report_every, per_tensor=per_tensor, prefix=prefix,
-                logger=logger, options=options,
-            )
-        )
-        self.monitor: Monitor | None = None
-        self.report: Report | None = None
-        self._trainer: Any = None
-        self._auto = True  # the Monitor scans from the torch optimizer's step pre-hook
-        self._reported_at = 0  # the Trainer's global_step at the last report
-        self._steps_reported = 0  # the Monitor's steps_seen at the last report
-        self._logged = common.LoggedFindings()  # the findings sent to Python logging so far
+    USER = USER
+
+    _trainer: Any = None  # the Trainer running this callback, found in on_train_begin
+    _auto = True  # the Monitor scans from the torch optimizer's step pre-hook
 
     # ---- the Trainer's events --------------------------------------------------------------
 
@@ -122,10 +101,7 @@ class ZeroscanCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         # An optimizer that is no torch Optimizer (DeepSpeed's) cannot be hooked: then the
         # Monitor steps from on_pre_optimizer_step and has no optimizer checks.
         self.monitor = Monitor(model, inner if self._auto else None, self.every, auto=self._auto, **self.options)
-        self.report = None
-        self._reported_at = state.global_step
-        self._steps_reported = 0
-        self._logged.clear()
+        self._start_run(state.global_step)
         self._trainer = self._find_trainer()
         if self._trainer is None:
             self.logger.warning(
@@ -157,25 +133,19 @@ class ZeroscanCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
                 return
         else:
             return
-        values = self._report(state, final=final)
-        logs.update(values)
-        # Trainer.log appended {**logs, "step": global_step} to log_history before on_log:
-        # that row, its last, gets the same keys. Where the last row is not the copy of
-        # these logs (a Trainer that logs otherwise), the scalars get a row of their own.
-        history = state.log_history
-        row = history[-1] if history else None
-        if row is not None and row.get("step") == state.global_step and row.get(key) is logs[key]:
-            row.update(values)
-        else:
-            history.append({**values, "step": state.global_step})
+        self.take_report(
+            state.global_step, main_process=state.is_world_process_zero, final=final,
+            sinks=[RowSink(logs, key, state.log_history)],
+        )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None or self.monitor.closed:
             return
         if self._unreported():
             # No end-of-training row reached on_log (a loop that drives the callbacks itself):
-            # the report's findings go to Python logging, and its scalars have no row to join.
-            self._report(state, final=True)
+            # the report's findings go to Python logging, and its scalars have no row to join
+            # (they reach the callback's own sinks only).
+            self.take_report(state.global_step, main_process=state.is_world_process_zero, final=True, sinks=[])
         elif state.is_world_process_zero and self.report is not None:  # nothing new since the last report
             self.logger.info(
                 "zeroscan: training ended at step %d; the last report, of that step, has %d findings",
@@ -183,26 +153,7 @@ class ZeroscanCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             )
         self.monitor.close()
 
-    # ---- reporting ------------------------------------------------------------------------
-
-    def _unreported(self) -> bool:
-        """Whether the Monitor has seen steps since the last report (or none was made)."""
-        assert self.monitor is not None
-        return self.report is None or self.monitor.steps_seen > self._steps_reported
-
-    def _report(self, state: Any, *, final: bool) -> dict[str, float]:
-        """One report: what changed in its findings to Python logging, at
-        state.global_step; returns its scalars."""
-        assert self.monitor is not None
-        self.report = self.monitor.report()
-        self._reported_at = state.global_step
-        self._steps_reported = self.monitor.steps_seen
-        rows = common.report_rows(self.report)
-        if state.is_world_process_zero:
-            self._logged.log(
-                rows, self.logger, step=state.global_step, summary_level=logging.INFO if final else logging.DEBUG
-            )
-        return common.logged_scalars(rows, prefix=self.prefix, per_tensor=self.per_tensor)
+    # ---- finding the Trainer --------------------------------------------------------------
 
     def _find_trainer(self) -> Any:
         """The Trainer running this callback: on the call stack above
@@ -218,3 +169,23 @@ class ZeroscanCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
                 return owner
             frame = frame.f_back
         return None
+
+
+class RowSink:
+    """The Trainer's log row being logged as a zeroscan.loggers.Sink: log(scalars, step)
+    adds the scalars to the `logs` dict that on_log hands every callback, and to
+    the row's copy in log_history."""
+
+    def __init__(self, logs: dict[str, Any], key: str, history: list[dict[str, Any]]) -> None:
+        self.logs, self.key, self.history = logs, key, history
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        self.logs.update(scalars)
+        # Trainer.log appended {**logs, "step": global_step} to log_history before on_log:
+        # that row, its last, gets the same keys. Where the last row is not the copy of
+        # these logs (a Trainer that logs otherwise), the scalars get a row of their own.
+        row = self.history[-1] if self.history else None
+        if row is not None and row.get("step") == step and row.get(self.key) is self.logs[self.key]:
+            row.update(scalars)
+        else:
+            self.history.append({**scalars, "step": step})
