@@ -39,7 +39,7 @@ from steps import (
     make_model,
 )
 from zeroscan.guard import GuardReport, SkippedStep, guard
-from zeroscan.monitor import Cause, Monitor, Report, Severity, Slot, step_record
+from zeroscan.monitor import Cause, Monitor, Report, Severity, Slot, scanner, step_record
 from zeroscan.result_row import Column, decode
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -103,7 +103,7 @@ def swallowed(monitor: Monitor) -> list[tuple[int, list[tuple[str, str]]]]:
     """Errors the Monitor kept as notes instead of raising, per recorded step:
     a scan that raises (a sync refused by the sync debug mode, an op refused
     while capturing) falls back to one scan per device and then becomes a
-    "not scanned" note (scanner.py Scanner._run, step_record.scan_by_device), and
+    "not scanned" note (scanner.py Scanner._run, scanner.scan_by_device), and
     so does one raised in an activation hook (monitor.py Monitor._on_activation)."""
     return [
         (r.step, [*r.notes, *((u.label, u.why) for u in r.unscanned)])
@@ -302,7 +302,7 @@ def test_the_checks_see_a_host_read_planted_in_the_monitor(plant: str, monkeypat
     """The detectors above are not vacuous: a host read (.item()) or a
     value-sized op (nonzero) put into the Monitor's scan is caught by each of
     them, inside backward's end-of-pass callback and the step's pre-hook."""
-    original = step_record.scan_one_device
+    original = scanner.scan_one_device
 
     def planted(tensors: list[Tensor], slots: list[int], histogram: bool) -> step_record.Scan:
         scan = original(tensors, slots, histogram)
@@ -318,7 +318,7 @@ def test_the_checks_see_a_host_read_planted_in_the_monitor(plant: str, monkeypat
     data = batches(g, 3)
     with Monitor(model, opt):
         train_step(model, opt, data[0])
-        monkeypatch.setattr(step_record, "scan_one_device", planted)
+        monkeypatch.setattr(scanner, "scan_one_device", planted)
         with DeviceWaits() as waits:
             train_step(model, opt, data[1])
         op = "aten._local_scalar_dense.default" if plant == "item" else "aten.nonzero.default"

@@ -16,7 +16,7 @@ from torch import nn
 
 import zeroscan
 import zeroscan.monitor as monitor_module
-import zeroscan.monitor.step_record as monitor_records
+import zeroscan.monitor.scanner as monitor_scans
 from helpers import DEVICES, example, fresh_generator, serious, train_monitored
 from zeroscan import Finding, Monitor, Report, Severity, Thresholds, Verdict
 
@@ -389,7 +389,7 @@ def test_saturated_softmax_and_healthy_softmax() -> None:
 
 def test_one_scan_per_step_and_no_readback(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    real = monitor_records.native_many
+    real = monitor_scans.native_many
 
     def counting(tensors: list[torch.Tensor]) -> torch.Tensor:
         calls.append(len(tensors))
@@ -400,7 +400,7 @@ def test_one_scan_per_step_and_no_readback(monkeypatch: pytest.MonkeyPatch) -> N
 
     monitor_py = sys.modules["zeroscan.monitor.step_reads"]  # where the Monitor reads records back
     real_decode = monitor_py.decode_records
-    monkeypatch.setattr(monitor_records, "native_many", counting)
+    monkeypatch.setattr(monitor_scans, "native_many", counting)
     monkeypatch.setattr(monitor_py, "decode_records", no_decode)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
     g = fresh_generator()
@@ -557,8 +557,8 @@ def test_mixed_dtypes_devices_and_sparse_grads(device: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
 def test_one_scan_per_device_cpu_and_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     devices: list[str] = []
-    real = monitor_records.native_many
-    monkeypatch.setattr(monitor_records, "native_many", lambda ts: devices.append(str(ts[0].device)) or real(ts))
+    real = monitor_scans.native_many
+    monkeypatch.setattr(monitor_scans, "native_many", lambda ts: devices.append(str(ts[0].device)) or real(ts))
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1).cuda())
     with Monitor(model) as mon:
         model[1](model[0](torch.randn(2, 4)).cuda()).sum().backward()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import zeroscan.monitor.step_record as monitor_records
+import zeroscan.monitor.scanner as monitor_scans
 from helpers import fresh_generator
 from zeroscan import Monitor
 from zeroscan.histogram import Histogram, reference_histogram
@@ -161,7 +161,7 @@ def test_off_by_default_and_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> 
     def no_histograms(tensors: list[torch.Tensor]) -> Any:
         raise AssertionError("a Monitor without histogram=True counted histograms")
 
-    monkeypatch.setattr(monitor_records, "native_many_hist", no_histograms)
+    monkeypatch.setattr(monitor_scans, "native_many_hist", no_histograms)
     g = fresh_generator()
     model = randomized(Mixed(), g)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -180,14 +180,14 @@ def test_off_by_default_and_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_one_call_per_scan_no_readback_and_fields_of_the_latest_step_only(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    real = monitor_records.native_many_hist
+    real = monitor_scans.native_many_hist
 
     def counting(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append(len(tensors))
         return real(tensors)
 
     witness: list[int] = []
-    real_plain = monitor_records.native_many
+    real_plain = monitor_scans.native_many
 
     def witness_only(tensors: list[torch.Tensor]) -> Any:
         # The one scan without histograms: the witness of the first values of a few
@@ -201,8 +201,8 @@ def test_one_call_per_scan_no_readback_and_fields_of_the_latest_step_only(monkey
 
     monitor_py = sys.modules["zeroscan.monitor.step_reads"]
     real_decode = monitor_py.decode_records
-    monkeypatch.setattr(monitor_records, "native_many_hist", counting)
-    monkeypatch.setattr(monitor_records, "native_many", witness_only)
+    monkeypatch.setattr(monitor_scans, "native_many_hist", counting)
+    monkeypatch.setattr(monitor_scans, "native_many", witness_only)
     monkeypatch.setattr(monitor_py, "decode_records", no_decode)
     g = fresh_generator()
     model = randomized(Mixed(), g)

@@ -25,7 +25,8 @@ from helpers import fresh_generator
 from steps import step_past_freed_memory
 from zeroscan import Cause, Monitor, Report, Severity, Thresholds
 from zeroscan.monitor import GLOBAL_NAME, Slot
-from zeroscan.monitor.step_record import Param, StepRecord, tensor_dict
+from zeroscan.monitor.series import tensor_dict
+from zeroscan.monitor.step_record import Param, StepRecord
 from zeroscan.ops import scannable_form
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

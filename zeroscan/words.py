@@ -10,8 +10,11 @@ the Stats line and the CLI's tables.
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 def count_noun(n: int, singular: str, plural: str | None = None) -> str:
@@ -94,3 +97,14 @@ def brief(value: object) -> str:
     short = reprlib.Repr()
     short.maxstring, short.maxlist, short.maxlong, short.maxother = 120, 8, 40, 120
     return short.repr(value)
+
+
+def nonfinite_words(f: Mapping[str, float | int]) -> str:
+    """"3 NaN and 1 +inf among 4096 values": the non-finite counts of a decoded result row."""
+    parts = [f"{int(f[k])} {label}" for k, label in (("nan", "NaN"), ("posinf", "+inf"), ("neginf", "-inf")) if f[k]]
+    return " and ".join(parts) + f" among {int(f['numel'])} values"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")

@@ -1,8 +1,8 @@
 """The Monitor's activation scans (activations=True): dead units and saturated rows.
 
 Every nn.ReLU, nn.ReLU6 and nn.GELU module of the model (dead units: each
-unit's peak |output|, step_record.unit_peak) and every nn.Softmax module
-(saturated rows: 1 - each row's greatest probability, step_record.softmax_gap)
+unit's peak |output|, unit_peak) and every nn.Softmax module
+(saturated rows: 1 - each row's greatest probability, softmax_gap)
 gets a forward hook. On a monitored step the output of each of a module's
 first MAX_CALLS_PER_STEP calls is scanned together with that per-unit or
 per-row tensor, in one native call, and nothing is read back; a call that
@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroscan.monitor import step_record
-from zeroscan.monitor.step_record import softmax_gap, unit_peak
+from zeroscan.monitor.scanner import native_many
 
 MAX_CALLS_PER_STEP = 8  # activation calls of one module scanned per step
 RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.GELU)
@@ -62,7 +61,27 @@ class ActivationScans:
                     unit = softmax_gap(output, module)
                 else:
                     unit = unit_peak(output, nonneg=isinstance(module, (nn.ReLU, nn.ReLU6)))
-                buffer = step_record.native_many([output, unit])
+                buffer = native_many([output, unit])
             self.scans.append((key, tag, buffer))
         except Exception as err:  # report, never break the forward pass
             self.notes.append((key, f"not scanned: {err}"))
+
+
+def unit_peak(out: torch.Tensor, *, nonneg: bool) -> torch.Tensor:
+    """Per-unit max |output| over the batch: 0 means the unit is dead.
+    Units are the last dim, or dim 1 (channels) for 4-D and 5-D outputs."""
+    if out.dim() == 0 or out.numel() == 0:
+        return out.reshape(-1)
+    mags = out if nonneg else out.abs()
+    unit_dim = 1 if out.dim() >= 4 else out.dim() - 1
+    dims = tuple(d for d in range(out.dim()) if d != unit_dim)
+    return mags.amax(dim=dims) if dims else mags
+
+
+def softmax_gap(out: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """1 - max probability per row: <= eps means the row is saturated."""
+    if out.dim() == 0 or out.numel() == 0:
+        return out.reshape(-1)
+    dim = getattr(module, "dim", None)
+    dim = -1 if dim is None else dim
+    return (1.0 - out.amax(dim=dim)).reshape(-1)

@@ -21,7 +21,8 @@ import torch
 
 from zeroscan.monitor.context import StepContext
 from zeroscan.monitor.report import Finding, Thresholds
-from zeroscan.monitor.step_record import Param, dtype_name
+from zeroscan.monitor.step_record import Param
+from zeroscan.words import dtype_name
 from zeroscan.result_row import Row
 from zeroscan.verdicts import Cause, Severity
 

@@ -19,9 +19,7 @@ from zeroscan.monitor.optimizer import OptimizerView
 from zeroscan.monitor.precision import fp16_underflow
 from zeroscan.monitor.structural import structural_zero
 from zeroscan.monitor.whole_model import all_zero_finding, input_cut_finding
-from zeroscan.monitor.step_record import (
-    Activation, Param, Slot, StepRecord, Unscanned, Why, dtype_name, nonfinite_words,
-)
+from zeroscan.monitor.step_record import Activation, Param, Slot, StepRecord, Unscanned, Why
 from zeroscan.monitor.report import GLOBAL_NAME, Finding, Thresholds
 from zeroscan.monitor.series import Series
 from zeroscan.monitor.steps import nothing_ran, step_findings
@@ -29,7 +27,7 @@ from zeroscan.ops import FLOAT_DTYPES, INT_DTYPES
 from zeroscan.result_row import Column, Row
 from zeroscan.value_rules import Limits, Values, verdict_of
 from zeroscan.verdicts import Cause, Severity, Verdict
-from zeroscan.words import RankSet, count_noun, is_are, listed
+from zeroscan.words import RankSet, count_noun, dtype_name, is_are, listed, nonfinite_words
 
 WEIGHT_RMS_FLOOR = 1e-2  # see Thresholds.exploding
 

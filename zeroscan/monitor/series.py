@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from zeroscan.monitor.step_record import Param, StepRecord, tensor_dict
+from zeroscan.monitor.step_record import Param, StepRecord
 from zeroscan.monitor.table import RowTable, fields, fraction
-from zeroscan.result_row import Column
+from zeroscan.result_row import Column, Row
 
 COUNT_COLUMNS = [Column.NUMEL, Column.ZEROS]
 
@@ -122,7 +122,7 @@ class Series:
 
 def tensor_rows(params: list[Param], rec: StepRecord) -> list[dict[str, Any]]:
     """Report.tensors: the latest scan of each gradient and weight (in
-    parameter order) and of each activation; see step_record.tensor_dict."""
+    parameter order) and of each activation; see tensor_dict."""
     table = _table(rec)
     rows = np.arange(2 * len(params))
     words, present = table.gather(rows)
@@ -178,4 +178,24 @@ def history(params: list[Param], shown: list[StepRecord]) -> dict[str, Any]:
         "grad_norm": grad_norm,
         "zero_fraction": zero_fraction,
         "subnormal_fraction": subnormal_fraction,
+    }
+
+
+def tensor_dict(name: str, kind: str, f: Row) -> dict[str, Any]:
+    """One entry of Report.tensors."""
+    n = int(f["numel"])
+    return {
+        "name": name,
+        "kind": kind,
+        "numel": n,
+        "zero_fraction": int(f["zeros"]) / n if n else 0.0,
+        "subnormal_fraction": int(f["subnormal"]) / n if n else 0.0,
+        "near_zero_fraction": int(f["near_zero"]) / n if n else 0.0,
+        "nan": int(f["nan"]),
+        "inf": int(f["posinf"]) + int(f["neginf"]),
+        "norm": float(f["norm"]),
+        "mean": float(f["mean"]),
+        "std": float(f["std"]),
+        "min_abs": float(f["min_abs"]),
+        "max_abs": float(f["max_abs"]),
     }

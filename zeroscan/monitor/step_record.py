@@ -18,9 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from zeroscan import ops
 from zeroscan.monitor.table import FieldBlock, RowTable
-from zeroscan.ops import scannable_form
 from zeroscan.result_row import NUM_FIELDS, Row, decode
 from zeroscan.words import RankSet
 
@@ -214,81 +212,6 @@ def collect_params(model: nn.Module) -> list[Param]:
     return params
 
 
-def native_many(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One native scan of tensors on one device: int64 [N, 16], not read."""
-    return ops.stats_many(tensors, None)
-
-
-def native_many_hist(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """native_many that also counts each tensor's histogram in the same pass:
-    rows int64 [N, 16] and fields int64 [N, B] (zeroscan.histogram), not read."""
-    return ops.stats_many_hist(tensors, None)
-
-
-def scan_one_device(tensors: list[torch.Tensor], slots: list[int], histogram: bool) -> Scan:
-    """One native call over `tensors` (at Slot rows `slots`), all on one device."""
-    if not histogram:
-        return Scan(slots, native_many(tensors), None)
-    rows, fields = native_many_hist(tensors)
-    return Scan(slots, rows, FieldBlock(fields, tuple(t.dtype for t in tensors)))
-
-
-def scan_by_device(
-    tensors: list[torch.Tensor], slots: list[int], params: list[Param], record: StepRecord, histogram: bool = False
-) -> list[Scan]:
-    """One native scan per device of what can be scanned of `tensors` (at
-    Slot rows `slots`; see zeroscan.ops.scannable_form): a tensor that
-    cannot be scanned goes to record.unscanned (unless the record holds its
-    row from an earlier scan: a gradient freed after backward ended), and
-    the rest is scanned."""
-    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
-    earlier = {r for rows, _ in record.groups for r in rows}
-    for t, row in zip(tensors, slots):
-        ready, why = scannable_form(t)
-        if ready is None:
-            if row not in earlier:  # else the row scanned when backward ended stands
-                slot = Slot.at_row(row)
-                record.unscanned.append(Unscanned(params[slot.param].name, slot.kind, dtype_name(t.dtype), why))
-            continue
-        entry = by_device.setdefault(ready.device, ([], []))
-        entry[0].append(row)
-        entry[1].append(ready)
-    groups = []
-    for group_slots, group in by_device.values():
-        try:
-            groups.append(scan_one_device(group, group_slots, histogram))
-        except (RuntimeError, ValueError, TypeError) as err:
-            for row in group_slots:
-                record.notes.append((slot_label(params, row), f"not scanned: {err}"))
-    return groups
-
-
-def slot_label(params: list[Param], row: int) -> str:
-    """How a note names the tensor at Slot row `row`: the parameter, with ":grad" or ":weight"."""
-    slot = Slot.at_row(row)
-    return f"{params[slot.param].name}:{slot.kind}"
-
-
-def unit_peak(out: torch.Tensor, *, nonneg: bool) -> torch.Tensor:
-    """Per-unit max |output| over the batch: 0 means the unit is dead.
-    Units are the last dim, or dim 1 (channels) for 4-D and 5-D outputs."""
-    if out.dim() == 0 or out.numel() == 0:
-        return out.reshape(-1)
-    mags = out if nonneg else out.abs()
-    unit_dim = 1 if out.dim() >= 4 else out.dim() - 1
-    dims = tuple(d for d in range(out.dim()) if d != unit_dim)
-    return mags.amax(dim=dims) if dims else mags
-
-
-def softmax_gap(out: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """1 - max probability per row: <= eps means the row is saturated."""
-    if out.dim() == 0 or out.numel() == 0:
-        return out.reshape(-1)
-    dim = getattr(module, "dim", None)
-    dim = -1 if dim is None else dim
-    return (1.0 - out.amax(dim=dim)).reshape(-1)
-
-
 def decode_records(records: list[StepRecord], *, own_rows: bool = True) -> None:
     """Reads back every record not decoded yet: one copy per device (none for
     the CPU, whose buffers are read where they are) into a RowTable per record,
@@ -389,32 +312,3 @@ def renumber(r: StepRecord, new_index: dict[int, int], requires_grad: tuple[bool
     r.cleared = [new_index[i] for i in r.cleared if i in new_index]
     old = {new_index[i]: v for i, v in enumerate(r.requires_grad) if i in new_index}
     r.requires_grad = tuple(old.get(j, v) for j, v in enumerate(requires_grad))
-
-
-def tensor_dict(name: str, kind: str, f: Row) -> dict[str, Any]:
-    """One entry of Report.tensors."""
-    n = int(f["numel"])
-    return {
-        "name": name,
-        "kind": kind,
-        "numel": n,
-        "zero_fraction": int(f["zeros"]) / n if n else 0.0,
-        "subnormal_fraction": int(f["subnormal"]) / n if n else 0.0,
-        "near_zero_fraction": int(f["near_zero"]) / n if n else 0.0,
-        "nan": int(f["nan"]),
-        "inf": int(f["posinf"]) + int(f["neginf"]),
-        "norm": float(f["norm"]),
-        "mean": float(f["mean"]),
-        "std": float(f["std"]),
-        "min_abs": float(f["min_abs"]),
-        "max_abs": float(f["max_abs"]),
-    }
-
-
-def nonfinite_words(f: Row) -> str:
-    parts = [f"{int(f[k])} {label}" for k, label in (("nan", "NaN"), ("posinf", "+inf"), ("neginf", "-inf")) if f[k]]
-    return " and ".join(parts) + f" among {int(f['numel'])} values"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -36,7 +36,8 @@ from zeroscan.monitor.context import StepContext
 from zeroscan.monitor.graph import COMPILED_GATE
 from zeroscan.monitor.report import Finding
 from zeroscan.monitor.series import Series
-from zeroscan.monitor.step_record import Param, Slot, dtype_name
+from zeroscan.monitor.step_record import Param, Slot
+from zeroscan.words import dtype_name
 from zeroscan.result_row import Row
 from zeroscan.verdicts import Cause, Severity
 from zeroscan.words import listed
