@@ -1,6 +1,8 @@
 """One checkpoint file (torch.save or .safetensors) as a TensorTable: its
 entries in file order, each tensor on demand, and where a scan reads each
-(zeroscan.checkpoint.files). The formats' own modules make it.
+(zeroscan.checkpoint.files). The formats' own modules make it, opening the
+file alike: `open_tensor_file`, their reading of it inside
+`closed_on_failure`, then `check_unchanged_since_opened`.
 """
 
 from __future__ import annotations
