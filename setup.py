@@ -75,8 +75,7 @@ def extension():
             extra_link_args=LINK,
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-    kernels = [f for f in sorted(glob.glob("csrc/cuda/*.cu")) if not f.endswith("standalone_test.cu")]
-    sources += sorted(glob.glob("csrc/cuda/*.cpp")) + kernels
+    sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
     return CUDAExtension(
         "zeroscan._C",
         sources,

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # CI for the CUDA kernels, on a machine with nvcc and usually no GPU.
 #
-# 1. Compiles every kernel file (csrc/cuda/*.cu but the test program) for sm_80 and
+# 1. Compiles every kernel file (csrc/cuda/*.cu) for sm_80 and
 #    sm_90 with `nvcc -Xptxas -v`, with the flags torch's build uses, and
 #    fails if any function has a stack frame or spills registers (local
 #    memory in a memory-bound kernel costs bandwidth).
-# 2. Builds the torch-free test program (csrc/cuda/standalone_test.cu).
+# 2. Builds the torch-free test program (tests/standalone_test.cu).
 # 3. Runs it on the GPU if there is one. Without a GPU it checks that the
 #    program says so, then runs its --emulate mode, which executes the
 #    kernels' per-thread code on the CPU against the same reference
@@ -109,8 +109,8 @@ echo "== every kernel: 0 bytes stack frame, 0 bytes spilled, on sm_80 and sm_90"
 
 echo "== building the standalone test program"
 TEST_FLAGS=("${FLAGS[@]}")
-"$NVCC" "${TEST_FLAGS[@]}" -DZEROSCAN_STANDALONE_TEST -Icsrc \
-  csrc/cuda/standalone_test.cu "$BUILD_DIR"/stats_cuda_*.o \
+"$NVCC" "${TEST_FLAGS[@]}" \
+  tests/standalone_test.cu "$BUILD_DIR"/stats_cuda_*.o \
   -o "$BUILD_DIR/standalone_test"
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then

@@ -94,13 +94,15 @@ ZS_HD uint32_t f16_abs_to_f32_bits(uint32_t a) {
 //   value(x)           x widened exactly to float or double
 //   magnitude(key)     the value of |x| for a key, in double
 //   kMaxKey            no key of |x| is above it
+//   kMantissaBits      the width of a float's mantissa field; 0 for integers
 template <typename S>
 struct Format;
 
-template <typename S, typename Bits, bool kInf>
+template <typename S, typename Bits, int Mantissa, bool kInf>
 struct FloatFormat {
   using key_t = Bits;
   static constexpr bool kFloating = true;
+  static constexpr int kMantissaBits = Mantissa;
   static constexpr bool kSigned = false;
   static constexpr bool kHasInf = kInf;
   static constexpr bool kHasNan = true;
@@ -113,20 +115,20 @@ struct FloatFormat {
 };
 
 template <>
-struct Format<float> : FloatFormat<float, uint32_t, true> {
+struct Format<float> : FloatFormat<float, uint32_t, 23, true> {
   ZS_HD static float value(float x) { return x; }
   ZS_HD static double magnitude(key_t k) { return bit_cast_to<float>(k); }
 };
 
 template <>
 struct Format<double>
-    : FloatFormat<double, uint64_t, true> {
+    : FloatFormat<double, uint64_t, 52, true> {
   ZS_HD static double value(double x) { return x; }
   ZS_HD static double magnitude(key_t k) { return bit_cast_to<double>(k); }
 };
 
 template <>
-struct Format<bf16_t> : FloatFormat<bf16_t, uint16_t, true> {
+struct Format<bf16_t> : FloatFormat<bf16_t, uint16_t, 7, true> {
   // bfloat16 is the top half of a float32.
   ZS_HD static float value(bf16_t x) {
     return bit_cast_to<float>(static_cast<uint32_t>(x.bits) << 16);
@@ -135,7 +137,7 @@ struct Format<bf16_t> : FloatFormat<bf16_t, uint16_t, true> {
 };
 
 template <>
-struct Format<f16_t> : FloatFormat<f16_t, uint16_t, true> {
+struct Format<f16_t> : FloatFormat<f16_t, uint16_t, 10, true> {
   ZS_HD static float value(f16_t x) {
     return with_sign(f16_abs_to_f32_bits(x.bits & 0x7fffu), x.bits >> 15);
   }
@@ -143,7 +145,7 @@ struct Format<f16_t> : FloatFormat<f16_t, uint16_t, true> {
 };
 
 template <>
-struct Format<e5m2_t> : FloatFormat<e5m2_t, uint8_t, true> {
+struct Format<e5m2_t> : FloatFormat<e5m2_t, uint8_t, 2, true> {
   // float8_e5m2 is the top byte of a float16, infinities and NaN included.
   ZS_HD static float value(e5m2_t x) {
     return Format<f16_t>::value(f16_t{static_cast<uint16_t>(x.bits << 8)});
@@ -152,7 +154,7 @@ struct Format<e5m2_t> : FloatFormat<e5m2_t, uint8_t, true> {
 };
 
 template <>
-struct Format<e4m3_t> : FloatFormat<e4m3_t, uint8_t, false> {
+struct Format<e4m3_t> : FloatFormat<e4m3_t, uint8_t, 3, false> {
   // |x|'s 7 bits shifted into a float's exponent and mantissa give
   // |x| * 2^-120 (the biases differ by 120); 0x7f is NaN, and there are no
   // infinities.
@@ -169,6 +171,7 @@ template <typename S>
 struct IntFormat {
   using key_t = UnsignedOf<sizeof(S)>;
   static constexpr bool kFloating = false;
+  static constexpr int kMantissaBits = 0;
   static constexpr bool kSigned = S(-1) < S(0);
   static constexpr bool kHasInf = false;
   static constexpr bool kHasNan = false;

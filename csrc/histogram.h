@@ -28,22 +28,6 @@ ZS_HD int bit_length(uint64_t k) {
 #endif
 }
 
-// Mantissa bits of each floating storage type (0: an integer type).
-template <typename S>
-constexpr int kMantissaBits = 0;
-template <>
-constexpr int kMantissaBits<float> = 23;
-template <>
-constexpr int kMantissaBits<double> = 52;
-template <>
-constexpr int kMantissaBits<f16_t> = 10;
-template <>
-constexpr int kMantissaBits<bf16_t> = 7;
-template <>
-constexpr int kMantissaBits<e4m3_t> = 3;
-template <>
-constexpr int kMantissaBits<e5m2_t> = 2;
-
 template <typename S>
 struct Binning {
   using F = Format<S>;
@@ -52,13 +36,13 @@ struct Binning {
   // Fields of one tensor: 2^exponent bits for floats, bit lengths 0..bits
   // for integers (bool: 0 or 1).
   static constexpr int kFields =
-      F::kFloating ? 1 << (kBits - 1 - kMantissaBits<S>)
+      F::kFloating ? 1 << (kBits - 1 - F::kMantissaBits)
                    : (std::is_same_v<S, bool_t> ? 2 : kBits + 1);
 
   // key: Format<S>::key(x), the key of |x|.
   ZS_HD static int field(key_t key) {
     if constexpr (F::kFloating) {
-      return static_cast<int>(key >> kMantissaBits<S>);
+      return static_cast<int>(key >> F::kMantissaBits);
     } else {
       return bit_length(static_cast<uint64_t>(key));
     }

@@ -32,7 +32,7 @@ import zeroscan.monitor.step_record as monitor_records
 from zeroscan.monitor import Slot
 from helpers import assert_same_stats, example, fresh_generator, serious
 from steps import DeviceWaits
-from world import Check, World, spawn_world
+from world import Check, World, module_world
 from zeroscan import Finding, Monitor, Report, Severity, Thresholds
 
 WORLD = 2
@@ -442,11 +442,7 @@ def _report_lines(check: Callable[[int, int], Report], rank: int, world_size: in
 WORLD_CHECKS: dict[str, Check] = {name: functools.partial(_report_lines, check) for name, check in CHECKS.items()}
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    return spawn_world(
-        WORLD, WORLD_CHECKS, tmp_path_factory, timeout_s=WORLD_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S
-    )
+world = module_world(WORLD, WORLD_CHECKS, timeout_s=WORLD_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("check", list(CHECKS))

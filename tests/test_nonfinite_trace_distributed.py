@@ -28,7 +28,7 @@ import zeroscan
 from zeroscan import Monitor, Report, Severity
 from zeroscan.monitor.nonfinite_trace import PARAMETER
 from helpers import serious
-from world import Check, World, spawn_world
+from world import Check, World, module_world
 
 WORLD = 2
 WORLD_TIMEOUT_S = 90.0  # every check together takes ~15 s; past this it is a hang
@@ -315,11 +315,7 @@ CHECKS: dict[str, Callable[[int, int, int], str]] = {
 WORLD_CHECKS: dict[str, Check] = dict(CHECKS)
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    return spawn_world(
-        WORLD, WORLD_CHECKS, tmp_path_factory, timeout_s=WORLD_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S
-    )
+world = module_world(WORLD, WORLD_CHECKS, timeout_s=WORLD_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("check", list(CHECKS))

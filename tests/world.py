@@ -8,7 +8,8 @@ the test process reads back. The whole run is bounded in time, so a hang
 fails the tests instead of blocking them, and every failure names its rank
 and the seed (ZEROSCAN_TEST_SEED replays it). Where the backend cannot run
 (no gloo; for NCCL: no NCCL in this torch, no CUDA device, or fewer devices
-than ranks) the calling test is skipped and says why.
+than ranks) the calling test is skipped and says why. `module_world` makes
+of it a module-scoped fixture, for a module whose tests each assert one check.
 
 With backend="nccl", rank r makes CUDA device r % device_count its current
 device before joining, so a check's `.to("cuda")` lands on its own GPU (NCCL
@@ -118,6 +119,22 @@ def spawn_world(
         path = tmp / f"rank{rank}.json"
         records[rank] = json.loads(path.read_text()) if path.exists() else {"outcomes": {}, "world_error": None}
     return World(size, seed, timeout_s, hung, [p.exitcode for p in procs], records)
+
+
+def module_world(
+    size: int, checks: Mapping[str, Check], *, timeout_s: float, collective_timeout_s: float
+) -> Callable[..., World]:
+    """A module-scoped fixture that spawns one world for all of a module's
+    tests: `world = module_world(2, CHECKS, timeout_s=90.0, collective_timeout_s=30.0)`,
+    then each test takes `world` and asserts one check with `world.assert_passed`."""
+
+    @pytest.fixture(scope="module", name="world")
+    def world_fixture(tmp_path_factory: pytest.TempPathFactory) -> World:
+        return spawn_world(
+            size, checks, tmp_path_factory, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s
+        )
+
+    return world_fixture
 
 
 def skip_unless_backend_runs(backend: str, size: int) -> None:

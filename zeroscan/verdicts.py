@@ -1,7 +1,8 @@
 """The words zeroscan judges in, shared by diagnose and the Monitor.
 
-`Severity` orders what is found; `Cause` names it (a machine-readable code,
-a str, so `finding.cause == "underflow"` holds); `Verdict` is what diagnose
+`Severity` orders what is found; `Cause` names it (a `Code`: an enum of
+machine-readable codes, each a str, so `finding.cause == "underflow"`
+holds; a checkpoint tensor's `Role` is one too); `Verdict` is what diagnose
 says of one tensor, each verdict a Cause with a fixed Severity; the
 thresholds that both diagnose and the Monitor use have one meaning and one
 default here.
@@ -36,7 +37,15 @@ class Severity(enum.IntEnum):
         return format(str(self), spec)
 
 
-class Cause(str, enum.Enum):
+class Code(str, enum.Enum):
+    """An enum of machine-readable codes, each a str: str() and format()
+    give the code ("underflow"), as JSON does."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Cause(Code):
     """What is wrong (or worth knowing) about a tensor or a parameter."""
 
     # What the values of one scan say (diagnose's verdicts and the Monitor's).
@@ -83,9 +92,6 @@ class Cause(str, enum.Enum):
     REPLICA_MISMATCH = "replica_mismatch"
     MISSING_ON_RANKS = "missing_on_ranks"
     NOT_SCANNED = "not_scanned"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class Verdict(enum.Enum):

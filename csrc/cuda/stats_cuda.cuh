@@ -1,7 +1,7 @@
 // The fused scan on the GPU: kernels over raw pointers and a stream.
 //
 // Free of torch headers. The launcher (stats_cuda.cpp) and the standalone
-// test program (standalone_test.cu) both include this file: the first part
+// test program (tests/standalone_test.cu) both include this file: the first part
 // (types, constants, the launch plan) is plain host C++ that any compiler
 // reads; the kernels below `#if defined(__CUDACC__)` are compiled by nvcc in
 // the per-dtype files stats_cuda_<dtype>.cu.

@@ -38,14 +38,13 @@ needs no role of its own.
 
 from __future__ import annotations
 
-import enum
 import re
 from collections.abc import Sequence
 
-from zeroscan.verdicts import Cause, Severity
+from zeroscan.verdicts import Cause, Code, Severity
 
 
-class Role(str, enum.Enum):
+class Role(Code):
     """What a tensor of a checkpoint is for (see the module doc)."""
 
     WEIGHT = "weight"
@@ -56,9 +55,6 @@ class Role(str, enum.Enum):
     COUNTER = "counter"
     MASK = "mask"
     OTHER = "other"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # The verdicts that are how a tensor of each role starts out, and the words

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from zeroscan.checkpoint.files import TensorFile, contiguous_file_tensor, same_file, shape_problem
-from zeroscan.checkpoint.single import Checkpoint
+from zeroscan.checkpoint.files import contiguous_file_tensor, same_file, shape_problem
+from zeroscan.checkpoint.single import Checkpoint, check_unchanged_since_opened, closed_on_failure, open_tensor_file
 from zeroscan.checkpoint.table import CheckpointError, TensorEntry, dtype_name
 from zeroscan.words import brief
 
@@ -280,20 +280,10 @@ def open_safetensors(p: Path) -> Checkpoint:
     The file is opened first and the header then parsed by path: the same
     size, time and inode afterwards show that the header describes the file
     the tensors will be read from."""
-    try:
-        file = TensorFile(p)
-    except OSError as e:
-        raise CheckpointError(f"{p}: cannot read ({e.strerror or e})") from None
-    try:
+    file = open_tensor_file(p)
+    with closed_on_failure(file, SafetensorsError):
         slots, metadata = read_safetensors_header(p)
-        if not same_file(file.opened, p.stat()):
-            raise CheckpointError(f"{p}: changed while it was being opened; open it again once it is written")
-    except SafetensorsError as e:
-        file.close()
-        raise CheckpointError(str(e)) from None
-    except BaseException:
-        file.close()
-        raise
+        check_unchanged_since_opened(file, p.stat())
     entries = []
     located = {}
     for name, slot in slots.items():

@@ -1,10 +1,14 @@
 """One checkpoint file (torch.save or .safetensors) as a TensorTable: its
 entries in file order, each tensor on demand, and where a scan reads each
-(zeroscan.checkpoint.files). The formats' own modules make it.
+(zeroscan.checkpoint.files). The formats' own modules make it, opening the
+file alike: `open_tensor_file`, their reading of it inside
+`closed_on_failure`, then `check_unchanged_since_opened`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,6 +22,7 @@ from zeroscan.checkpoint.files import (
     ScanSource,
     TensorFile,
     locate_in_zip,
+    same_file,
 )
 from zeroscan.checkpoint.table import CheckpointError, TensorEntry, TensorTable, dtype_skip_reason
 from zeroscan.ops import unreadable
@@ -56,10 +61,7 @@ class Checkpoint(TensorTable):
     def file(self) -> TensorFile:
         """The open file that scans read tensor bytes from (opened on first use)."""
         if self._file is None:
-            try:
-                self._file = TensorFile(self.path)
-            except OSError as e:
-                raise CheckpointError(f"{self.path}: cannot read ({e.strerror or e})") from None
+            self._file = open_tensor_file(self.path)
         return self._file
 
     def located(self) -> dict[str, FileTensor]:
@@ -133,6 +135,37 @@ class Checkpoint(TensorTable):
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, format={self.format!r}, {len(self)} tensors)"
+
+
+def open_tensor_file(p: Path) -> TensorFile:
+    """Checkpoint file p, opened to read its tensors from; CheckpointError,
+    the one error every caller of open_checkpoint handles, if it cannot be."""
+    try:
+        return TensorFile(p)
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read ({e.strerror or e})") from None
+
+
+@contextlib.contextmanager
+def closed_on_failure(file: TensorFile, format_error: type[Exception]) -> Iterator[None]:
+    """Around a format's reading of `file` as it is opened: closes the file
+    if the block raises, so that a file that does not open holds no
+    descriptor, and turns the format's own error into CheckpointError."""
+    try:
+        yield
+    except format_error as e:
+        file.close()
+        raise CheckpointError(str(e)) from None
+    except BaseException:
+        file.close()
+        raise
+
+
+def check_unchanged_since_opened(file: TensorFile, now: os.stat_result) -> None:
+    """CheckpointError unless `now` is still the file as it was opened: what
+    was read of it on opening describes the file its tensors are read from."""
+    if not same_file(file.opened, now):
+        raise CheckpointError(f"{file.path}: changed while it was being opened; open it again once it is written")
 
 
 def shape_of(t: torch.Tensor) -> tuple[int, ...]:

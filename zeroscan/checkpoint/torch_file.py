@@ -26,9 +26,15 @@ from pathlib import Path
 
 import torch
 
-from zeroscan.checkpoint.files import TensorFile, same_file
-from zeroscan.checkpoint.single import Checkpoint, shape_of, stored_bytes
-from zeroscan.checkpoint.table import CheckpointError, TensorEntry, dtype_name
+from zeroscan.checkpoint.single import (
+    Checkpoint,
+    check_unchanged_since_opened,
+    closed_on_failure,
+    open_tensor_file,
+    shape_of,
+    stored_bytes,
+)
+from zeroscan.checkpoint.table import TensorEntry, dtype_name
 from zeroscan.words import brief
 
 
@@ -241,20 +247,10 @@ def open_torch(p: Path) -> Checkpoint:
     file truncated after torch.load is a changed file to the scan, not a
     SIGBUS when torch's mapping is read. The same size and time after
     torch.load show that it did not change while torch read it."""
-    try:
-        file = TensorFile(p)
-    except OSError as e:
-        raise CheckpointError(f"{p}: cannot read ({e.strerror or e})") from None
-    try:
+    file = open_tensor_file(p)
+    with closed_on_failure(file, TorchFileError):
         tensors, zipped = load_torch_file(p, file.descriptor_path)
-        if not same_file(file.opened, os.fstat(file.raw.fileno())):
-            raise CheckpointError(f"{p}: changed while it was being opened; open it again once it is written")
-    except TorchFileError as e:
-        file.close()
-        raise CheckpointError(str(e)) from None
-    except BaseException:
-        file.close()
-        raise
+        check_unchanged_since_opened(file, os.fstat(file.raw.fileno()))
     if not zipped:  # the legacy format: torch.load read it whole, so nothing more is read from the file
         file.close()
     entries = [TensorEntry(name, dtype_name(t.dtype), shape_of(t), stored_bytes(t)) for name, t in tensors.items()]

@@ -1,8 +1,7 @@
 // A torch-free check of the CUDA scan kernels against a CPU reference.
 //
 // Build (see .ci/cuda_check.sh):
-//   nvcc -std=c++20 -DZEROSCAN_STANDALONE_TEST -Icsrc \
-//        csrc/cuda/standalone_test.cu csrc/cuda/stats_cuda_*.cu -o standalone_test
+//   nvcc -std=c++20 tests/standalone_test.cu csrc/cuda/stats_cuda_*.cu -o standalone_test
 // Run: standalone_test [--seed N] [--large | --small] [--emulate] [--skip-without-gpu]
 //   --small: sizes up to 70001 and four value mixes only, for compute-sanitizer,
 //   which runs each kernel 10-100x slower.
@@ -44,10 +43,6 @@
 // its per-tile flush (row, width and repeat); it does
 // not cover the block reduction, the atomics (shared or global) and fences,
 // or real launches.
-//
-// The whole file is inside ZEROSCAN_STANDALONE_TEST so that a build which
-// globs csrc/cuda/*.cu into the extension compiles it to nothing.
-#if defined(ZEROSCAN_STANDALONE_TEST)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -66,7 +61,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "stats_cuda.cuh"
+#include "../csrc/cuda/stats_cuda.cuh"
 
 namespace zeroscan {
 namespace cuda {
@@ -1627,5 +1622,3 @@ int main(int argc, char** argv) {
   }
   return zeroscan::cuda::run(seed, large, small, false);
 }
-
-#endif  // defined(ZEROSCAN_STANDALONE_TEST)
