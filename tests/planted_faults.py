@@ -13,6 +13,8 @@ and 2 gloo ranks, and the names a report gives each cause.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -58,13 +60,14 @@ def named(report: Report, cause: str) -> set[str]:
     return out
 
 
-def one_and_two_ranks(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, checks: dict[str, Check]
-) -> World:
-    """The world of a module fixture parametrized over 1 and 2 ranks (WORLD_SIZES)."""
-    return spawn_world(
-        request.param, checks, tmp_path_factory, timeout_s=WORLD_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S
-    )
+def one_and_two_rank_world(checks: dict[str, Check]) -> Callable[..., World]:
+    """A module-scoped `world` fixture, parametrized over worlds of 1 and 2
+    ranks, that runs `checks`: `world = one_and_two_rank_world(CHECKS)`."""
 
+    @pytest.fixture(scope="module", name="world", params=[1, 2], ids=["1rank", "2ranks"])
+    def world_fixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> World:
+        return spawn_world(
+            request.param, checks, tmp_path_factory, timeout_s=WORLD_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S
+        )
 
-WORLD_SIZES = {"params": [1, 2], "ids": ["1rank", "2ranks"]}
+    return world_fixture

@@ -31,7 +31,7 @@ import frameworks
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported, here and in the spawned ranks
 frameworks.require("deepspeed")
 
-from planted_faults import FAULTS, NAN_STEP, STEPS, WORLD_SIZES, Net, named, one_and_two_ranks  # noqa: E402
+from planted_faults import FAULTS, NAN_STEP, STEPS, Net, named, one_and_two_rank_world  # noqa: E402
 from world import Check, World  # noqa: E402
 from zeroscan import Report, Severity, reference_stats  # noqa: E402
 
@@ -192,9 +192,7 @@ CHECKS: dict[str, Check] = {
 CHECKS |= {f"zero{stage}-monitor_of_the_module": functools.partial(check_monitor_of_the_module, stage) for stage in (1, 2, 3)}
 
 
-@pytest.fixture(scope="module", **WORLD_SIZES)
-def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> World:
-    return one_and_two_ranks(request, tmp_path_factory, CHECKS)
+world = one_and_two_rank_world(CHECKS)
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ import frameworks
 frameworks.require("megatron.core")
 
 from megatron_on_cpu import cuda_on_cpu, init_parallel_state  # noqa: E402
-from planted_faults import FAULTS, NAN_STEP, STEPS, WORLD_SIZES, Net, named, one_and_two_ranks  # noqa: E402
+from planted_faults import FAULTS, NAN_STEP, STEPS, Net, named, one_and_two_rank_world  # noqa: E402
 from world import Check, World  # noqa: E402
 from zeroscan import Monitor, Report, Severity, reference_stats  # noqa: E402
 
@@ -190,9 +190,7 @@ CHECKS["main_grad-healthy"] = functools.partial(check_main_grad_alone, "healthy"
 CHECKS["main_grad-unused"] = functools.partial(check_main_grad_alone, "unused")
 
 
-@pytest.fixture(scope="module", **WORLD_SIZES)
-def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> World:
-    return one_and_two_ranks(request, tmp_path_factory, CHECKS)
+world = one_and_two_rank_world(CHECKS)
 
 
 @pytest.mark.slow
