@@ -89,7 +89,7 @@ def worker(rank: int, world: int, params: int, steps: int, store: str, queue: An
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
-    kept = [r.exchange.numel() * r.exchange.element_size() for r in monitor._records if r.exchange is not None]
+    kept = [r.exchange.numel() * r.exchange.element_size() for r in monitor._log.records if r.exchange is not None]
     started = time.perf_counter()
     report = monitor.report()
     report_s = time.perf_counter() - started
@@ -158,15 +158,15 @@ def simulate_report(params: int, world: int, history: int) -> dict[str, float]:
     exchange = RankExchange.simulated(monitor._params, world)
     odd, odd_slot = world // 2, Slot.grad(params // 3).row
     started = time.perf_counter()
-    for record in monitor._records:
+    for record in monitor._log.records:
         local = exchange.pack(record)
         blocks, copies = replica_blocks(local, world, odd, odd_slot)
         record.exchange = allreduce.simulate(blocks, copies=copies)
         record.groups, record.fields = [], []
     simulate_s = time.perf_counter() - started
-    kept = statistics.mean(r.exchange.numel() * r.exchange.element_size() for r in monitor._records)
-    monitor._ranks = exchange
-    last = monitor._records[-1]
+    kept = statistics.mean(r.exchange.numel() * r.exchange.element_size() for r in monitor._log.records)
+    monitor._ranks = monitor._log.ranks = exchange  # the report decodes the records through the log
+    last = monitor._log.records[-1]
     started = time.perf_counter()
     exchange.decode([last])
     one_step_s = time.perf_counter() - started

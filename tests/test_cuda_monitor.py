@@ -405,7 +405,7 @@ def test_a_captured_step_with_the_monitor_replays_like_eager(options: str) -> No
         witness = [params[Slot.at_row(row).param].grad.reshape(-1)[:64] for row in captured.witness.slots]
         assert torch.equal(captured.witness.rows, torch.ops.zeroscan.stats_many.default(witness, None))
         # ... and hold what the eager Monitor recorded for the same step.
-        twin_record = eager._records[-1]
+        twin_record = eager._log.records[-1]
         assert twin_record.step == WARMUP + k
         for (slots, rows), (twin_slots, twin_rows) in zip(captured.groups, twin_record.groups, strict=True):
             assert slots == twin_slots
