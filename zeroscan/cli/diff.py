@@ -12,23 +12,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from zeroscan.cli import tables
 from zeroscan.cli.cells import fmt_num, fmt_percent, fmt_shape
 from zeroscan.cli.console import Style
 from zeroscan.cli.exits import UsageError, exit_status
 from zeroscan.cli.parser import version
 from zeroscan.cli.progress import Progress
-from zeroscan.cli.tables import (
-    check_limit,
-    group_label,
-    limited,
-    more_line,
-    render_table,
-    row_order,
-    short_name,
-    with_findings,
-    worst_cell,
-    worst_of,
-)
 from zeroscan.report_data import json_safe
 from zeroscan.safe_text import printable
 from zeroscan.checkpoint.groups import DIFF_STATUSES, RANK, diff_groups, diff_worst_key
@@ -40,7 +29,7 @@ SHOWN_PATHS = 4  # paths an error lists before "and N more"
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     """`zeroscan diff A B`: compares checkpoint A with checkpoint B."""
-    check_limit(args.limit)
+    tables.check_limit(args.limit)
     a, b = checkpoints_a_and_b(args.paths)
     return compare(a, b, args, out)
 
@@ -48,7 +37,7 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_scan_diff(args: argparse.Namespace, out: TextIO) -> int:
     """`zeroscan scan A B --diff`: what `zeroscan diff A B` does, refusing the
     scan's options a diff has no use for."""
-    check_limit(args.limit)
+    tables.check_limit(args.limit)
     if args.plot:
         raise UsageError("--plot draws a scan; leave out --diff to plot a checkpoint")
     if args.histogram or args.target_format:
@@ -96,12 +85,12 @@ def compare(a: CheckpointPath, b: CheckpointPath, args: argparse.Namespace, out:
     finally:
         progress.close()
     summary = diff_summary(rows)
-    shown_rows = sort_diff_rows(with_findings(rows) if args.only_findings else rows, row_order(args))
+    shown_rows = sort_diff_rows(tables.with_findings(rows) if args.only_findings else rows, tables.row_order(args))
     groups = None
     if args.group_by:
         groups = diff_group_rows(rows, a.text, b.text, args.group_by)
         if args.only_findings:
-            groups = with_findings(groups)
+            groups = tables.with_findings(groups)
     if args.json:
         doc = {"zeroscan": version(), "command": "diff", "a": a.text, "b": b.text,
                "trained_from_first": args.trained_from_first, "tensors": shown_rows}
@@ -120,7 +109,7 @@ def diff_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {s: sum(1 for r in rows if r["status"] == s) for s in DIFF_STATUSES}
     summary["became_nan"] = sum(1 for r in rows if r.get("became") == "nan")
     summary["became_zero"] = sum(1 for r in rows if r.get("became") == "zero")
-    summary["worst"] = worst_of([str(r["severity"]) for r in rows])
+    summary["worst"] = tables.worst_of([str(r["severity"]) for r in rows])
     return summary
 
 
@@ -145,11 +134,12 @@ def diff_group_table(groups: Sequence[dict[str, Any]], style: Style) -> list[str
     headers = ["group", "tensors", *DIFF_STATUSES, "became NaN", "became zero", "worst", "worst tensor"]
     cells, colors = [], []
     for g in groups:
-        cells.append([short_name(group_label(g["group"])), str(g["tensors"]), *(str(g[s]) for s in DIFF_STATUSES),
-                      str(g["became_nan"]), str(g["became_zero"]), g["severity"], worst_cell(g)])
+        name = tables.short_name(tables.group_label(g["group"]))
+        cells.append([name, str(g["tensors"]), *(str(g[s]) for s in DIFF_STATUSES),
+                      str(g["became_nan"]), str(g["became_zero"]), g["severity"], tables.worst_cell(g)])
         colors.append(g["severity"] if g["severity"] != "ok" else None)
     severity_col = len(headers) - 2
-    return render_table(headers, cells, right=set(range(1, severity_col)), colors=colors, style=style,
+    return tables.render_table(headers, cells, right=set(range(1, severity_col)), colors=colors, style=style,
                         color_col=severity_col)
 
 
@@ -158,10 +148,10 @@ def diff_tensor_table(rows: Sequence[dict[str, Any]], style: Style) -> list[str]
     cells, colors = [], []
     for r in rows:
         changed = "-" if "changed" not in r else fmt_percent(int(r["changed"]), int(r["numel"]))
-        cells.append([short_name(r["name"]), r["dtype"], fmt_shape(r["shape"]), r["status"], changed,
+        cells.append([tables.short_name(r["name"]), r["dtype"], fmt_shape(r["shape"]), r["status"], changed,
                       fmt_num(r.get("max_abs_diff")), r["reason"]])
         colors.append(r["severity"] if r["severity"] != "ok" else None)
-    return render_table(headers, cells, {4, 5}, colors, style, color_col=3)
+    return tables.render_table(headers, cells, {4, 5}, colors, style, color_col=3)
 
 
 def write_diff_text(a: str, b: str, rows: Sequence[dict[str, Any]], shown_rows: Sequence[dict[str, Any]],
@@ -171,15 +161,15 @@ def write_diff_text(a: str, b: str, rows: Sequence[dict[str, Any]], shown_rows: 
     style = Style(out)
     out.write(style(printable(f"{a} -> {b}"), "bold") + "\n")
     if groups is not None:
-        part, hidden = limited(groups, args.limit)
+        part, hidden = tables.limited(groups, args.limit)
         lines, noun = (diff_group_table(part, style) if part else []), "group"
     else:
-        part, hidden = limited(shown_rows, args.limit)
+        part, hidden = tables.limited(shown_rows, args.limit)
         lines, noun = (diff_tensor_table(part, style) if part else []), "tensor"
     if lines:
         out.write("\n".join(lines) + "\n")
     if hidden:
-        out.write(more_line(hidden, noun))
+        out.write(tables.more_line(hidden, noun))
     write_diff_counts(rows, out)
 
 
