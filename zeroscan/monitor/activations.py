@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroscan.monitor.scanner import native_many
+from zeroscan.monitor import scanner
 
 MAX_CALLS_PER_STEP = 8  # activation calls of one module scanned per step
 RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.GELU)
@@ -61,7 +61,7 @@ class ActivationScans:
                     unit = softmax_gap(output, module)
                 else:
                     unit = unit_peak(output, nonneg=isinstance(module, (nn.ReLU, nn.ReLU6)))
-                buffer = native_many([output, unit])
+                buffer = scanner.native_many([output, unit])
             self.scans.append((key, tag, buffer))
         except Exception as err:  # report, never break the forward pass
             self.notes.append((key, f"not scanned: {err}"))

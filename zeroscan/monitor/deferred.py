@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 import torch
 
-from zeroscan.monitor.scanner import scan_one_device
+from zeroscan.monitor import scanner
 from zeroscan.monitor.backward import GradState, grad_state, reset_kind
 from zeroscan.monitor.step_record import Param, Scan, Slot, StepRecord, renumber
 from zeroscan.ops import is_dtensor, scannable_form
@@ -166,6 +166,6 @@ def witness_of(tensors: list[torch.Tensor], slots: list[int]) -> Scan | None:
     if not chosen:
         return None
     try:
-        return scan_one_device([t[:WITNESS_VALUES] for t, _ in chosen], [row for _, row in chosen], False)
+        return scanner.scan_one_device([t[:WITNESS_VALUES] for t, _ in chosen], [row for _, row in chosen], False)
     except (RuntimeError, ValueError, TypeError):
         return None
