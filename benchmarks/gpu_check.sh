@@ -41,7 +41,7 @@
 #   build     .ci/build_cuda_extension.sh (`setup.py build_ext --inplace` with
 #             the CUDA kernels forced on, TORCH_CUDA_ARCH_LIST=9.0 unless set), then a
 #             check that every op has a CUDA kernel; skipped when
-#             zeroscan/_C.sources holds the digest of csrc/ and setup.py     -> build.log
+#             zeroscan/_C.sources holds the digest of csrc/, setup.py and the standalone test -> build.log
 #   kernels   .ci/cuda_check.sh: ptxas report (no stack frame, no spills) and
 #             the torch-free standalone kernel test, run on the GPU           -> kernels.log
 #   tests     pytest over $TESTS (default tests) with -k "$TESTS_K" when set,
@@ -188,7 +188,7 @@ EOF
 
 # The digest of what the extension is built from: a build is reused only while it matches.
 sources_digest() {
-  find csrc setup.py -type f | LC_ALL=C sort | xargs cat | sha256sum | cut -d' ' -f1
+  find csrc setup.py tests/standalone_test.cu -type f | LC_ALL=C sort | xargs cat | sha256sum | cut -d' ' -f1
 }
 
 stage_build() {

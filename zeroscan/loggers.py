@@ -181,12 +181,12 @@ def scalars(
         severity = str(f.get("severity", "info")).lower()
         if severity in counts:
             counts[severity] += 1
-    out = {f"{prefix}.findings/{severity}": float(n) for severity, n in counts.items()}
-    if summary:
-        out.update(_model_wide(data.get("tensors", []), prefix))
-    if per_tensor:
-        out.update(_per_tensor(data.get("tensors", []), prefix, kinds))
-    return out
+    findings = {f"{prefix}.findings/{severity}": float(n) for severity, n in counts.items()}
+    tensors = data.get("tensors", [])
+    each = _per_tensor(tensors, prefix, kinds) if per_tensor else {}
+    if not summary:  # per tensor, then the finding counts: the order dashboards have always been sent
+        return {**each, **findings}
+    return {**findings, **_model_wide(tensors, prefix), **each}  # the integrations' order
 
 
 def _model_wide(tensors: Sequence[Mapping[str, Any]], prefix: str) -> dict[str, float]:

@@ -307,7 +307,7 @@ def extras(folder: Path, accounted: frozenset[Path]) -> list[Path]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed and compared by identity: its Folder holds a dict
 class CheckpointPath:
     """A checkpoint that expand_paths found: its path, as given or as found in
     a folder, and for a folder what classifying it found (Folder), so that

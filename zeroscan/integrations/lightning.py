@@ -54,7 +54,7 @@ monitors its replica or shard.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -95,7 +95,7 @@ class ZeroscanCallback(common.ReportingCallback, pl.Callback):  # type: ignore[m
     USER = USER
 
     # Set for each fit() in on_fit_start; these values stand before the first.
-    _hooks: tuple[RemovableHandle, ...] = ()  # the callback's step hooks on the optimizers
+    _hooks: Sequence[RemovableHandle] = ()  # the callback's step hooks on the optimizers
     _several = False  # several optimizers: one Monitor step per batch
     _batch_scanned = False  # the Monitor has stepped in this batch
     _inside: set[int]  # optimizers (by id) whose step() runs its closure
@@ -118,11 +118,11 @@ class ZeroscanCallback(common.ReportingCallback, pl.Callback):  # type: ignore[m
         self.monitor = Monitor(
             pl_module, holding[0] if len(holding) == 1 else None, self.every, auto=False, **self.options
         )
-        self._hooks = tuple(
-            hook for o in optimizers
-            for hook in (o.register_step_pre_hook(self._optimizer_step_starts),
-                         o.register_step_post_hook(self._optimizer_step_ends))
-        )
+        hooks: list[RemovableHandle] = []
+        self._hooks = hooks  # filled one by one: a registration that raises leaves the others removable
+        for o in optimizers:
+            hooks.append(o.register_step_pre_hook(self._optimizer_step_starts))
+            hooks.append(o.register_step_post_hook(self._optimizer_step_ends))
         self._inside = set()
         self._closure_ran = set()
         self._start_run(trainer.global_step)
