@@ -123,7 +123,7 @@ class Monitor:
         self._closed = False
         self._activations = ActivationScans()  # this step's; the next step gets a new one
         self._in_auto = False
-        self._steps = OpenSteps(self._reads, self._grads)  # the step backward opened (deferred.py)
+        self._steps = OpenSteps(self._reads)  # the step backward opened (deferred.py)
         self._watch = BackwardWatch(weak_hook(self, "_backward_started"), weak_hook(self, "_backward_finished"))
         self._structure = StructureWatch(model)
         self._hooks.forward_pre(model, weak_hook(self, "_root_pre"))

@@ -21,11 +21,11 @@ from zeroscan.monitor.step_record import Param, StepRecord
 class OpenSteps:
     """A Monitor's open step (`step`, None between an optimizer step and
     the next backward end), read through `reads`, its gradients followed
-    through `grads`."""
+    through the GradReads those reads go through."""
 
-    def __init__(self, reads: StepReads, grads: GradReads) -> None:
+    def __init__(self, reads: StepReads) -> None:
         self.reads = reads
-        self.grads = grads
+        self.grads: GradReads = reads.reads
         self.step: OpenStep | None = None
         self.touched = False  # a backward pass began after the loop touched the open step's gradients
         self.habit = ResetHabit()  # whether the gradients can wait for optimizer.step() (deferred.py)

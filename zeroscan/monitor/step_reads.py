@@ -41,12 +41,13 @@ class StepReads:
         if missing:  # require grad, have none (or none reached): the engine says why while it can
             causes.backward_finished(missing)
         pending = None
-        if defer and not self.reads.source.moved:  # read at optimizer.step(), or once the loop lets them go
-            if not exchanging:  # across ranks no row `before` is kept to read it
-                record.witness = witness_of(tensors, slots)
-            pending = Pending(tensors, slots)
-        elif not self.reads.source.moved:
-            self.scanner.scan_into(record, tensors, slots, params, self.histogram)
+        if not self.reads.source.moved:  # else the framework's step reads them where it moved them
+            if defer:  # read at optimizer.step(), or once the loop lets them go
+                if not exchanging:  # across ranks no row `before` is kept to read it
+                    record.witness = witness_of(tensors, slots)
+                pending = Pending(tensors, slots)
+            else:
+                self.scanner.scan_into(record, tensors, slots, params, self.histogram)
         record.requires_grad = tuple(p.tensor.requires_grad for p in params)
         return pending
 
