@@ -74,7 +74,7 @@ S int_of(int64_t value) {
 const char* const kDistributions[] = {"ordinary", "zeros_50", "zeros_99", "all_zeros", "all_subnormal",
                                       "subnormal_0.1", "nonfinite_0.01", "nonfinite_1", "large_mean",
                                       "wide_range", "huge", "near_tiny", "rising", "rising_inf",
-                                      "narrow_then_wide", "narrow_then_wide_inf"};
+                                      "narrow_then_wide", "narrow_then_wide_inf", "tail", "tail_inf"};
 
 template <typename S>
 std::vector<S> make(const std::string& dist, int64_t n, const zs::Limits& lim) {
@@ -118,8 +118,13 @@ std::vector<S> make(const std::string& dist, int64_t n, const zs::Limits& lim) {
       if ((dist == "narrow_then_wide" || dist == "narrow_then_wide_inf") && 2 * i >= n) {
         key = uniform(1, lim.finite_max);
       }
+      // Ordinary values and a rare one a few binades above them, as in the
+      // tail of normally distributed data: spans past the first hold values
+      // above the largest of its first elements.
+      if ((dist == "tail" || dist == "tail_inf") && chance(1e-3)) key = key_at_most<S>(8.0 * (2 + uniform(0, 5)));
       // Infinities, which hide the largest finite value from the counter.
-      if (F::kHasInf && (dist == "rising_inf" || dist == "narrow_then_wide_inf") && chance(1e-3)) {
+      if (F::kHasInf && (dist == "rising_inf" || dist == "narrow_then_wide_inf" || dist == "tail_inf") &&
+          chance(1e-3)) {
         key = lim.nonnan_max;
       }
       const double p_nonfinite = dist == "nonfinite_0.01" ? 1e-4 : dist == "nonfinite_1" ? 1e-2 : 0.0;
@@ -262,6 +267,19 @@ void compare_fields(const char* dtype, VectorPath path, const std::string& dist,
     for (int f = 0; f < B::kFields; ++f) {
       if (got[f] != want[f]) why += " field " + std::to_string(f) + ": got " + std::to_string(got[f]) +
                                     ", want " + std::to_string(want[f]) + ";";
+    }
+    // Data within a few binades of its bulk, infinities or not, is counted
+    // by the windows: one element at a time only in each span's scalar tail.
+    if (zs::cpu::kWindowedFields<S> && zs::Format<S>::kFloating &&
+        (dist == "ordinary" || dist == "nonfinite_1" || dist == "tail" || dist == "tail_inf")) {
+      const int64_t lanes = (path == VectorPath::kAvx512 ? 64 : path == VectorPath::kAvx2 ? 32 : 16) /
+                            static_cast<int64_t>(sizeof(S));
+      int64_t tails = 0;
+      for (int64_t begin = 0; begin < n; begin += span) tails += std::min(span, n - begin) % lanes;
+      if (counter.counted_singly() != tails) {
+        why += " counted " + std::to_string(counter.counted_singly()) + " elements one at a time, want " +
+               std::to_string(tails) + " (the spans' tails);";
+      }
     }
     report(what + " counter span=" + std::to_string(span), why);
   }

@@ -106,14 +106,18 @@ class FieldCounter {
       : path_(path), scan_counts_(kScanCountsFields<S> && scan_counts_fields_on(path)) {}
 
   // Before the scan of p ([n] contiguous) on the counter's path: the window
-  // the scan counts the fields of its vector part into, or null where it
-  // counts none (not a float of kScanCountsFields, or a build that counts
-  // after the scan). seen_field: the field of the largest non-NaN |x| of
-  // the spans before p, or -1 for none.
+  // the scan counts the fields of its vector part into where its build
+  // counts as it reads, and in which every vector build notes the field of
+  // the largest finite |x| it read (FieldWindow::finite_top); null for the
+  // dtypes no vector build scans into a window, and on the scalar path.
+  // seen_field: the field of the largest non-NaN |x| of the spans before p,
+  // or -1 for none.
   FieldWindow* before_scan(const S* p, int64_t n, int seen_field) {
-    if (!scan_counts_) return nullptr;
-    place_window(p, n, seen_field, kHeadroom);
-    before_ = window_total();
+    if (!kScanCountsFields<S> || path_ == VectorPath::kNone) return nullptr;
+    if (scan_counts_) {
+      place_window(p, n, largest_finite(seen_field), kHeadroom);
+      before_ = window_total();
+    }
     window_.scanned = 0;
     return &window_;
   }
@@ -127,6 +131,11 @@ class FieldCounter {
     }
     scalar_.add(p, n);
   }
+
+  // How many elements were counted one at a time: the spans' scalar tails,
+  // and every element of a span whose fields the windows did not cover
+  // (tests/span_check.cpp holds ordinary data to the tails alone).
+  int64_t counted_singly() const { return singly_; }
 
   // fields: [B::kFields], added to.
   void write(int64_t* fields) {
@@ -151,6 +160,7 @@ class FieldCounter {
   static constexpr int kCountedEnd = kTopCounted ? kTop : B::kFields;
 
   void add_windowed(const S* p, int64_t n, int64_t zero_field, int64_t top_field, int high_field) {
+    high_field = largest_finite(high_field);
     int64_t counted = 0;
     if (scan_counts_) {
       counted = window_.scanned;
@@ -177,9 +187,10 @@ class FieldCounter {
     const int lo = window_.lo;
     // Fields above the window, where the span held values past the largest
     // seen before it: windows from the largest field so far down to the
-    // window. An infinity hides that field (high_field is then the top):
-    // the windows below go first, since values far below the bulk are what
-    // most often leaves a window short.
+    // window. Where no vector scan has read a finite value yet and an
+    // infinity hides that field (high_field is then the top), the windows
+    // below go first, since values far below the bulk are what most often
+    // leaves a window short.
     const bool above_known = high_field < kTop;
     const int above = lo + kW;
     const int above_end = above_known ? std::min(high_field + 1, kCountedEnd) : kCountedEnd;
@@ -212,6 +223,14 @@ class FieldCounter {
     window_.scanned = 0;  // before_scan sets it again for the next span
   }
 
+  // high_field (the field of the largest non-NaN |x| so far), or, where an
+  // infinity makes it the top field, that of the largest finite |x| the
+  // vector scans have read: without it, a tensor with one infinity would
+  // count every span's fields above the window one element at a time.
+  int largest_finite(int high_field) const {
+    return high_field < kTop || window_.finite_top < 0 ? high_field : window_.finite_top;
+  }
+
   bool zero_outside() const { return window_.lo > 0; }
   bool top_outside() const { return kTopCounted && window_.lo + kW <= kTop; }
 
@@ -239,6 +258,7 @@ class FieldCounter {
   // zero and top fields off the scan's counts of them.
   void count_each(const S* p, int64_t n, int64_t& zero_field, int64_t& top_field) {
     using F = Format<S>;
+    singly_ += n;
     for (int64_t i = 0; i < n; ++i) {
       const int f = B::field(F::key(p[i]));
       ++counts_[f];
@@ -252,6 +272,7 @@ class FieldCounter {
   // counts of the zero and top fields took.
   void count_outside(const S* p, int64_t n, int below, int above_lo, int above_end) {
     using F = Format<S>;
+    singly_ += n;
     for (int64_t i = 0; i < n; ++i) {
       const int f = B::field(F::key(p[i]));
       const bool inside = (f >= below && f < window_.lo + kW) || (f >= above_lo && f < above_end);
@@ -299,6 +320,7 @@ class FieldCounter {
   FieldWindow window_;  // the window's counts, fields lo .. lo + kW - 1
   int64_t before_ = 0;  // window_total() before the span
   bool placed_ = false;
+  int64_t singly_ = 0;  // counted_singly
   ScalarFieldCounter<S> scalar_;
 };
 

@@ -72,11 +72,13 @@ constexpr bool kScanCountsFields = kWindowedFields<S> && Format<S>::kFloating;
 // vector part lie in each field lo .. lo + kWindowFields - 1 (count_fields.h
 // places it and takes what falls outside), and how many elements it counted
 // (0 where the build does not count as it scans: vec_scan.h,
-// kCountsFieldsInScan).
+// kCountsFieldsInScan). Every vector build also keeps in it the field of the
+// largest finite |x| its scans have read, which no infinity hides.
 struct FieldWindow {
   int lo = 0;
   int64_t counts[kWindowFields] = {};
   int64_t scanned = 0;
+  int finite_top = -1;  // -1 until a scan has read a vector
 };
 
 // The vector builds. Each adds the statistics of the first n / lanes * lanes

@@ -53,6 +53,7 @@
 #include <type_traits>
 
 #include "../classify.h"
+#include "../histogram.h"
 #include "scan_span.h"
 
 #if ZS_TARGET_F16C || ZS_TARGET_MASKS
@@ -1503,6 +1504,9 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
     totals = st.totals;
     const FloatSums& sums = st.sums;
     hi = st.hi;
+    if (fields != nullptr) {
+      fields->finite_top = std::max(fields->finite_top, Binning<S>::field(static_cast<key_t>(hi)));
+    }
     lo = lowest_key<S>(st.lo);
     const int64_t nan = lane_sum<int64_t>(totals.nan);
     const int64_t finite = count - lane_sum<int64_t>(totals.non_finite);
