@@ -47,9 +47,15 @@ inline Layout plan_layout(const int64_t* sizes, const int64_t* strides,
     }
     order[kept++] = d;
   }
-  std::stable_sort(order, order + kept, [&](int a, int b) {
-    return strides[a] > strides[b];
-  });
+  // Outermost (largest stride) first, ties in their order: an insertion
+  // sort, since std::stable_sort allocates a buffer, which for the few dims
+  // of a tensor cost more than the sort (stats_many of small tensors).
+  for (int i = 1; i < kept; ++i) {
+    const int d = order[i];
+    int j = i;
+    for (; j > 0 && strides[order[j - 1]] < strides[d]; --j) order[j] = order[j - 1];
+    order[j] = d;
+  }
 
   out.numel = 1;
   for (int i = 0; i < kept; ++i) {
