@@ -4,7 +4,8 @@ one thread, nanoseconds per element over a 64K-element span that stays in
 the core's caches, for every build this CPU runs (scalar, AVX2, AVX-512, or
 NEON on Arm), float32, bfloat16, float16 and float8_e4m3fn, and the
 distributions whose passes differ (dense, half zeros, all subnormal, 0.1 %
-subnormal, 1 % NaN/Inf).
+subnormal, 1 % NaN/Inf); then what a span of 16 to 64K float32 elements
+costs per call, the scan's fixed cost among it.
 
 A build is memory-bound at 64M elements when its time here is below the
 time per element one core's share of memory bandwidth allows (the last
@@ -38,11 +39,15 @@ def main() -> None:
         out = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
     cells: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
     builds: list[str] = []
+    per_call: dict[int, dict[str, float]] = defaultdict(dict)  # span size -> build -> ns per call
     sum_ns = 0.0
     for line in out.splitlines():
         build, dtype, dist, ns = line.split()
         if build == "sum":
             sum_ns = float(ns)
+            continue
+        if build == "size":  # "size BUILD ELEMENTS NS"
+            per_call[int(dist)][dtype] = float(ns)
             continue
         if build not in builds:
             builds.append(build)
@@ -55,6 +60,13 @@ def main() -> None:
     print("|---|---|" + "---|" * len(builds))
     for (dtype, dist), by_build in cells.items():
         print(f"| {dtype} | {dist} | " + " | ".join(f"{by_build[b]:.3f}" for b in builds) + " |")
+    print()
+    print("A span's fixed cost: float32 randn spans, ns per call (its setup and end included).")
+    print()
+    print("| elements | " + " | ".join(builds) + " |")
+    print("|---|" + "---|" * len(builds))
+    for n, by_build in per_call.items():
+        print(f"| {n:,} | " + " | ".join(f"{by_build[b]:.1f}" for b in builds) + " |")
     print(flush=True)
 
 

@@ -3,7 +3,8 @@
 // element over a 64K-element span that stays in the core's caches, beside a
 // plain float32 sum of the same bytes. Built and run by bench_span.py.
 //
-//   span_speed    one line per build, dtype and distribution
+//   span_speed    one line per build, dtype and distribution, then one per
+//                 build and span size (float32 randn, ns per call)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -83,6 +84,35 @@ void measure(const char* dtype, double tiny, const std::vector<VectorPath>& path
   }
 }
 
+// A span's fixed cost: float32 randn spans of a few sizes, ns per call,
+// the scan's setup and its end included (a small tensor of stats_many pays
+// them once).
+void measure_sizes(const std::vector<VectorPath>& paths) {
+  const zs::Limits lim = zs::limits_for<float>(0x1p-126, 1e-7);
+  std::mt19937_64 rng(7);
+  std::vector<float> x(kElements);
+  for (auto& v : x) v = value(rng, "randn");
+  for (int64_t n : {int64_t(16), int64_t(256), int64_t(4096), kElements}) {
+    // Batches of ~1 ms, so that a build's wider vector unit is awake (it
+    // sleeps when idle, and the first wide instruction waits for it).
+    const int64_t calls = std::max<int64_t>(40, 1000000 / (n + 100));
+    for (VectorPath path : paths) {
+      double best = 1e30;
+      for (int batch = 0; batch < 7; ++batch) {
+        const auto start = std::chrono::steady_clock::now();
+        for (int64_t call = 0; call < calls; ++call) {
+          zs::Tally<float, int64_t> t;
+          zs::cpu::scan_span_on(path, x.data(), n, lim, 0.0, t);
+          __asm__ volatile("" : : "r"(&t) : "memory");
+        }
+        const auto stop = std::chrono::steady_clock::now();
+        best = std::min(best, std::chrono::duration<double, std::nano>(stop - start).count() / calls);
+      }
+      std::printf("size %s %lld %.1f\n", zs::cpu::vector_path_name(path), static_cast<long long>(n), best);
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -105,5 +135,6 @@ int main() {
   measure<zs::bf16_t>("bfloat16", 0x1p-126, paths);
   measure<zs::f16_t>("float16", 0x1p-14, paths);
   measure<zs::e4m3_t>("float8_e4m3fn", 0x1p-6, paths);
+  measure_sizes(paths);
   return 0;
 }
