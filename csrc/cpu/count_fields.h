@@ -87,7 +87,7 @@ class ScalarFieldCounter {
 // spread evenly around 0). The floats' window is counted by the scan as it
 // reads the span where its build does (before_scan places it: vec_scan.h,
 // kCountsFieldsInScan), else by a pass of its own after the scan, as the
-// integers' is, with the window's top at the largest field so far. The
+// integers' is, with the window's top at the largest finite field so far. The
 // scan itself has counted the zero field (zeros and subnormals) and, but
 // for float8_e4m3fn (whose top field also holds numbers), the top field
 // (NaN and infinities), so the window need not cover them. The elements of
@@ -132,9 +132,10 @@ class FieldCounter {
     scalar_.add(p, n);
   }
 
-  // How many elements were counted one at a time: the spans' scalar tails,
-  // and every element of a span whose fields the windows did not cover
-  // (tests/span_check.cpp holds ordinary data to the tails alone).
+  // How many elements the windowed count took one at a time: the spans'
+  // scalar tails, and every element of a span whose fields the windows did
+  // not cover (tests/span_check.cpp holds ordinary data to the tails
+  // alone). 0 where the count is not windowed (ScalarFieldCounter).
   int64_t counted_singly() const { return singly_; }
 
   // fields: [B::kFields], added to.
@@ -166,8 +167,8 @@ class FieldCounter {
       counted = window_.scanned;
     } else {
       // A pass of its own, while p is in the core's caches: the window's top
-      // at the largest field so far, which the scan has just seen, so with
-      // no headroom.
+      // at the largest finite field so far, which the scan has just seen, so
+      // with no headroom.
       place_window(p, n, high_field, 0);
       before_ = window_total();
       counted = count_window_on(path_, p, n, window_.lo, window_.counts);
@@ -187,8 +188,8 @@ class FieldCounter {
     const int lo = window_.lo;
     // Fields above the window, where the span held values past the largest
     // seen before it: windows from the largest field so far down to the
-    // window. Where no vector scan has read a finite value yet and an
-    // infinity hides that field (high_field is then the top), the windows
+    // window. Where no vector scan has read a vector yet and an infinity
+    // hides that field (high_field is then the top), the windows
     // below go first, since values far below the bulk are what most often
     // leaves a window short.
     const bool above_known = high_field < kTop;

@@ -73,7 +73,8 @@ constexpr bool kScanCountsFields = kWindowedFields<S> && Format<S>::kFloating;
 // places it and takes what falls outside), and how many elements it counted
 // (0 where the build does not count as it scans: vec_scan.h,
 // kCountsFieldsInScan). Every vector build also keeps in it the field of the
-// largest finite |x| its scans have read, which no infinity hides.
+// largest finite |x| its scans have read (0 where they read none), which no
+// infinity hides.
 struct FieldWindow {
   int lo = 0;
   int64_t counts[kWindowFields] = {};
@@ -85,9 +86,10 @@ struct FieldWindow {
 // elements of p ([n] contiguous) to `t` and returns that count; `shift` as
 // for scan_span. For the dtypes of kScanCountsFields, the builds whose
 // scan_counts_fields() is true also add the fields of those elements to
-// `fields` (unless it is null), and their number to fields->scanned. Each
-// also counts the fields of a window on its own (count_window_on, below;
-// vec_fields.h).
+// `fields` (unless it is null), and their number to fields->scanned; every
+// build raises fields->finite_top to the field of their largest finite |x|.
+// Each also counts the fields of a window on its own (count_window_on,
+// below; vec_fields.h).
 #define ZS_DECLARE_TARGET(target)                                                          \
   namespace target {                                                                       \
   template <typename S>                                                                    \

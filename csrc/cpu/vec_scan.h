@@ -1605,7 +1605,8 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
 
 // p: [n] contiguous. Adds the statistics of its first n / lanes * lanes
 // elements to `t`, and their histogram fields to `fields` (kScanCountsFields,
-// unless null), and returns how many that is (scan_span.h). Declared there
+// unless null; every build notes their largest finite field there), and
+// returns how many that is (scan_span.h). Declared there
 // without the target attribute, which would make it another function (GCC's
 // function multiversioning), so it calls into the target's code.
 template <typename S>
