@@ -187,38 +187,24 @@ class FieldCounter {
     int64_t missing = expected - (window_total() - before_);
     const int lo = window_.lo;
     // Fields above the window, where the span held values past the largest
-    // seen before it: windows from the largest field so far down to the
-    // window. Where no vector scan has read a vector yet and an infinity
-    // hides that field (high_field is then the top), the windows
-    // below go first, since values far below the bulk are what most often
-    // leaves a window short.
-    const bool above_known = high_field < kTop;
+    // seen before it: windows from the largest finite field so far down to
+    // the window. (Any vector the window counted has set finite_top, so an
+    // infinity never leaves that field unknown here.)
     const int above = lo + kW;
-    const int above_end = above_known ? std::min(high_field + 1, kCountedEnd) : kCountedEnd;
+    const int above_end = std::min(high_field + 1, kCountedEnd);
     int above_lo = std::max(above, above_end);  // fields above_lo .. above_end - 1 covered
-    auto count_above = [&] {
-      for (int extra = 0; missing != 0 && extra < kExtraWindows && above_lo > above; ++extra) {
-        const int from = std::max(above, above_lo - kW);
-        missing -= count_range(p, counted, from, above_lo);
-        above_lo = from;
-      }
-    };
+    for (int extra = 0; missing != 0 && extra < kExtraWindows && above_lo > above; ++extra) {
+      const int from = std::max(above, above_lo - kW);
+      missing -= count_range(p, counted, from, above_lo);
+      above_lo = from;
+    }
     // Fields below it: most often values far below the bulk (a tensor
     // spanning more binades than the window).
     int below = lo;  // fields below .. lo + kW - 1 covered
-    auto count_below = [&] {
-      for (int extra = 0; missing != 0 && extra < kExtraWindows && below > 1; ++extra) {
-        const int from = std::max(1, below - kW);
-        missing -= count_range(p, counted, from, below);
-        below = from;
-      }
-    };
-    if (above_known) {
-      count_above();
-      count_below();
-    } else {
-      count_below();
-      count_above();
+    for (int extra = 0; missing != 0 && extra < kExtraWindows && below > 1; ++extra) {
+      const int from = std::max(1, below - kW);
+      missing -= count_range(p, counted, from, below);
+      below = from;
     }
     if (missing != 0) count_outside(p, counted, below, above_lo, above_end);
     window_.scanned = 0;  // before_scan sets it again for the next span
