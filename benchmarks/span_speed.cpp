@@ -22,14 +22,15 @@ namespace {
 
 constexpr int64_t kElements = 1 << 16;
 
+// The best of 7 batches of `calls` calls, in ns per element.
 template <typename Fn>
-double best_ns_per_element(Fn&& fn, int64_t elements) {
+double best_ns_per_element(Fn&& fn, int64_t elements, int64_t calls = 40) {
   double best = 1e30;
   for (int batch = 0; batch < 7; ++batch) {
     const auto start = std::chrono::steady_clock::now();
-    for (int call = 0; call < 40; ++call) fn();
+    for (int64_t call = 0; call < calls; ++call) fn();
     const auto stop = std::chrono::steady_clock::now();
-    best = std::min(best, std::chrono::duration<double, std::nano>(stop - start).count() / 40 / elements);
+    best = std::min(best, std::chrono::duration<double, std::nano>(stop - start).count() / calls / elements);
   }
   return best;
 }
@@ -97,17 +98,13 @@ void measure_sizes(const std::vector<VectorPath>& paths) {
     // sleeps when idle, and the first wide instruction waits for it).
     const int64_t calls = std::max<int64_t>(40, 1000000 / (n + 100));
     for (VectorPath path : paths) {
-      double best = 1e30;
-      for (int batch = 0; batch < 7; ++batch) {
-        const auto start = std::chrono::steady_clock::now();
-        for (int64_t call = 0; call < calls; ++call) {
-          zs::Tally<float, int64_t> t;
-          zs::cpu::scan_span_on(path, x.data(), n, lim, 0.0, t);
-          __asm__ volatile("" : : "r"(&t) : "memory");
-        }
-        const auto stop = std::chrono::steady_clock::now();
-        best = std::min(best, std::chrono::duration<double, std::nano>(stop - start).count() / calls);
-      }
+      const double best = best_ns_per_element(
+          [&] {
+            zs::Tally<float, int64_t> t;
+            zs::cpu::scan_span_on(path, x.data(), n, lim, 0.0, t);
+            __asm__ volatile("" : : "r"(&t) : "memory");
+          },
+          1, calls);
       std::printf("size %s %lld %.1f\n", zs::cpu::vector_path_name(path), static_cast<long long>(n), best);
     }
   }

@@ -222,6 +222,12 @@ void report(const std::string& what, const std::string& why) {
   if (failures <= 40) std::printf("MISMATCH %s:%s\n", what.c_str(), why.c_str());
 }
 
+// Elements of S per vector of `path`'s build.
+template <typename S>
+int64_t lanes_on(VectorPath path) {
+  return (path == VectorPath::kAvx512 ? 64 : path == VectorPath::kAvx2 ? 32 : 16) / static_cast<int64_t>(sizeof(S));
+}
+
 // count_window_on at window positions low, mid, at the top and past the end
 // of the fields; then the scan on `path` with FieldCounter over the data as
 // spans of `span` elements, the scan counting into the counter's window as
@@ -239,8 +245,7 @@ void compare_fields(const char* dtype, VectorPath path, const std::string& dist,
       const int64_t counted = zs::cpu::count_window_on(path, p, n, lo, window);
       const std::vector<int64_t> want = reference_fields(p, counted);
       std::string why;
-      const int64_t lanes = (path == VectorPath::kAvx512 ? 64 : path == VectorPath::kAvx2 ? 32 : 16) /
-                            static_cast<int64_t>(sizeof(S));
+      const int64_t lanes = lanes_on<S>(path);
       if (counted != n / lanes * lanes) why += " counted " + std::to_string(counted) + ";";
       for (int j = 0; j < zs::cpu::kWindowFields; ++j) {
         const int64_t w = lo + j < B::kFields && lo + j >= 0 ? want[lo + j] : 0;
@@ -272,8 +277,7 @@ void compare_fields(const char* dtype, VectorPath path, const std::string& dist,
     // by the windows: one element at a time only in each span's scalar tail.
     if (zs::cpu::kWindowedFields<S> && zs::Format<S>::kFloating &&
         (dist == "ordinary" || dist == "nonfinite_1" || dist == "tail" || dist == "tail_inf")) {
-      const int64_t lanes = (path == VectorPath::kAvx512 ? 64 : path == VectorPath::kAvx2 ? 32 : 16) /
-                            static_cast<int64_t>(sizeof(S));
+      const int64_t lanes = lanes_on<S>(path);
       int64_t tails = 0;
       for (int64_t begin = 0; begin < n; begin += span) tails += std::min(span, n - begin) % lanes;
       if (counter.counted_singly() != tails) {
