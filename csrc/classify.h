@@ -7,7 +7,7 @@
 //
 //   key == 0                      zero
 //   key <= sub_max                zero or subnormal
-//   key <= tol_max                zero or near zero (|x| <= tol)
+//   key <= bound_max[b]           zero or within bound b (|x| <= tol: near zero)
 //   key <= finite_max             finite
 //   key <= nonnan_max             not NaN (infinite when above finite_max)
 //
@@ -16,7 +16,8 @@
 // so zeros, subnormals, NaN and Inf cost what any other value costs. CUDA
 // threads run `Tally::add` on every element; the CPU's vector loop
 // (cpu/vec_scan.h) evaluates the same compares lane-parallel and adds its
-// sums into a Tally. Free of torch headers.
+// sums into a Tally, and CUDA's fast path (cuda/fast_tally.cuh) counts the
+// same key ranges on the float pipes. Free of torch headers.
 #pragma once
 
 #include <cmath>
@@ -27,13 +28,46 @@
 
 namespace zeroscan {
 
+// ---- Magnitude counts --------------------------------------------------------
+//
+// A magnitude count is the number of nonzero |x| within a bound: one key
+// compare per element and bound. Tally, the CPU's vector loop and CUDA's
+// fast path each loop over this list, so a new count of this kind is its
+// Field and Partial member (stats_record.h) and three lines here: its Bound,
+// its test in `within_bound`, and its line in `set_magnitude_counts`.
+enum Bound : int {
+  kTolBound,  // near_zero: 0 < |x| <= tol
+  kNumBounds,
+};
+
+// Whether |x| = v (a magnitude of the dtype) is within bound b, for the
+// dtype's smallest normal `tiny` and the call's `tol`. The values within a
+// bound must be all those below some magnitude: each bound is then one key.
+// Host only.
+inline bool within_bound(int b, double v, double tiny, double tol) {
+  (void)tiny;
+  switch (b) {
+    case kTolBound:
+      return v <= tol;
+    default:
+      return false;
+  }
+}
+
+// The magnitude counts of `p`, whose zeros are set, from the number of keys
+// at most each bound's (the zeros among them).
+ZS_HD void set_magnitude_counts(Partial& p, const int64_t (&at_most)[kNumBounds]) {
+  p.near_zero = at_most[kTolBound] - p.zeros;
+}
+
 // The key limits of one dtype and tol, widened to 64 bits so that one record
-// serves every key width (and travels in the CUDA launch header).
+// serves every key width (and travels in the CUDA launch header). In key
+// order: the bounds lie between the subnormals and the infinities.
 struct Limits {
-  uint64_t sub_max;     // largest key below tiny; 0 when there is none
-  uint64_t tol_max;     // largest key at most tol; 0 when there is none
-  uint64_t finite_max;  // largest finite key
-  uint64_t nonnan_max;  // largest key that is not NaN
+  uint64_t sub_max;                // largest key below tiny; 0 when there is none
+  uint64_t bound_max[kNumBounds];  // largest key within each bound; 0 when there is none
+  uint64_t finite_max;             // largest finite key
+  uint64_t nonnan_max;             // largest key that is not NaN
 };
 
 // The largest key whose magnitude satisfies `ok` (true for small keys, false
@@ -56,14 +90,22 @@ uint64_t largest_key(Ok ok) {
   return lo;
 }
 
-// `tiny` and `tol` as real numbers: |x| < tiny is subnormal, |x| <= tol is
-// near zero. Exact: the key tests then decide exactly what the real-number
-// tests would.
+// `tiny` and `tol` as real numbers: |x| < tiny is subnormal, and each
+// bound is its test in within_bound. Exact: the key tests then decide
+// exactly what the real-number tests would. set_bounds: the bounds alone,
+// for a call's own tol.
+template <typename S>
+void set_bounds(Limits& l, double tiny, double tol) {
+  for (int b = 0; b < kNumBounds; ++b) {
+    l.bound_max[b] = largest_key<S>([=](double v) { return within_bound(b, v, tiny, tol); });
+  }
+}
+
 template <typename S>
 Limits limits_for(double tiny, double tol) {
   Limits l;
   l.sub_max = largest_key<S>([tiny](double v) { return v < tiny; });
-  l.tol_max = largest_key<S>([tol](double v) { return v <= tol; });
+  set_bounds<S>(l, tiny, tol);
   l.finite_max = largest_key<S>([](double v) { return std::isfinite(v); });
   l.nonnan_max = largest_key<S>([](double v) { return !std::isnan(v); });
   return l;
@@ -80,7 +122,7 @@ struct Tally {
   count_t numel = 0;
   count_t zeros = 0;
   count_t at_most_sub = 0;  // key <= sub_max
-  count_t at_most_tol = 0;  // key <= tol_max
+  count_t at_most[kNumBounds] = {};  // key <= bound_max[b]
   count_t finite = 0;
   count_t non_nan = 0;
   count_t negative = 0;     // sign set, nonzero, not NaN
@@ -102,7 +144,7 @@ struct Tally {
     numel += 1;
     zeros += !nonzero;
     at_most_sub += key <= static_cast<key_t>(lim.sub_max);
-    at_most_tol += key <= static_cast<key_t>(lim.tol_max);
+    for (int b = 0; b < kNumBounds; ++b) at_most[b] += key <= static_cast<key_t>(lim.bound_max[b]);
     finite += fin;
     non_nan += num;
     negative += sign & nonzero & num;
@@ -121,7 +163,9 @@ struct Tally {
     p.numel = static_cast<int64_t>(numel);
     p.zeros = static_cast<int64_t>(zeros);
     p.subnormal = static_cast<int64_t>(at_most_sub - zeros);
-    p.near_zero = static_cast<int64_t>(at_most_tol - zeros);
+    int64_t within[kNumBounds];
+    for (int b = 0; b < kNumBounds; ++b) within[b] = static_cast<int64_t>(at_most[b]);
+    set_magnitude_counts(p, within);
     p.nan = static_cast<int64_t>(numel - non_nan);
     p.neginf = static_cast<int64_t>(neginf);
     p.posinf = static_cast<int64_t>(non_nan - finite - neginf);

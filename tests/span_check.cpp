@@ -172,7 +172,9 @@ void compare(const char* dtype, VectorPath path, const std::string& dist, int64_
   check("numel", got.numel, want.numel);
   check("zeros", got.zeros, want.zeros);
   check("at_most_sub", got.at_most_sub, want.at_most_sub);
-  check("at_most_tol", got.at_most_tol, want.at_most_tol);
+  for (int b = 0; b < zs::kNumBounds; ++b) {
+    check(("at_most[" + std::to_string(b) + "]").c_str(), got.at_most[b], want.at_most[b]);
+  }
   check("finite", got.finite, want.finite);
   check("non_nan", got.non_nan, want.non_nan);
   check("negative", got.negative, want.negative);

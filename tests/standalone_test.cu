@@ -1332,13 +1332,20 @@ int64_t check_fast_classes(Rng& rng) {
         }
         continue;
       }
-      const int64_t g[7] = {static_cast<int64_t>(got.zeros), static_cast<int64_t>(got.at_most_sub) - static_cast<int64_t>(got.zeros),
-                            static_cast<int64_t>(got.at_most_tol) - static_cast<int64_t>(got.zeros), 1 - static_cast<int64_t>(got.non_nan),
+      const int64_t g[6] = {static_cast<int64_t>(got.zeros), static_cast<int64_t>(got.at_most_sub) - static_cast<int64_t>(got.zeros),
+                            1 - static_cast<int64_t>(got.non_nan),
                             static_cast<int64_t>(got.non_nan) - static_cast<int64_t>(got.finite) - static_cast<int64_t>(got.neginf),
                             static_cast<int64_t>(got.neginf), static_cast<int64_t>(got.negative)};
-      const int64_t wv[7] = {w.zeros, w.subnormal, w.near_zero, w.nan, w.posinf, w.neginf, w.negative};
-      const char* names[7] = {"zeros", "subnormal", "near_zero", "nan", "posinf", "neginf", "negative"};
-      for (int f = 0; f < 7; ++f) {
+      const int64_t wv[6] = {w.zeros, w.subnormal, w.nan, w.posinf, w.neginf, w.negative};
+      const char* names[6] = {"zeros", "subnormal", "nan", "posinf", "neginf", "negative"};
+      for (int m = 0; m < kNumBounds; ++m) {  // every magnitude count (classify.h)
+        if (static_cast<int64_t>(got.at_most[m]) != static_cast<int64_t>(want.at_most[m])) {
+          std::printf("FAIL fast classes %s %#x tol %g: at most bound %d: %lld, Tally %lld\n", Traits<T>::name, b, tol,
+                      m, static_cast<long long>(got.at_most[m]), static_cast<long long>(want.at_most[m]));
+          std::exit(1);
+        }
+      }
+      for (int f = 0; f < 6; ++f) {
         if (g[f] != wv[f]) {
           std::printf("FAIL fast classes %s %#x tol %g: %s %lld, Tally %lld\n", Traits<T>::name, b, tol, names[f],
                       static_cast<long long>(g[f]), static_cast<long long>(wv[f]));

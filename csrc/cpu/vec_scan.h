@@ -135,8 +135,11 @@ ZS_INLINE V opaque(V v) {
   return v;
 }
 
-// The largest (kMax) or smallest lane, halving the vector each step.
-template <bool kMax, typename T, int Bytes>
+// The largest, smallest or sum of the lanes, halving the vector each step
+// (GCC does not vectorize lane_sum inside the loops over classify.h's
+// bounds).
+enum class Reduce { kMax, kMin, kSum };
+template <Reduce kOp, typename T, int Bytes>
 ZS_INLINE T reduce(Vec<T, Bytes> v) {
   if constexpr (Bytes == sizeof(T)) {
     return v[0];
@@ -148,13 +151,19 @@ ZS_INLINE T reduce(Vec<T, Bytes> v) {
     Vec<T, Bytes / 2> lo, hi;
     std::memcpy(&lo, &w, sizeof(lo));
     std::memcpy(&hi, reinterpret_cast<const char*>(&w) + sizeof(lo), sizeof(hi));
-    return reduce<kMax, T, Bytes / 2>(kMax ? (lo > hi ? lo : hi) : (lo < hi ? lo : hi));
+    if constexpr (kOp == Reduce::kSum) {
+      return reduce<kOp, T, Bytes / 2>(lo + hi);
+    } else {
+      return reduce<kOp, T, Bytes / 2>(kOp == Reduce::kMax ? (lo > hi ? lo : hi) : (lo < hi ? lo : hi));
+    }
   }
 }
 template <typename T, int Bytes>
-ZS_INLINE T reduce_max(Vec<T, Bytes> v) { return reduce<true, T, Bytes>(v); }
+ZS_INLINE T reduce_max(Vec<T, Bytes> v) { return reduce<Reduce::kMax, T, Bytes>(v); }
 template <typename T, int Bytes>
-ZS_INLINE T reduce_min(Vec<T, Bytes> v) { return reduce<false, T, Bytes>(v); }
+ZS_INLINE T reduce_min(Vec<T, Bytes> v) { return reduce<Reduce::kMin, T, Bytes>(v); }
+template <typename T, int Bytes = kBytes>
+ZS_INLINE T reduce_sum(Vec<T, Bytes> v) { return reduce<Reduce::kSum, T, Bytes>(v); }
 
 // Adds 1 to the lanes of the counter `c` where `mask` (a compare's result,
 // lanes 0 or -1) is set.
@@ -231,12 +240,13 @@ ZS_INLINE Vec<uint64_t> widen_counts(Vec<UnsignedOf<W>> c) {
 template <typename S>
 struct Counters {
   using VU = typename LaneTypes<S>::VU;
-  VU nonzero{}, above_sub{}, above_tol{}, negative{};
+  VU nonzero{}, above_sub{}, above_bound[kNumBounds]{}, negative{};
   VU nan{}, non_finite{}, neginf{};  // floats: in the runs that count them
 };
 
 struct Totals {
-  Vec<uint64_t> nonzero{}, above_sub{}, above_tol{}, negative{}, nan{}, non_finite{}, neginf{};
+  Vec<uint64_t> nonzero{}, above_sub{}, above_bound[kNumBounds]{}, negative{}, nan{}, non_finite{},
+      neginf{};
 };
 
 template <typename S>
@@ -244,7 +254,7 @@ ZS_INLINE void fold(Totals& t, Counters<S>& c) {
   constexpr int W = sizeof(S);
   t.nonzero += widen_counts<W>(c.nonzero);
   t.above_sub += widen_counts<W>(c.above_sub);
-  t.above_tol += widen_counts<W>(c.above_tol);
+  for (int b = 0; b < kNumBounds; ++b) t.above_bound[b] += widen_counts<W>(c.above_bound[b]);
   t.negative += widen_counts<W>(c.negative);
   t.nan += widen_counts<W>(c.nan);
   t.non_finite += widen_counts<W>(c.non_finite);
@@ -262,20 +272,22 @@ struct VectorLimits {
   using VU = typename LaneTypes<S>::VU;
   using VI = typename LaneTypes<S>::VI;
   Limits scalar;
-  VI sub_max, tol_max, finite_max, nonnan_max;
+  VI sub_max, bound_max[kNumBounds], finite_max, nonnan_max;
   // Floats: the raw pattern of -inf (or of the largest negative number
   // where there is no infinity), read as a signed integer. The raw patterns
   // of negative numbers (sign set, nonzero, not NaN) are those r with
   // r - 1 < it, -0 wrapping to the largest integer.
   VI neginf;
-  VU tol_max_u;  // integers: tol_max as unsigned
+  VU bound_max_u[kNumBounds];  // integers: bound_max as unsigned
 
   explicit VectorLimits(const Limits& lim) : scalar(lim) {
     sub_max = VI{} + static_cast<I>(lim.sub_max);
-    tol_max = VI{} + static_cast<I>(lim.tol_max);
+    for (int b = 0; b < kNumBounds; ++b) {
+      bound_max[b] = VI{} + static_cast<I>(lim.bound_max[b]);
+      bound_max_u[b] = VU{} + static_cast<U>(lim.bound_max[b]);
+    }
     finite_max = VI{} + static_cast<I>(lim.finite_max);
     nonnan_max = VI{} + static_cast<I>(lim.nonnan_max);
-    tol_max_u = VU{} + static_cast<U>(lim.tol_max);
     uint64_t sign_bit = 0;
     if constexpr (Format<S>::kFloating) sign_bit = Format<S>::kSignBit;
     neginf = VI{} + static_cast<I>(static_cast<U>(sign_bit + lim.nonnan_max));
@@ -338,8 +350,8 @@ ZS_INLINE uint64_t lowest_key(typename LaneTypes<S>::VU lo) {
   return kLoIsKey<S> ? least - 1 : least;
 }
 
-// Counts one vector's nonzero, subnormal (where kAboveSub), near-zero and
-// negative lanes; keeps the smallest nonzero key in `lo` (kLoIsKey) and,
+// Counts one vector's nonzero, subnormal (where kAboveSub), above-bound
+// (classify.h's magnitude counts) and negative lanes; keeps the smallest nonzero key in `lo` (kLoIsKey) and,
 // where kTop, the max key in `top`. Returns the lanes above sub_max
 // (floats).
 template <typename S, bool kTop = true, bool kAboveSub = true>
@@ -368,7 +380,7 @@ ZS_INLINE typename LaneTypes<S>::VI classify(typename LaneTypes<S>::VU raw,
     const VI k = as<VI>(key);
     above_sub = k > lim.sub_max;
     if constexpr (kAboveSub) c.above_sub = count(c.above_sub, above_sub);
-    c.above_tol = count(c.above_tol, k > lim.tol_max);
+    for (int b = 0; b < kNumBounds; ++b) c.above_bound[b] = count(c.above_bound[b], k > lim.bound_max[b]);
     if constexpr (ZS_TARGET_MASKS) {
       c.negative = count(c.negative, nonzero & (as<VI>(raw) <= lim.neginf));  // one masked compare
     } else {
@@ -380,7 +392,7 @@ ZS_INLINE typename LaneTypes<S>::VI classify(typename LaneTypes<S>::VU raw,
       top = as<VU>(top_signed);
     }
   } else {
-    c.above_tol = count(c.above_tol, key > lim.tol_max_u);
+    for (int b = 0; b < kNumBounds; ++b) c.above_bound[b] = count(c.above_bound[b], key > lim.bound_max_u[b]);
     if constexpr (F::kSigned) c.negative = count(c.negative, as<VI>(raw) < 0);
     top = vmax(top, key);
   }
@@ -1590,7 +1602,7 @@ __attribute__((noinline)) ZS_TARGET_ATTR int64_t scan_vectors_here(const S* p, i
   const int64_t zeros = count - lane_sum<int64_t>(totals.nonzero);
   t.numel += count;
   t.zeros += zeros;
-  t.at_most_tol += count - lane_sum<int64_t>(totals.above_tol);
+  for (int b = 0; b < kNumBounds; ++b) t.at_most[b] += count - reduce_sum<uint64_t>(totals.above_bound[b]);
   t.negative += lane_sum<int64_t>(totals.negative);
   // lo: the smallest nonzero key - 1, or the largest value with none.
   if (static_cast<key_t>(lo) != static_cast<key_t>(~key_t(0))) {

@@ -58,13 +58,15 @@ constexpr float kFloatMax = 0x1.fffffep127f;
 // ---- Per-launch constants (host) ------------------------------------------
 
 // The constants of the fast path for one launch's dtype and tol. `on` is
-// false where it cannot count tol's class exactly (a tol beyond the range
-// its scaled view holds: above 2^103 for float32, 2^41 for bfloat16, 64 for
-// float16) or the dtype has no fast path: the launch then runs Tally.
+// false where it cannot count a bound's class (classify.h) exactly (a bound
+// beyond the range its scaled view holds: above 2^103 for float32, 2^41 for
+// bfloat16, 64 for float16) or the dtype has no fast path: the launch then
+// runs Tally.
 struct FastLimits {
   bool on = false;
-  float tol_a = 0.0f, tol_b = 0.0f;  // float32: [|x| <= tol] = sat(|x * 2^24| * a + b)
-  uint32_t tol_ab = 0;               // 16-bit: half a (low), half b (high) on the view * 2^10
+  // float32: [key <= bound_max[b]] = sat(|x * 2^24| * bound_a[b] + bound_b[b])
+  float bound_a[kNumBounds] = {}, bound_b[kNumBounds] = {};
+  uint32_t bound_ab[kNumBounds] = {};  // 16-bit: half a (low), half b (high) on the view * 2^10
 };
 
 // The float16 bits of v, which must be exactly representable (powers of two
@@ -114,14 +116,18 @@ inline FastLimits fast_limits_for<float>(const Limits& lim) {
   FastLimits f;
   // On t = x * 2^24, which holds every |x| below 2^104 exactly.
   const uint64_t top = 0x73ffffffu;  // the largest key below 2^104
-  if (lim.tol_max >= top) return f;
-  const double t = Format<float>::magnitude(static_cast<uint32_t>(lim.tol_max));
-  const double n = Format<float>::magnitude(static_cast<uint32_t>(lim.tol_max + 1));
-  double a = 0, b = 0;
-  indicator_constants(std::ldexp(t, 24), std::ldexp(n, 24), a, b);
-  f.tol_a = static_cast<float>(a);
-  f.tol_b = static_cast<float>(b);
-  f.on = static_cast<double>(f.tol_a) == a && static_cast<double>(f.tol_b) == b;
+  for (int k = 0; k < kNumBounds; ++k) {
+    const uint64_t key = lim.bound_max[k];
+    if (key >= top) return FastLimits{};
+    const double t = Format<float>::magnitude(static_cast<uint32_t>(key));
+    const double n = Format<float>::magnitude(static_cast<uint32_t>(key + 1));
+    double a = 0, b = 0;
+    indicator_constants(std::ldexp(t, 24), std::ldexp(n, 24), a, b);
+    f.bound_a[k] = static_cast<float>(a);
+    f.bound_b[k] = static_cast<float>(b);
+    if (static_cast<double>(f.bound_a[k]) != a || static_cast<double>(f.bound_b[k]) != b) return FastLimits{};
+  }
+  f.on = true;
   return f;
 }
 
@@ -129,13 +135,17 @@ inline FastLimits fast_limits_for<float>(const Limits& lim) {
 // which every key below 0x5400 is exact and finite.
 inline FastLimits fast_limits_16(const Limits& lim) {
   FastLimits f;
-  if (lim.tol_max >= 0x5400 - 1) return f;
-  const double t = std::ldexp(half_value(static_cast<uint16_t>(lim.tol_max)), 10);
-  const double n = std::ldexp(half_value(static_cast<uint16_t>(lim.tol_max + 1)), 10);
-  double a = 0, b = 0;
-  indicator_constants(t, n, a, b);
-  f.tol_ab = exact_half_bits(a) | (static_cast<uint32_t>(exact_half_bits(b)) << 16);
-  f.on = half_value(exact_half_bits(a)) == a && half_value(exact_half_bits(b)) == b;
+  for (int k = 0; k < kNumBounds; ++k) {
+    const uint64_t key = lim.bound_max[k];
+    if (key >= 0x5400 - 1) return FastLimits{};
+    const double t = std::ldexp(half_value(static_cast<uint16_t>(key)), 10);
+    const double n = std::ldexp(half_value(static_cast<uint16_t>(key + 1)), 10);
+    double a = 0, b = 0;
+    indicator_constants(t, n, a, b);
+    if (half_value(exact_half_bits(a)) != a || half_value(exact_half_bits(b)) != b) return FastLimits{};
+    f.bound_ab[k] = exact_half_bits(a) | (static_cast<uint32_t>(exact_half_bits(b)) << 16);
+  }
+  f.on = true;
   return f;
 }
 
@@ -306,8 +316,8 @@ ZS_FHD void kahan_add(float& s, float& c, float y) {
 // max: the block reduction needs no division.
 struct TileSums {
   // Counts as floats, exact: a tile holds at most kMaxTilePositions < 2^24 elements.
-  float zeros = 0, at_most_sub = 0, at_most_tol = 0, finite = 0, non_nan = 0, negative = 0,
-        neginf = 0;
+  float zeros = 0, at_most_sub = 0, at_most[kNumBounds] = {}, finite = 0, non_nan = 0,
+        negative = 0, neginf = 0;
   uint32_t lo = ~0u;               // least nonzero non-NaN key
   uint32_t hi = 0;                 // greatest non-NaN key (when non_nan > 0)
   double s1 = 0.0, s2 = 0.0;       // sum of x (float32) or of d (16-bit); sum of d^2
@@ -316,7 +326,8 @@ struct TileSums {
 ZS_FHD void combine_sums(TileSums& a, const TileSums& b) {
   a.zeros = add_rn(a.zeros, b.zeros);
   a.at_most_sub = add_rn(a.at_most_sub, b.at_most_sub);
-  a.at_most_tol = add_rn(a.at_most_tol, b.at_most_tol);
+#pragma unroll
+  for (int k = 0; k < kNumBounds; ++k) a.at_most[k] = add_rn(a.at_most[k], b.at_most[k]);
   a.finite = add_rn(a.finite, b.finite);
   a.non_nan = add_rn(a.non_nan, b.non_nan);
   a.negative = add_rn(a.negative, b.negative);
@@ -342,7 +353,7 @@ struct FastTally;
 template <bool kByFields>
 struct FastTally<float, kByFields> {
   // Counts, exact in float32 (a thread sees fewer than 2^24 elements per tile).
-  float zeros = 0.0f, at_most_sub = 0.0f, at_most_tol = 0.0f, finite = 0.0f, inf = 0.0f,
+  float zeros = 0.0f, at_most_sub = 0.0f, at_most[kNumBounds] = {}, finite = 0.0f, inf = 0.0f,
         neginf = 0.0f, negative = 0.0f;
   float lo = __builtin_huge_valf();  // least |x| over nonzero, zeros as kFloatMax
   float hi = 0.0f;                   // greatest |x| over non-NaN
@@ -359,7 +370,10 @@ struct FastTally<float, kByFields> {
     if constexpr (!kByFields) {
       at_most_sub = add_rn(at_most_sub, fma_sat(fabsf(t), -0x1p125f, 0x1p23f));  // |x| < 2^-126
     }
-    at_most_tol = add_rn(at_most_tol, fma_sat(fabsf(t), k.tol_a, k.tol_b));
+#pragma unroll
+    for (int b = 0; b < kNumBounds; ++b) {
+      at_most[b] = add_rn(at_most[b], fma_sat(fabsf(t), k.bound_a[b], k.bound_b[b]));
+    }
     negative = add_rn(negative, mul_sat(t, -0x1p125f));      // x < 0, -inf included
     inf = add_rn(inf, add_sat(ax, -kFloatMax));               // |x| = inf
     neginf = add_rn(neginf, fma_sat(x, -1.0f, -kFloatMax));   // x = -inf
@@ -385,7 +399,8 @@ struct FastTally<float, kByFields> {
     TileSums t;
     t.zeros = zeros;
     t.at_most_sub = at_most_sub;
-    t.at_most_tol = at_most_tol;
+#pragma unroll
+    for (int b = 0; b < kNumBounds; ++b) t.at_most[b] = at_most[b];
     t.finite = finite;
     t.non_nan = add_rn(finite, inf);  // kByFields: the infinities alone
     t.negative = negative;
@@ -547,9 +562,9 @@ constexpr uint16_t kHNeg2p14 = 0xf400; // -2^14
 //   T = R * 2^10   (subnormal float16 keys made normal, for the indicators)
 //   S = (w ^ 0x7fff7fff) * 2^10  (bfloat16 only: keys turned round, its
 //                  NaN and infinity keys 0x7f80.. made small and finite)
-// float16 counts zeros, at_most_sub, at_most_tol on |T|, negative on T
+// float16 counts zeros, at_most_sub, at_most (the bounds) on |T|, negative on T
 // (x * -2^24 saturated), finite (|R| * 0 + 1), non-NaN (|R| + 1) and -inf
-// (-R - 65504) on R. bfloat16 counts zeros, at_most_sub, at_most_tol and
+// (-R - 65504) on R. bfloat16 counts zeros, at_most_sub, at_most and
 // negative the same way, which is exact below key 0x7c00 (|x| < 2^121), and
 // non-finite, NaN and -inf (S + 127 * 2^-14 = 0) on S. A finite bfloat16
 // beyond 2^121, which no view orders, overflows the squares of its tile
@@ -562,7 +577,7 @@ struct FastTally16 {
   static constexpr bool kBf16 = std::is_same_v<S, bf16_t>;
   // float16 count pairs (per lane below 2^11: the tiling bounds a thread's
   // tile share to 2^12 elements, 2^11 per lane).
-  uint32_t zeros = 0, at_most_sub = 0, at_most_tol = 0, negative = 0;
+  uint32_t zeros = 0, at_most_sub = 0, at_most[kNumBounds] = {}, negative = 0;
   uint32_t c4 = 0, c5 = 0, c6 = 0;  // float16: finite, non-NaN, -inf; bfloat16: non-finite, NaN, -inf
   uint32_t top = 0;                 // max of |R|
   uint32_t low = pair(0x7c00);      // min of |R|, zeros as 65504
@@ -581,8 +596,11 @@ struct FastTally16 {
     if constexpr (!kByFields) {
       at_most_sub = h2_add(at_most_sub, h2_fma_sat(at, pair(kHNeg2p14), pair(kBf16 ? 0x5800 : 0x6400)));
     }
-    at_most_tol = h2_add(at_most_tol, h2_fma_sat(at, pair(static_cast<uint16_t>(k.tol_ab)),
-                                                 pair(static_cast<uint16_t>(k.tol_ab >> 16))));
+#pragma unroll
+    for (int b = 0; b < kNumBounds; ++b) {
+      at_most[b] = h2_add(at_most[b], h2_fma_sat(at, pair(static_cast<uint16_t>(k.bound_ab[b])),
+                                                 pair(static_cast<uint16_t>(k.bound_ab[b] >> 16))));
+    }
     negative = h2_add(negative, h2_mul_sat(t, pair(kHNeg2p14)));
     const uint32_t ar = h2_abs(w);
     uint32_t finite_view = w;  // |R| < inf: float16's finite values
@@ -642,7 +660,8 @@ struct FastTally16 {
     TileSums t;
     t.zeros = h2_total(zeros);
     t.at_most_sub = h2_total(at_most_sub);
-    t.at_most_tol = h2_total(at_most_tol);
+#pragma unroll
+    for (int b = 0; b < kNumBounds; ++b) t.at_most[b] = h2_total(at_most[b]);
     t.negative = h2_total(negative);
     t.neginf = h2_total(c6);
     float inf = 0.0f;  // bfloat16's (kByFields: settle_by_fields's)
@@ -777,7 +796,9 @@ ZS_FHD bool fast_partial(const TileSums& s, const TileCenter& ctr, int64_t posit
   p.numel = positions;
   p.zeros = zeros;
   p.subnormal = static_cast<int64_t>(s.at_most_sub) - zeros;
-  p.near_zero = static_cast<int64_t>(s.at_most_tol) - zeros;
+  int64_t within[kNumBounds];
+  for (int k = 0; k < kNumBounds; ++k) within[k] = static_cast<int64_t>(s.at_most[k]);
+  set_magnitude_counts(p, within);
   p.nan = positions - non_nan;
   p.neginf = static_cast<int64_t>(s.neginf);
   p.posinf = non_nan - finite - p.neginf;

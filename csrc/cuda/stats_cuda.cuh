@@ -1111,8 +1111,11 @@ ZS_HDI Partial value_partial(uint32_t* table, int v, const Limits& lim, const Fi
 // over 32 lanes is 32 * 0x4b000000 + sum c modulo 2^32), its sums of moments
 // in a __shfl_down tree, and the warps in order by thread 0: a fixed order,
 // so the result does not depend on timing.
+// The counts of TileSums, in the order block_sums reduces them.
+constexpr int kTileCounts = 6 + kNumBounds;
+
 struct WarpSums {
-  uint32_t counts[7];
+  uint32_t counts[kTileCounts];
   uint32_t lo, hi;
   double s1, s2;
 };
@@ -1127,11 +1130,16 @@ ZS_DEV uint32_t warp_count(float c) {
 
 ZS_DEV TileSums block_sums(const TileSums& s, WarpSums (&warps)[kThreads / 32]) {
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
-  const float counts[7] = {s.zeros, s.at_most_sub, s.at_most_tol, s.finite,
-                           s.non_nan, s.negative, s.neginf};
+  float counts[kTileCounts] = {s.zeros, s.at_most_sub};
+#pragma unroll
+  for (int b = 0; b < kNumBounds; ++b) counts[2 + b] = s.at_most[b];
+  counts[2 + kNumBounds] = s.finite;
+  counts[3 + kNumBounds] = s.non_nan;
+  counts[4 + kNumBounds] = s.negative;
+  counts[5 + kNumBounds] = s.neginf;
   WarpSums w;
 #pragma unroll
-  for (int k = 0; k < 7; ++k) w.counts[k] = warp_count(counts[k]);
+  for (int k = 0; k < kTileCounts; ++k) w.counts[k] = warp_count(counts[k]);
 #if __CUDA_ARCH__ >= 800
   w.lo = __reduce_min_sync(0xffffffffu, s.lo);
   w.hi = __reduce_max_sync(0xffffffffu, s.hi);
@@ -1147,10 +1155,10 @@ ZS_DEV TileSums block_sums(const TileSums& s, WarpSums (&warps)[kThreads / 32]) 
   __syncthreads();
   TileSums out;
   if (threadIdx.x == 0) {
-    uint32_t total[7] = {};
+    uint32_t total[kTileCounts] = {};
     for (int k = 0; k < kThreads / 32; ++k) {
       const WarpSums& v = warps[k];
-      for (int c = 0; c < 7; ++c) total[c] += v.counts[c];
+      for (int c = 0; c < kTileCounts; ++c) total[c] += v.counts[c];
       out.lo = v.lo < out.lo ? v.lo : out.lo;
       out.hi = v.hi > out.hi ? v.hi : out.hi;
       out.s1 += v.s1;
@@ -1158,11 +1166,11 @@ ZS_DEV TileSums block_sums(const TileSums& s, WarpSums (&warps)[kThreads / 32]) 
     }
     out.zeros = static_cast<float>(total[0]);
     out.at_most_sub = static_cast<float>(total[1]);
-    out.at_most_tol = static_cast<float>(total[2]);
-    out.finite = static_cast<float>(total[3]);
-    out.non_nan = static_cast<float>(total[4]);
-    out.negative = static_cast<float>(total[5]);
-    out.neginf = static_cast<float>(total[6]);
+    for (int b = 0; b < kNumBounds; ++b) out.at_most[b] = static_cast<float>(total[2 + b]);
+    out.finite = static_cast<float>(total[2 + kNumBounds]);
+    out.non_nan = static_cast<float>(total[3 + kNumBounds]);
+    out.negative = static_cast<float>(total[4 + kNumBounds]);
+    out.neginf = static_cast<float>(total[5 + kNumBounds]);
   }
   return out;
 }
