@@ -434,11 +434,9 @@ class CauseFinder:
                 "with no input that requires grad, so it records nothing for backward; pass use_reentrant=False")
         if i in probe.no_grad_use:
             where = label(probe.no_grad_use[i])
-            return Why(Cause.DETACHED, (
-                f"{name} is used in {where} under torch.no_grad() (or inference_mode), so nothing is "
-                "recorded for backward"
-            ), f"these parameters are used in {where} under torch.no_grad() (or inference_mode), so nothing "
-                "is recorded for backward")
+            return said_of_each(Cause.DETACHED, name, (
+                f"used in {where} under torch.no_grad() (or inference_mode), so nothing is recorded for backward"
+            ))
         if p.owner in probe.no_grad_modules:
             return Why(Cause.DETACHED, f"{owner} ran under torch.no_grad(), so {name} gets no gradient",
                        f"{owner} ran under torch.no_grad(), so its parameters get no gradient")
@@ -472,6 +470,12 @@ class CauseFinder:
             return zero_causes.explain_zeros(self.model, self._params, self._latest_view(set(zero)), self._eager, zero)
         except graph.TooDeep:  # the graph is too deep to walk: no cause is claimed
             return {}
+
+
+def said_of_each(cause: str, name: str, predicate: str) -> Why:
+    """A Why saying `predicate` of parameter `name` ("<name> is <predicate>")
+    and, as its root, of every parameter it explains."""
+    return Why(cause, f"{name} is {predicate}", f"these parameters are {predicate}")
 
 
 def cleared_cause(name: str) -> Why:
