@@ -54,15 +54,17 @@ inline bool within_bound(int b, double v, double tiny, double tol) {
   }
 }
 
-// The magnitude counts of `p`, whose zeros are set, from the number of keys
-// at most each bound's (the zeros among them).
+// The magnitude counts of `p`, whose zeros are set, from the number of
+// elements whose key is at most each bound_max (the zeros among them).
 ZS_HD void set_magnitude_counts(Partial& p, const int64_t (&at_most)[kNumBounds]) {
   p.near_zero = at_most[kTolBound] - p.zeros;
 }
 
 // The key limits of one dtype and tol, widened to 64 bits so that one record
-// serves every key width (and travels in the CUDA launch header). In key
-// order: the bounds lie between the subnormals and the infinities.
+// serves every key width (and travels in the CUDA launch header, which each
+// bound grows by 8 bytes here and 12 in cuda/fast_tally.cuh's FastLimits;
+// stats_cuda.cuh asserts that the header fits a kernel's parameters). A
+// bound's key may lie anywhere: tol is the caller's.
 struct Limits {
   uint64_t sub_max;                // largest key below tiny; 0 when there is none
   uint64_t bound_max[kNumBounds];  // largest key within each bound; 0 when there is none

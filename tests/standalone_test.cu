@@ -1093,15 +1093,15 @@ bool same_double(double a, double b) {
 void check_row(const Case& c, const int64_t* row) {
   const Partial got = load(row);
   const Partial& want = c.want;
-  const int64_t g[8] = {got.numel, got.zeros, got.subnormal, got.near_zero,
-                        got.nan, got.posinf, got.neginf, got.negative};
-  const int64_t w[8] = {want.numel, want.zeros, want.subnormal, want.near_zero,
-                        want.nan, want.posinf, want.neginf, want.negative};
-  const char* names[8] = {"numel", "zeros", "subnormal", "near_zero",
-                          "nan", "posinf", "neginf", "negative"};
-  for (int k = 0; k < 8; ++k) {
-    if (g[k] != w[k]) fail(c, names[k], static_cast<double>(g[k]),
-                           static_cast<double>(w[k]));
+  // Every count column of the row, a new one included (which the reference
+  // above must then count too).
+  int64_t wanted[kNumFields];
+  store(want, wanted);
+  for (int k = 0; k < kNumCountFields; ++k) {
+    if (row[k] != wanted[k]) {
+      const std::string field = "count column " + std::to_string(k);
+      fail(c, field.c_str(), static_cast<double>(row[k]), static_cast<double>(wanted[k]));
+    }
   }
   if (!same_double(got.min_abs, want.min_abs)) fail(c, "min_abs", got.min_abs, want.min_abs);
   if (!same_double(got.min_abs_nonzero, want.min_abs_nonzero))
@@ -1307,6 +1307,12 @@ int64_t check_fast_classes(Rng& rng) {
     const size_t positive = patterns.size();
     for (size_t i = 0; i < positive; ++i) patterns.push_back(patterns[i] | 0x80000000u);
   }
+  // The default tol (eps) and every bound must keep the fast path on: a bound
+  // it cannot count exactly would send every launch of T to Tally.
+  if (!fast_limits_for<T>(limits_for<T>(tiny, eps)).on) {
+    std::printf("FAIL fast classes %s: the fast path is off at the default tol\n", Traits<T>::name);
+    std::exit(1);
+  }
   int64_t checked = 0;
   uint32_t flip = 0;  // the lane of pattern b is (b + flip) & 1: both lanes over the tols
   for (double tol : tols) {
@@ -1332,7 +1338,8 @@ int64_t check_fast_classes(Rng& rng) {
         }
         continue;
       }
-      const int64_t g[6] = {static_cast<int64_t>(got.zeros), static_cast<int64_t>(got.at_most_sub) - static_cast<int64_t>(got.zeros),
+      const int64_t g[6] = {static_cast<int64_t>(got.zeros),
+                            static_cast<int64_t>(got.at_most_sub) - static_cast<int64_t>(got.zeros),
                             1 - static_cast<int64_t>(got.non_nan),
                             static_cast<int64_t>(got.non_nan) - static_cast<int64_t>(got.finite) - static_cast<int64_t>(got.neginf),
                             static_cast<int64_t>(got.neginf), static_cast<int64_t>(got.negative)};
@@ -1340,8 +1347,8 @@ int64_t check_fast_classes(Rng& rng) {
       const char* names[6] = {"zeros", "subnormal", "nan", "posinf", "neginf", "negative"};
       for (int m = 0; m < kNumBounds; ++m) {  // every magnitude count (classify.h)
         if (static_cast<int64_t>(got.at_most[m]) != static_cast<int64_t>(want.at_most[m])) {
-          std::printf("FAIL fast classes %s %#x tol %g: at most bound %d: %lld, Tally %lld\n", Traits<T>::name, b, tol,
-                      m, static_cast<long long>(got.at_most[m]), static_cast<long long>(want.at_most[m]));
+          std::printf("FAIL fast classes %s %#x tol %g: at most bound %d: %lld, Tally %lld\n", Traits<T>::name,
+                      b, tol, m, static_cast<long long>(got.at_most[m]), static_cast<long long>(want.at_most[m]));
           std::exit(1);
         }
       }

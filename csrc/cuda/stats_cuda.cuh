@@ -1106,14 +1106,16 @@ ZS_HDI Partial value_partial(uint32_t* table, int v, const Limits& lim, const Fi
   return p;
 }
 
+// The counts of TileSums, in the order block_sums reduces them: zeros,
+// at_most_sub, at_most[] (classify.h's bounds), finite, non_nan, negative,
+// neginf.
+constexpr int kTileCounts = 6 + kNumBounds;
+
 // The block's TileSums, in thread 0: each warp's counts and key extremes in
 // one REDUX each (a count c < 2^23 enters as the bits of c + 2^23, whose sum
 // over 32 lanes is 32 * 0x4b000000 + sum c modulo 2^32), its sums of moments
 // in a __shfl_down tree, and the warps in order by thread 0: a fixed order,
 // so the result does not depend on timing.
-// The counts of TileSums, in the order block_sums reduces them.
-constexpr int kTileCounts = 6 + kNumBounds;
-
 struct WarpSums {
   uint32_t counts[kTileCounts];
   uint32_t lo, hi;
