@@ -30,11 +30,12 @@ namespace zeroscan {
 
 // ---- Magnitude counts --------------------------------------------------------
 //
-// A magnitude count is the number of nonzero |x| within a bound: one key
-// compare per element and bound. Tally, the CPU's vector loop and CUDA's
-// fast path each loop over this list, so a new count of this kind is its
-// Field and Partial member (stats_record.h) and three lines here: its Bound,
-// its test in `within_bound`, and its line in `set_magnitude_counts`.
+// A magnitude count is the number of nonzero |x| within a bound, or of
+// finite |x| beyond it: one key compare per element and bound. Tally, the
+// CPU's vector loop and CUDA's fast path each loop over this list, so a new
+// count of this kind is its Field and Partial member (stats_record.h) and
+// three lines here: its Bound, its test in `within_bound`, and its line in
+// `set_magnitude_counts`.
 enum Bound : int {
   kTolBound,  // near_zero: 0 < |x| <= tol
   kNumBounds,
@@ -54,8 +55,10 @@ inline bool within_bound(int b, double v, double tiny, double tol) {
   }
 }
 
-// The magnitude counts of `p`, whose zeros are set, from the number of
-// elements whose key is at most each bound_max (the zeros among them).
+// The magnitude counts of `p`, whose other counts are set, from the number
+// of elements whose key is at most each bound_max (the zeros among them):
+// the nonzero |x| within a bound are at_most[b] - p.zeros, the finite |x|
+// beyond a finite one p.finite() - at_most[b].
 ZS_HD void set_magnitude_counts(Partial& p, const int64_t (&at_most)[kNumBounds]) {
   p.near_zero = at_most[kTolBound] - p.zeros;
 }
@@ -165,13 +168,13 @@ struct Tally {
     p.numel = static_cast<int64_t>(numel);
     p.zeros = static_cast<int64_t>(zeros);
     p.subnormal = static_cast<int64_t>(at_most_sub - zeros);
-    int64_t within[kNumBounds];
-    for (int b = 0; b < kNumBounds; ++b) within[b] = static_cast<int64_t>(at_most[b]);
-    set_magnitude_counts(p, within);
     p.nan = static_cast<int64_t>(numel - non_nan);
     p.neginf = static_cast<int64_t>(neginf);
     p.posinf = static_cast<int64_t>(non_nan - finite - neginf);
     p.negative = static_cast<int64_t>(negative);
+    int64_t within[kNumBounds];
+    for (int b = 0; b < kNumBounds; ++b) within[b] = static_cast<int64_t>(at_most[b]);
+    set_magnitude_counts(p, within);
     // A nonzero non-NaN key is below every NaN key, so the min over nonzero
     // keys is right whenever there is one.
     if (non_nan > zeros) p.min_abs_nonzero = F::magnitude(lo_nonzero);

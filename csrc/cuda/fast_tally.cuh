@@ -796,13 +796,13 @@ ZS_FHD bool fast_partial(const TileSums& s, const TileCenter& ctr, int64_t posit
   p.numel = positions;
   p.zeros = zeros;
   p.subnormal = static_cast<int64_t>(s.at_most_sub) - zeros;
-  int64_t within[kNumBounds];
-  for (int k = 0; k < kNumBounds; ++k) within[k] = static_cast<int64_t>(s.at_most[k]);
-  set_magnitude_counts(p, within);
   p.nan = positions - non_nan;
   p.neginf = static_cast<int64_t>(s.neginf);
   p.posinf = non_nan - finite - p.neginf;
   p.negative = static_cast<int64_t>(s.negative);
+  int64_t within[kNumBounds];
+  for (int k = 0; k < kNumBounds; ++k) within[k] = static_cast<int64_t>(s.at_most[k]);
+  set_magnitude_counts(p, within);
   uint32_t lo = s.lo;
   if constexpr (!std::is_same_v<T, float>) {
     // 0x7bff: no nonzero lane below it; any finite nonzero key is then 0x7bff
