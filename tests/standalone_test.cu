@@ -1296,6 +1296,9 @@ int64_t check_fast_classes(Rng& rng) {
   const double tiny = Traits<T>::tiny(), eps = Traits<T>::eps();
   std::vector<double> tols = {eps, 0.0, tiny, tiny / 3, 1.0, 1e-3, 0.3};
   for (int k = 0; k < 8; ++k) tols.push_back(std::ldexp(1.0 + rng.uniform(), static_cast<int>(rng.range(-30, 20))));
+  // About the top of each type's scaled view (fast_limits_for), which a tol
+  // it takes must stay below.
+  for (double edge : {0x1.8p103, 0x1.8p104, 0x1.8p40, 0x1.8p41, 0x1.8p42, 63.0, 64.0}) tols.push_back(edge);
   std::vector<uint32_t> patterns;
   if constexpr (sizeof(T) == 2) {
     for (uint32_t b = 0; b < (1u << 16); ++b) patterns.push_back(b);

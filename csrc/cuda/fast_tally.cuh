@@ -59,9 +59,9 @@ constexpr float kFloatMax = 0x1.fffffep127f;
 
 // The constants of the fast path for one launch's dtype and tol. `on` is
 // false where it cannot count a bound's class (classify.h) exactly (a bound
-// beyond the range its scaled view holds: above 2^103 for float32, 2^41 for
-// bfloat16, 64 for float16) or the dtype has no fast path: the launch then
-// runs Tally.
+// at or beyond the top of its scaled view: 2^104 for float32, about 2^41
+// for bfloat16, 64 for float16) or the dtype has no fast path: the launch
+// then runs Tally.
 struct FastLimits {
   bool on = false;
   // float32: [key <= bound_max[b]] = sat(|x * 2^24| * bound_a[b] + bound_b[b])
@@ -115,7 +115,7 @@ template <>
 inline FastLimits fast_limits_for<float>(const Limits& lim) {
   FastLimits f;
   // On t = x * 2^24, which holds every |x| below 2^104 exactly.
-  const uint64_t top = 0x73ffffffu;  // the largest key below 2^104
+  const uint64_t top = 0x737fffffu;  // the largest key below 2^104
   for (int k = 0; k < kNumBounds; ++k) {
     const uint64_t key = lim.bound_max[k];
     if (key >= top) return FastLimits{};
