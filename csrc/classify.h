@@ -42,11 +42,9 @@ enum Bound : int {
 };
 
 // Whether |x| = v (a magnitude of the dtype) is within bound b, for the
-// dtype's smallest normal `tiny` and the call's `tol`. The values within a
-// bound must be all those below some magnitude: each bound is then one key.
-// Host only.
-inline bool within_bound(int b, double v, double tiny, double tol) {
-  (void)tiny;
+// call's `tol`. The values within a bound must be all those below some
+// magnitude: each bound is then one key. Host only.
+inline bool within_bound(int b, double v, double tol) {
   switch (b) {
     case kTolBound:
       return v <= tol;
@@ -100,9 +98,9 @@ uint64_t largest_key(Ok ok) {
 // exactly what the real-number tests would. set_bounds: the bounds alone,
 // for a call's own tol.
 template <typename S>
-void set_bounds(Limits& l, double tiny, double tol) {
+void set_bounds(Limits& l, double tol) {
   for (int b = 0; b < kNumBounds; ++b) {
-    l.bound_max[b] = largest_key<S>([=](double v) { return within_bound(b, v, tiny, tol); });
+    l.bound_max[b] = largest_key<S>([=](double v) { return within_bound(b, v, tol); });
   }
 }
 
@@ -110,7 +108,7 @@ template <typename S>
 Limits limits_for(double tiny, double tol) {
   Limits l;
   l.sub_max = largest_key<S>([tiny](double v) { return v < tiny; });
-  set_bounds<S>(l, tiny, tol);
+  set_bounds<S>(l, tol);
   l.finite_max = largest_key<S>([](double v) { return std::isfinite(v); });
   l.nonnan_max = largest_key<S>([](double v) { return !std::isnan(v); });
   return l;

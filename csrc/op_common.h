@@ -56,7 +56,7 @@ Limits limits_of(double tiny, double eps, c10::optional<double> tol) {
   static const Limits by_default = limits_for<S>(tiny, eps);
   if (!tol.has_value()) return by_default;
   Limits l = by_default;
-  set_bounds<S>(l, tiny, *tol);  // all of them: a few binary searches, once per call
+  set_bounds<S>(l, *tol);  // all of them: a few binary searches, once per call
   return l;
 }
 
