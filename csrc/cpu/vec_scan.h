@@ -529,6 +529,16 @@ ZS_INLINE void widen(typename LaneTypes<S>::VU raw, VU32 (&g)[kGroups<S>]) {
     halves_to_groups(h[0], g[0], g[1]);
     halves_to_groups(h[1], g[2], g[3]);
   }
+#if ZS_TARGET_F16C && ZS_TARGET_BYTES == 32
+  // The groups of F16C's conversion, through a register: where their values
+  // are then widened to double (float16, float8_e5m2), GCC otherwise
+  // converts each group's low four values a second time, by a narrower
+  // vcvtph2ps, for low_to_double (2 more uops a group, on the ports that
+  // convert).
+  if constexpr (std::is_same_v<S, f16_t> || std::is_same_v<S, e5m2_t>) {
+    for (auto& v : g) v = opaque(v);
+  }
+#endif
 }
 
 // The power of two 2^k by which float32 and bfloat16 runs scale d before
