@@ -1045,8 +1045,10 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
   }
   if constexpr (P.subnormal && kSubnormalCare<S>) {
     // The zeroed subnormals' m, signed, for their values and the
-    // correction of their squares (scan_vectors).
-    const VI m = with_sign_of(as<VI>(key) & ~above_sub, as<VI>(raw));
+    // correction of their squares (scan_vectors). Without mask registers
+    // above_sub goes through a register: GCC otherwise knows its lanes are
+    // 0 or -1 and makes the and-not a blend, 2 uops where the and-not is 1.
+    const VI m = with_sign_of(as<VI>(key) & ~(ZS_TARGET_MASKS ? above_sub : opaque(above_sub)), as<VI>(raw));
     VU32 g[kGroups<S>];
     widen<S>(as<VU>(m), g);
     for (int i = 0; i < kGroups<S>; ++i) {
