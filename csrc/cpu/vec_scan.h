@@ -18,7 +18,8 @@
 // target attribute, so no copy compiled for a wider ISA can be linked into a
 // narrower path. Intrinsics appear only where the generic form compiles to
 // more instructions on x86: two conversions (float16 to float32 by F16C,
-// float32 to double) and AVX2's psign (with_sign_of). The rest differs
+// float32 to double), AVX2's psign (with_sign_of), and the test of whether
+// any lane is nonzero (any_lane: vptest, vptestmq, umaxv). The rest differs
 // between ISAs only where AVX-512's mask registers save an instruction: a
 // lane count is a masked add, and the smallest nonzero key, the negative
 // count and the largest finite key each one masked instruction (classify,
@@ -984,7 +985,8 @@ ZS_INLINE VI with_sign_of(VI m, VI sign) {
 // key (as kLoIsKey says: the key, or the key - 1), largest key and largest
 // finite key (passes that take care of non-finite lanes), lane by lane.
 // skip_clean: the subnormal passes skip the subnormal work of a vector that
-// holds no subnormal (a branch per vector), for runs where most do not.
+// holds no subnormal (a test and a branch per vector), for runs where most
+// vectors hold none (scan_runs; a run summed again skips always).
 //
 // Every pass but tiny sums the lanes as floats, with float32 and bfloat16
 // subnormals zeroed (they add (0 - shift)^2 there, which the subnormal
@@ -1061,8 +1063,9 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
   if constexpr (P.subnormal && kSubnormalCare<S>) {
     // The zeroed subnormals' m, signed, for their values and the
     // correction of their squares (scan_vectors). Without mask registers
-    // above_sub goes through a register: GCC otherwise knows its lanes are
-    // 0 or -1 and makes the and-not a blend, 2 uops where the and-not is 1.
+    // above_sub goes through a register: on AVX2 GCC otherwise knows its
+    // lanes are 0 or -1 and makes the and-not a blend, 2 uops where the
+    // and-not is 1.
     // A vector with no subnormal lane adds nothing here, and skips it
     // where skip_clean says (scan_runs).
     const VI sub_key = as<VI>(key) & ~(ZS_TARGET_MASKS ? above_sub : opaque(above_sub));
@@ -1276,12 +1279,16 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
   Stop stop{runs, false, P};
   int unneeded = 0;  // runs in a row that needed less than P
   // Whether a subnormal pass skips the vectors without subnormals (see
-  // scan_vector): while the run before held fewer subnormals than vectors,
-  // so that most of its vectors held none. Cached float32, AVX-512 and AVX2
-  // (span_speed, best of 3 builds in turn): 0.1 % subnormal 0.293 -> 0.264
-  // and 0.418 -> 0.402 ns an element; 30 %, where a branch per vector is a
-  // coin toss (with the skip everywhere: 0.284 -> 0.306 and 0.402 ->
-  // 0.433), 0.284 -> 0.287 and 0.403 -> 0.412.
+  // scan_vector): while the run before held fewer subnormals than a quarter
+  // of its vectors times its groups (a bfloat16 vector skips two groups'
+  // work, a float32 one one), so that few of its vectors held any and the
+  // branch is seldom mispredicted. Where nearly every vector holds one, the
+  // test is paid for nothing: with the skip on every vector, cached float32
+  // with 30 % subnormal took 0.284 -> 0.306 ns an element on AVX-512 and
+  // 0.402 -> 0.433 on AVX2. With this rule, float32 and bfloat16 with 0.1 %
+  // to 30 % subnormal took -15 % to +2 % of the time without the skip
+  // (span_speed, best of 5 builds in turn). Each call starts with the skip,
+  // as does a run summed again.
   bool skip_clean = true;
   for (; run < runs; ++run) {
     const int64_t begin = run * kRun<S>;
@@ -1293,7 +1300,7 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
                                                     skip_clean, fields);
     if constexpr (P.subnormal && kSubnormalCare<S>) {
       const VU subnormal = (c.nonzero - nonzero_before) - (c.above_sub - above_sub_before);  // <= kRun a lane
-      skip_clean = reduce_sum<U, kBytes>(subnormal) < static_cast<U>(len);
+      skip_clean = 4 * static_cast<int64_t>(reduce_sum<U, kBytes>(subnormal)) < kGroups<S> * len;
     }
     span_lo = vmin(span_lo, lo);
     const uint64_t run_lo = lowest_key<S>(lo);
