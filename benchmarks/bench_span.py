@@ -3,8 +3,8 @@ alone (csrc/cpu/vec_scan.h, built with benchmarks/span_speed.cpp, no torch),
 one thread, nanoseconds per element over a 64K-element span that stays in
 the core's caches, for every build this CPU runs (scalar, AVX2, AVX-512, or
 NEON on Arm), float32, bfloat16, float16 and float8_e4m3fn, and the
-distributions whose passes differ (dense, half zeros, all subnormal, 0.1 %
-subnormal, 1 % NaN/Inf); then what a span of 16 to 64K float32 elements
+distributions whose passes differ (dense, half zeros, all subnormal, 0.1 %,
+3 % and 30 % subnormal, 1 % NaN/Inf); then what a span of 16 to 64K float32 elements
 costs per call, the scan's fixed cost among it.
 
 A build is memory-bound at 64M elements when its time here is below the
