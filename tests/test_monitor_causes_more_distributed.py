@@ -74,7 +74,12 @@ def check_ddp_shift_cancels_exactly(rank: int, world_size: int, seed: int) -> st
 def check_ddp_fp16_underflow(rank: int, world_size: int, seed: int) -> str:
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + rank)
-    report = ddp_fit(mlp(), features(g), small_loss(1e-5, torch.float16), seed, steps=4, lr=0.1)
+    # A smaller loss than the one-process test's 1e-5: the all-reduce averages
+    # two ranks' gradients, so an entry is zero only where both underflowed,
+    # and at 1e-5 about 2 % of seeds left the first layer under mostly_zero's
+    # 90 % zeros (seeds 198, 239 and 1989588266: 88-90 %). At 3e-6 the
+    # lowest of 300 seeds was 98.5 %, its nonzero entries still tiny.
+    report = ddp_fit(mlp(), features(g), small_loss(3e-6, torch.float16), seed, steps=4, lr=0.1)
     found = detailed(report, "underflow")
     assert any(f.severity == Severity.WARNING for f in found), report.format(verbose=True)
     assert all("torch.autocast(dtype=torch.float16)" in f.message and "GradScaler" in f.message for f in found)
