@@ -244,21 +244,24 @@ def hot_loops(budget: float) -> dict[str, float]:
     progress("hot loops")
     x = torch.randn(1 << 10)
     xs = [torch.randn(4096) for _ in range(200)]
-    t = {
-        "read_1k_s": best_per_call(lambda: zeroscan.stats(x).zeros, budget),
-        "sum_item_1k_s": best_per_call(lambda: x.sum().item(), budget),
-        "many_read_s": best_per_call(lambda: [s.zeros for s in zeroscan.stats_many(xs)], budget),
-        "loop_read_s": best_per_call(lambda: [zeroscan.stats(y).zeros for y in xs], budget),
-        "many_s": best_per_call(lambda: zeroscan.stats_many(xs), budget),
-        "loop_s": best_per_call(lambda: [zeroscan.stats(y) for y in xs], budget),
-    }
+    # Each call is timed in turn with its baseline (timing.best_in_turn), as
+    # the dtype tables are: timed one after the other, a ratio took the
+    # machine's drift between them (0.24-0.41 for one build's stats_many).
+    t: dict[str, float] = {}
+
+    def in_turn(key: str, fn: Callable[[], object], base_key: str, base: Callable[[], object]) -> None:
+        t[key], t[base_key] = best_in_turn([fn, base], 2 * budget)
+
+    in_turn("read_1k_s", lambda: zeroscan.stats(x).zeros, "sum_item_1k_s", lambda: x.sum().item())
+    in_turn("many_read_s", lambda: [s.zeros for s in zeroscan.stats_many(xs)],
+            "loop_read_s", lambda: [zeroscan.stats(y).zeros for y in xs])
+    in_turn("many_s", lambda: zeroscan.stats_many(xs), "loop_s", lambda: [zeroscan.stats(y) for y in xs])
     # The same with another process spinning beside it, as a training run's
     # data loaders do: a parallel region would wait for its descheduled thread.
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
-        t["busy_many_s"] = best_per_call(lambda: zeroscan.stats_many(xs), budget)
-        t["busy_loop_s"] = best_per_call(lambda: [zeroscan.stats(y) for y in xs], budget)
+        in_turn("busy_many_s", lambda: zeroscan.stats_many(xs), "busy_loop_s", lambda: [zeroscan.stats(y) for y in xs])
     finally:
         busy.kill()
         busy.wait()
