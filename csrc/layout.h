@@ -87,6 +87,10 @@ template <typename Visit>
 inline void for_each_run(const Layout& l, int64_t begin, int64_t end,
                          Visit&& visit) {
   if (begin >= end) return;
+  if (l.ndim == 1) {  // contiguous, or one stride: one run, and no division to find where it starts
+    visit(begin * l.strides[0], end - begin, l.strides[0]);
+    return;
+  }
   const int inner = l.ndim - 1;
   int64_t index[kMaxDims];
   int64_t rest = begin;
