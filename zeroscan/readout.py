@@ -47,16 +47,14 @@ class Readout:
         """One int64 word of row `index`."""
         if self._words is not None:  # a [16] buffer already read
             return self._words[column]
-        columns = self._columns
-        if columns is not None:  # an [N, 16] buffer, some column already listed
-            values = columns.get(column)
-            if values is not None:
-                return values[index]
-        if self.buffer.dim() == 1:
-            return self._row_words(0)[column]
-        if columns is None:
-            columns = self._columns = {}
-        values = columns[column] = self._array()[:, column].tolist()
+        columns = self._columns  # an [N, 16] buffer's columns listed so far
+        values = columns.get(column) if columns is not None else None
+        if values is None:
+            if self.buffer.dim() == 1:
+                return self._row_words(0)[column]
+            if columns is None:
+                columns = self._columns = {}
+            values = columns[column] = self._array()[:, column].tolist()
         return values[index]
 
     def histogram(self, index: int, dtype: torch.dtype) -> Histogram | None:
