@@ -230,15 +230,17 @@ ZS_INLINE VD high_to_double(Vec<T> v) {
 // The low half of float32 lanes plus the high half, in double. AVX2 widens
 // each half from a stored copy: vcvtps2pd from memory is one uop on the
 // ports that compute, where from a register it is two, and the high half
-// would take a vextractf128 before it (3 of the ~22 such uops of a float32
-// vector; 6-14 % off AVX2's float32, bfloat16 and float16 loops, cached).
-// AVX-512's loop measured slower so (its 64-byte store, perhaps), and keeps
-// the registers.
+// would take a vextractf128 before it (3 of the 22 such uops a float32
+// vector took; 6-14 % off AVX2's float32, bfloat16 and float16 loops,
+// cached). Widening float16 to float32 so too measured slower (a second
+// store and reload a vector).
+// AVX-512's float32 loop measured 14 % slower so on dense data (3-4 %
+// faster on the rest), and keeps the registers.
 ZS_INLINE VD halves_to_double(VF v) {
 #if ZS_TARGET_BYTES == 32 && ZS_TARGET_F16C
-  float stored[8];
-  __asm__("vmovups %1, %0" : "=m"(stored) : "x"(v));  // a store the compiler cannot fold away
-  return (VD)_mm256_cvtps_pd(_mm_loadu_ps(stored)) + (VD)_mm256_cvtps_pd(_mm_loadu_ps(stored + 4));
+  alignas(32) float stored[8];
+  __asm__("vmovaps %1, %0" : "=m"(stored) : "x"(v));  // a store the compiler cannot fold away
+  return (VD)_mm256_cvtps_pd(_mm_load_ps(stored)) + (VD)_mm256_cvtps_pd(_mm_load_ps(stored + 4));
 #else
   return low_to_double<float>(v) + high_to_double<float>(v);
 #endif
@@ -379,11 +381,11 @@ ZS_INLINE uint64_t lowest_key(typename LaneTypes<S>::VU lo) {
   return kLoIsKey<S> ? least - 1 : least;
 }
 
-// Counts one vector's nonzero, subnormal (where kAboveSub), above-bound
-// (classify.h's magnitude counts) and negative lanes; keeps the smallest nonzero key in `lo` (kLoIsKey) and,
-// where kTop, the max key in `top`. Returns the lanes above sub_max
-// (floats).
-template <typename S, bool kTop = true, bool kAboveSub = true>
+// Counts one vector's nonzero (where kNonzero), above-sub_max (where
+// kAboveSub), above-bound (classify.h's magnitude counts) and negative
+// lanes; keeps the smallest nonzero key in `lo` (kLoIsKey) and, where kTop,
+// the max key in `top`. Returns the lanes above sub_max (floats).
+template <typename S, bool kTop = true, bool kNonzero = true, bool kAboveSub = true>
 ZS_INLINE typename LaneTypes<S>::VI classify(typename LaneTypes<S>::VU raw,
                                              typename LaneTypes<S>::VU key,
                                              const VectorLimits<S>& lim, Counters<S>& c,
@@ -394,9 +396,9 @@ ZS_INLINE typename LaneTypes<S>::VI classify(typename LaneTypes<S>::VU raw,
   using VI = typename L::VI;
   using VU = typename L::VU;
   const VI nonzero = key != 0;
-  if constexpr (ZS_TARGET_MASKS) {
+  if constexpr (kNonzero && ZS_TARGET_MASKS) {
     c.nonzero = count(c.nonzero, nonzero);  // one test and one masked add
-  } else {
+  } else if constexpr (kNonzero) {
     c.nonzero += vmin(key, VU{} + 1);  // a compare would need a NOT
   }
   if constexpr (kLoIsKey<S>) {
@@ -956,11 +958,29 @@ ZS_INLINE void prefetch_ahead(const void* p) {
 // The passes that do not take care of subnormals (hot, and the one for NaN
 // and infinities) sum a run only when it holds no nonzero subnormal (one
 // with any is summed again by a pass that takes care of them), for the
-// dtypes that have such passes; so they do not count the lanes above
-// sub_max: in a run they sum, those are its nonzero lanes, and scan_runs
-// counts them one by one in the runs that hold subnormals.
+// dtypes that have such passes; so they count either the nonzero lanes or
+// those above sub_max: in a run they sum, the two are the same lanes, and
+// scan_runs counts the other one by one in the runs that hold subnormals.
 template <typename S, int kPass>
 constexpr bool kNonzeroIsAboveSub = (kPass == 0 || kPass == 1) && kSubnormalPass<S>;
+// Which of the two they count. Where compares give mask registers, the
+// nonzero lanes' mask is made anyway (for lo and the negative count) and
+// counts with one masked add; elsewhere the compare with sub_max is made
+// anyway (it picks the lanes summed) and counts with one subtraction, where
+// the nonzero count takes two (a min and an add): 1 of AVX2's 19 uops a
+// float32 vector (2-3 % off its float32 and bfloat16 loops, cached).
+constexpr bool kHotCountsNonzero = ZS_TARGET_MASKS;
+
+// The nonzero lanes of the vectors [0, vectors) at p (as count_above_sub).
+template <typename S>
+__attribute__((noinline)) ZS_TARGET_ATTR typename LaneTypes<S>::VU count_nonzero(const S* p, int64_t vectors) {
+  using L = LaneTypes<S>;
+  typename L::VU n{};
+  for (int64_t v = 0; v < vectors; ++v) {
+    n = count(n, key_of<S>(load<typename L::VU>(p + v * L::kLanes)) != 0);
+  }
+  return n;
+}
 
 // The lanes above sub_max of the vectors [0, vectors) at p, counted lane by
 // lane (returned, not added, so that no counter of the caller's loop has its
@@ -1026,7 +1046,9 @@ ZS_INLINE void scan_vector(const S* q, const VectorLimits<S>& lim, const MomentC
   // keep the largest key.
   VI above_sub{};
   if constexpr (kClassify) {
-    above_sub = classify<S, !P.non_finite, !kNonzeroIsAboveSub<S, kPass>>(raw, key, lim, c, lo, top);
+    constexpr bool kOne = kNonzeroIsAboveSub<S, kPass>;  // counts one of nonzero and above_sub
+    above_sub = classify<S, !P.non_finite, !kOne || kHotCountsNonzero, !kOne || !kHotCountsNonzero>(
+        raw, key, lim, c, lo, top);
   } else {
     const VI k = as<VI>(key);
     if constexpr (!P.non_finite) {
@@ -1330,11 +1352,17 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
       finite_top = reduce_max<U, kBytes>(top);  // NaN's keys too, where it holds any
       non_finite = finite_top > lim.scalar.finite_max;
     }
-    if constexpr (kNonzeroIsAboveSub<S, kPass>) {
+    if constexpr (kNonzeroIsAboveSub<S, kPass> && kHotCountsNonzero) {
       if (run_lo < lim.scalar.sub_max) {
         c.above_sub += count_above_sub<S>(p + begin * kLanes, len, lim);
       } else {
         c.above_sub += c.nonzero - nonzero_before;
+      }
+    } else if constexpr (kNonzeroIsAboveSub<S, kPass>) {
+      if (run_lo < lim.scalar.sub_max) {
+        c.nonzero += count_nonzero<S>(p + begin * kLanes, len);
+      } else {
+        c.nonzero += c.above_sub - above_sub_before;
       }
     }
     fold_when_full(c, st.totals, since_fold, len);
