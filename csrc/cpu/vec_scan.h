@@ -18,8 +18,9 @@
 // target attribute, so no copy compiled for a wider ISA can be linked into a
 // narrower path. Intrinsics appear only where the generic form compiles to
 // more instructions on x86: two conversions (float16 to float32 by F16C,
-// float32 to double), AVX2's psign (with_sign_of), and the test of whether
-// any lane is nonzero (any_lane: vptest, vptestmq, umaxv). The rest differs
+// float32 to double, on AVX2 from a stored copy: halves_to_double), AVX2's
+// psign (with_sign_of), and the test of whether any lane is nonzero
+// (any_lane: vptest, vptestmq, umaxv). The rest differs
 // between ISAs only where AVX-512's mask registers save an instruction: a
 // lane count is a masked add, and the smallest nonzero key, the negative
 // count and the largest finite key each one masked instruction (classify,
@@ -36,11 +37,12 @@
 //
 // What one vector costs (see classify.h for the classes): each class is one
 // compare and one lane count (the hot pass and the one for NaN and
-// infinities take the count above the subnormal bound from the nonzero
-// count, kNonzeroIsAboveSub); min/max |x| are integer min/max on the keys;
-// the moments are summed as the Moments section says, and no floating-point
-// instruction sees a subnormal input: float32 and bfloat16 subnormals are
-// taken through integers (their exact value is an integer times 2^-149).
+// infinities take one of the nonzero count and the count above the
+// subnormal bound from the other, kNonzeroIsAboveSub); min/max |x| are
+// integer min/max on the keys; the moments are summed as the Moments
+// section says, and no floating-point instruction sees a subnormal input:
+// float32 and bfloat16 subnormals are taken through integers (their exact
+// value is an integer times 2^-149).
 // float64 subnormals are the exception (float64 squares of them underflow
 // in double anyway): a run that holds one sums them in double as they are.
 // The rare kinds of value (NaN, infinities, subnormals) are taken care of
