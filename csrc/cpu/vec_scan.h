@@ -16,15 +16,15 @@
 //     files and scan_span.h's table do here.
 // Each target's functions live in a namespace of their own and carry their
 // target attribute, so no copy compiled for a wider ISA can be linked into a
-// narrower path. Intrinsics appear only where the generic form compiles to
-// more instructions on x86: two conversions (float16 to float32 by F16C,
-// float32 to double, on AVX2 from a stored copy: halves_to_double), AVX2's
-// psign (with_sign_of), and the test of whether any lane is nonzero
-// (any_lane: vptest, vptestmq, umaxv). The rest differs
-// between ISAs only where AVX-512's mask registers save an instruction: a
-// lane count is a masked add, and the smallest nonzero key, the negative
-// count and the largest finite key each one masked instruction (classify,
-// scan_vector).
+// narrower path. Intrinsics (and one asm store) appear only where the
+// generic form compiles to more instructions on x86: two conversions
+// (float16 to float32 by F16C, float32 to double, on AVX2 from a stored
+// copy: halves_to_double), AVX2's psign (with_sign_of), and the test of
+// whether any lane is nonzero (any_lane: vptest, vptestmq, umaxv). The rest
+// differs between ISAs only where AVX-512's mask registers save an
+// instruction: a lane count is a masked add, and the smallest nonzero key,
+// the negative count and the largest finite key each one masked
+// instruction (classify, scan_vector).
 //
 // Included with:
 //   ZS_TARGET          the namespace of this build: avx2, avx512, neon
@@ -241,7 +241,7 @@ ZS_INLINE VD high_to_double(Vec<T> v) {
 ZS_INLINE VD halves_to_double(VF v) {
 #if ZS_TARGET_BYTES == 32 && ZS_TARGET_F16C
   alignas(32) float stored[8];
-  __asm__("vmovaps %1, %0" : "=m"(stored) : "x"(v));  // a store the compiler cannot fold away
+  __asm__("vmovaps {%1, %0|%0, %1}" : "=m"(stored) : "x"(v));  // a store the compiler cannot fold away
   return (VD)_mm256_cvtps_pd(_mm_load_ps(stored)) + (VD)_mm256_cvtps_pd(_mm_load_ps(stored + 4));
 #else
   return low_to_double<float>(v) + high_to_double<float>(v);
