@@ -962,7 +962,8 @@ ZS_INLINE void prefetch_ahead(const void* p) {
 // with any is summed again by a pass that takes care of them), for the
 // dtypes that have such passes; so they count either the nonzero lanes or
 // those above sub_max: in a run they sum, the two are the same lanes, and
-// scan_runs counts the other one by one in the runs that hold subnormals.
+// scan_runs counts the other one by one in the runs that hold subnormals
+// (count_uncounted).
 template <typename S, int kPass>
 constexpr bool kNonzeroIsAboveSub = (kPass == 0 || kPass == 1) && kSubnormalPass<S>;
 // Which of the two they count. Where compares give mask registers, the
@@ -973,28 +974,18 @@ constexpr bool kNonzeroIsAboveSub = (kPass == 0 || kPass == 1) && kSubnormalPass
 // float32 vector (2-3 % off its float32 and bfloat16 loops, cached).
 constexpr bool kHotCountsNonzero = ZS_TARGET_MASKS;
 
-// The nonzero lanes of the vectors [0, vectors) at p (as count_above_sub).
+// The lanes of the vectors [0, vectors) at p that a hot pass did not count
+// (kHotCountsNonzero): above sub_max, or nonzero. Counted lane by lane and
+// returned, not added, so that no counter of the caller's loop has its
+// address taken, which would keep it in memory there.
 template <typename S>
-__attribute__((noinline)) ZS_TARGET_ATTR typename LaneTypes<S>::VU count_nonzero(const S* p, int64_t vectors) {
-  using L = LaneTypes<S>;
-  typename L::VU n{};
-  for (int64_t v = 0; v < vectors; ++v) {
-    n = count(n, key_of<S>(load<typename L::VU>(p + v * L::kLanes)) != 0);
-  }
-  return n;
-}
-
-// The lanes above sub_max of the vectors [0, vectors) at p, counted lane by
-// lane (returned, not added, so that no counter of the caller's loop has its
-// address taken, which would keep it in memory there).
-template <typename S>
-__attribute__((noinline)) ZS_TARGET_ATTR typename LaneTypes<S>::VU count_above_sub(const S* p, int64_t vectors,
+__attribute__((noinline)) ZS_TARGET_ATTR typename LaneTypes<S>::VU count_uncounted(const S* p, int64_t vectors,
                                                                                    const VectorLimits<S>& lim) {
   using L = LaneTypes<S>;
   typename L::VU n{};
   for (int64_t v = 0; v < vectors; ++v) {
     const typename L::VI k = as<typename L::VI>(key_of<S>(load<typename L::VU>(p + v * L::kLanes)));
-    n = count(n, k > lim.sub_max);
+    n = count(n, kHotCountsNonzero ? k > lim.sub_max : k != 0);
   }
   return n;
 }
@@ -1354,18 +1345,12 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
       finite_top = reduce_max<U, kBytes>(top);  // NaN's keys too, where it holds any
       non_finite = finite_top > lim.scalar.finite_max;
     }
-    if constexpr (kNonzeroIsAboveSub<S, kPass> && kHotCountsNonzero) {
-      if (run_lo < lim.scalar.sub_max) {
-        c.above_sub += count_above_sub<S>(p + begin * kLanes, len, lim);
-      } else {
-        c.above_sub += c.nonzero - nonzero_before;
-      }
-    } else if constexpr (kNonzeroIsAboveSub<S, kPass>) {
-      if (run_lo < lim.scalar.sub_max) {
-        c.nonzero += count_nonzero<S>(p + begin * kLanes, len);
-      } else {
-        c.nonzero += c.above_sub - above_sub_before;
-      }
+    if constexpr (kNonzeroIsAboveSub<S, kPass>) {
+      // The count the pass did not make: the one it made, unless the run
+      // holds subnormals.
+      VU& uncounted = kHotCountsNonzero ? c.above_sub : c.nonzero;
+      const VU counted = kHotCountsNonzero ? c.nonzero - nonzero_before : c.above_sub - above_sub_before;
+      uncounted += run_lo < lim.scalar.sub_max ? count_uncounted<S>(p + begin * kLanes, len, lim) : counted;
     }
     fold_when_full(c, st.totals, since_fold, len);
     const Pass needed = needed_pass<S>(non_finite, finite_top, run_lo, lim, mc.small_shift);
