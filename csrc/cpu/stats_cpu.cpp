@@ -66,7 +66,9 @@ inline double chain_total(const double (&chains)[kShiftChains]) {
 // that mean lies within one standard deviation of 0: such values need no
 // shift to keep the second moment from cancelling, and with none every
 // exact zero adds exactly nothing to the sums (mostly-zero data would
-// otherwise add -shift once per zero and round at every add).
+// otherwise add -shift once per zero and round at every add). With the
+// sample's mean m and mean square q, the test m^2 > q - m^2 needs one pass
+// over it and subtracts nothing.
 template <typename S>
 double pick_shift(const Layout& l, const S* data, int64_t begin, int64_t end) {
   // The sample's finite values and 1, or 0 and 0 (non-finite values and
@@ -87,26 +89,23 @@ double pick_shift(const Layout& l, const S* data, int64_t begin, int64_t end) {
   // of its whole scan (stats_many of 4K-element tensors).
   const int64_t groups = (n + kShiftChains - 1) / kShiftChains;
   for (int64_t k = n; k < groups * kShiftChains; ++k) value[k] = weight[k] = 0.0;
-  double sum[kShiftChains] = {}, count[kShiftChains] = {};
+  double sum[kShiftChains] = {}, squares[kShiftChains] = {}, count[kShiftChains] = {};
   for (int64_t g = 0; g < groups; ++g) {
 #pragma GCC unroll 8
     for (int j = 0; j < kShiftChains; ++j) {
-      sum[j] += value[g * kShiftChains + j];
+      const double v = value[g * kShiftChains + j];
+      sum[j] += v;
+      squares[j] += v * v;
       count[j] += weight[g * kShiftChains + j];
     }
   }
   const double finite_count = chain_total(count);
   if (finite_count == 0.0) return 0.0;
   const double mean = chain_total(sum) / finite_count;
-  double m2[kShiftChains] = {};
-  for (int64_t g = 0; g < groups; ++g) {
-#pragma GCC unroll 8
-    for (int j = 0; j < kShiftChains; ++j) {
-      const double d = (value[g * kShiftChains + j] - mean) * weight[g * kShiftChains + j];
-      m2[j] += d * d;
-    }
-  }
-  const bool offset = mean * mean > chain_total(m2) / finite_count;
+  const double mean_square = chain_total(squares) / finite_count;
+  // Squares past float64's range (values beyond ~1e154) take the mean, which
+  // keeps the shifted squares in range where the values are close together.
+  const bool offset = !std::isfinite(mean_square) || 2.0 * mean * mean > mean_square;
   return offset ? as_shift<S>(mean) : 0.0;
 }
 
