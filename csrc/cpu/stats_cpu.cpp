@@ -61,14 +61,17 @@ inline double chain_total(const double (&chains)[kShiftChains]) {
   return total;
 }
 
-// The shift is the mean of the first finite values of the chunk, close to
-// the chunk's mean, so the shifted second moment barely cancels; or 0 when
-// that mean lies within one standard deviation of 0: such values need no
-// shift to keep the second moment from cancelling, and with none every
-// exact zero adds exactly nothing to the sums (mostly-zero data would
-// otherwise add -shift once per zero and round at every add). With the
-// sample's mean m and mean square q, the test m^2 > q - m^2 needs one pass
-// over it and subtracts nothing.
+// The shift is the mean of the finite values among the chunk's first
+// kShiftSample, close to the chunk's mean, so the shifted second moment
+// barely cancels; or 0 when that mean lies within one standard deviation of
+// 0: such values need no shift to keep the second moment from cancelling,
+// and with none every exact zero adds exactly nothing to the sums
+// (mostly-zero data would otherwise add -shift once per zero and round at
+// every add). With the sample's mean m and mean square q that test, m^2 >
+// q - m^2, is 2 m^2 > q: one pass over the sample, nothing subtracted.
+// float64 samples whose squares overflow take the mean whatever their
+// spread (where it is wide, the chunk's sums overflow too, and
+// downscaled_moments sums it again about its own mean).
 template <typename S>
 double pick_shift(const Layout& l, const S* data, int64_t begin, int64_t end) {
   // The sample's finite values and 1, or 0 and 0 (non-finite values and
@@ -103,8 +106,6 @@ double pick_shift(const Layout& l, const S* data, int64_t begin, int64_t end) {
   if (finite_count == 0.0) return 0.0;
   const double mean = chain_total(sum) / finite_count;
   const double mean_square = chain_total(squares) / finite_count;
-  // Squares past float64's range (values beyond ~1e154) take the mean, which
-  // keeps the shifted squares in range where the values are close together.
   const bool offset = !std::isfinite(mean_square) || 2.0 * mean * mean > mean_square;
   return offset ? as_shift<S>(mean) : 0.0;
 }

@@ -766,8 +766,9 @@ ZS_INLINE void add_doubles(Vec<uint64_t> bits, VD shift, RunSums& r) {
 // they can pass 65535 (WindowCounts).
 //
 // Cost per group of float32 lanes: 2 instructions for the field, 1 for the
-// window's offset, and 3 for each counter (a subtraction, the shift, the
-// addition); no compare, no branch, nothing that depends on the values.
+// window's offset (the first counter's shift count), and for each counter
+// the shift and the addition, and but for the first a subtraction: 11 for 3
+// counters; no compare, no branch, nothing that depends on the values.
 
 // 8 fields per 32-bit counter lane.
 constexpr int kNibbleCounters = kWindowFields / 8;
