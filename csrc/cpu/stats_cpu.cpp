@@ -75,7 +75,9 @@ inline double chain_total(const double (&chains)[kShiftChains]) {
 template <typename S>
 double pick_shift(const Layout& l, const S* data, int64_t begin, int64_t end) {
   // The sample's finite values and 1, or 0 and 0 (non-finite values and
-  // the padding to whole groups of kShiftChains).
+  // the padding to whole groups of kShiftChains). The weights are summed in
+  // chains with the values: an integer count of the finite values in this
+  // loop took ~30 ns a sample longer.
   double value[kShiftSample], weight[kShiftSample];  // only as far as filled: zeroing all cost more than the sums
   int64_t n = 0;
   const int64_t stop = std::min(end, begin + kShiftSample);
