@@ -43,6 +43,8 @@ float value(std::mt19937_64& rng, const char* dist) {
   if (std::strcmp(dist, "subnormal_0.1") == 0 && rng() % 1000 == 0) v *= 1e-40f;
   if (std::strcmp(dist, "subnormal_3") == 0 && rng() % 100 < 3) v *= 1e-40f;
   if (std::strcmp(dist, "subnormal_30") == 0 && rng() % 100 < 30) v *= 1e-40f;
+  if (std::strcmp(dist, "nonfinite_0.01") == 0 && rng() % 10000 == 0) v = rng() % 2 ? NAN : INFINITY;
+  if (std::strcmp(dist, "nonfinite_0.1") == 0 && rng() % 1000 == 0) v = rng() % 2 ? NAN : INFINITY;
   if (std::strcmp(dist, "nonfinite_1") == 0 && rng() % 100 == 0) v = rng() % 2 ? NAN : INFINITY;
   if (std::strcmp(dist, "zeros_50") == 0 && rng() % 2 == 0) v = 0.0f;
   return v;
@@ -71,7 +73,7 @@ template <typename S>
 void measure(const char* dtype, double tiny, const std::vector<VectorPath>& paths) {
   const zs::Limits lim = zs::limits_for<S>(tiny, 1e-7);
   for (const char* dist : {"randn", "zeros_50", "all_subnormal", "subnormal_0.1", "subnormal_3", "subnormal_30",
-                           "nonfinite_1"}) {
+                           "nonfinite_0.01", "nonfinite_0.1", "nonfinite_1"}) {
     std::mt19937_64 rng(7);
     std::vector<S> x(kElements);
     for (auto& e : x) e = narrow<S>(value(rng, dist));
