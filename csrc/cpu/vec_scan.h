@@ -967,21 +967,6 @@ ZS_INLINE void prefetch_ahead(const void* p) {
 // (count_uncounted).
 template <typename S, int kPass>
 constexpr bool kNonzeroIsAboveSub = (kPass == 0 || kPass == 1) && kSubnormalPass<S>;
-// Where compares give no mask registers, the float32 passes that take care
-// of subnormals (2 and 3) count no nonzero lanes in classify either: a
-// nonzero lane is one above sub_max or a nonzero subnormal, and they count
-// the second in the vectors that hold subnormals, beside the work those do
-// anyway (scan_vector), and the first from the count above sub_max at the
-// end of each run (scan_runs). That takes two of AVX2's uops and a counter
-// off its 16 registers in every vector without subnormals: cached float32
-// with 0.1 %, 3 % and 30 % subnormal took 9 %, 6 % and 3 % less time.
-// bfloat16 vectors hold subnormals twice as often, and with 30 % subnormal
-// took 3.6 % longer (the count and its counter then only move into the
-// vectors' subnormal work); AVX-512 counts the nonzero lanes with one masked
-// add of a mask it makes anyway, and took 2 % longer with 3 % and 30 %.
-template <typename S, int kPass>
-constexpr bool kSubnormalsCountNonzero =
-    !ZS_TARGET_MASKS && std::is_same_v<S, float> && (kPass == 2 || kPass == 3);
 // Which of the two they count. Where compares give mask registers, the
 // nonzero lanes' mask is made anyway (for lo and the negative count) and
 // counts with one masked add; elsewhere the compare with sub_max is made
@@ -989,6 +974,22 @@ constexpr bool kSubnormalsCountNonzero =
 // the nonzero count takes two (a min and an add): 1 of AVX2's 19 uops a
 // float32 vector (2-3 % off its float32 and bfloat16 loops, cached).
 constexpr bool kHotCountsNonzero = ZS_TARGET_MASKS;
+// With 16 registers (AVX2), the float32 passes that take care of
+// subnormals (2 and 3) count no nonzero lanes in classify either: a nonzero
+// lane is one above sub_max or a nonzero subnormal, and they count the
+// second in the vectors that hold subnormals, beside the work those do
+// anyway (scan_vector), and the first from the count above sub_max at the
+// end of each run (scan_runs). That takes two uops and a counter off the 16
+// registers in every vector without subnormals: cached float32 with 0.1 %,
+// 3 % and 30 % subnormal took 0.383 -> 0.347, 0.396 -> 0.374 and 0.404 ->
+// 0.392 ns an element (span_speed, builds in turn, best of 7). A bfloat16
+// vector has twice the lanes, so at 30 % subnormal nearly every one holds
+// some and the count only moves: it took 3.6 % longer. AVX-512 counts the
+// nonzero lanes with one masked add of a mask it makes anyway, and took 2 %
+// longer with 3 % and 30 %; NEON, with 32 registers, keeps its count too.
+template <typename S, int kPass>
+constexpr bool kSubnormalsCountNonzero =
+    ZS_TARGET_REGISTERS < 32 && std::is_same_v<S, float> && (kPass == 2 || kPass == 3);
 
 // The lanes of the vectors [0, vectors) at p that a hot pass did not count
 // (kHotCountsNonzero): above sub_max, or nonzero. Counted lane by lane and
@@ -1292,12 +1293,14 @@ bool outside_window(const RunScale& rs, uint64_t top, const VectorLimits<S>& lim
 }
 
 // Which pass reads the runs after one that needed more than its pass took
-// care of (and was summed again): the pass that takes care of its kinds too
-// where the runs before it held them lately, the same pass otherwise. A
-// careful pass costs each run more than the hot one (~0.3-0.45 of a run on
-// AVX2 and AVX-512), and summing a run again costs one careful run, so it
-// pays to stay careful where more than about a quarter of the runs need it:
-// a NaN or a subnormal in every few runs, not in every tenth. Taking the
+// care of (and was summed again): one that takes care of the kinds the run
+// held where runs held them lately (within kGap runs), and of the kinds
+// the pass took care of where runs held them within its lingering (kLinger
+// runs); the hot pass where neither; after a tiny run the tiny pass (the
+// runs of underflowed data come together). A careful run costs 1.3-1.45
+// hot ones (AVX2 and AVX-512), and summing a run again one careful run, so
+// it pays to stay careful where more than about a quarter of the runs need
+// it: a NaN or a subnormal in every few runs, not in every tenth. Taking the
 // careful pass after the first run that needed it (and leaving it after 4
 // that did not) read a 64K-element span with a NaN or infinity every
 // 10,000 values 3-13 % slower than this rule (float32, bfloat16, float16;
@@ -1305,9 +1308,10 @@ bool outside_window(const RunScale& rs, uint64_t top, const VectorLimits<S>& lim
 // over the clean runs that followed each NaN.
 // A span starts as if its run -1 held every kind, so that data with a rare
 // kind in every run takes the careful pass from its first run, as before.
-// kGap: the runs since the last one that needed a kind within which it
-// counts as lately; kLinger: the runs in a row that a careful pass reads
-// without needing it before it gives way.
+// kGap: the runs since the last one that held a kind within which it
+// counts as lately; kLinger: the runs in a row that a careful pass reads,
+// each needing less than it takes care of, before it gives way to the pass
+// the last one needed (scan_runs).
 constexpr int64_t kGap = 3;
 constexpr int kLinger = 6;
 
@@ -1315,10 +1319,12 @@ constexpr int kLinger = 6;
 // needed `needed`) or whose scale it did not have.
 template <typename S>
 Pass pass_after(Pass P, Pass needed, int64_t run, const SpanState<S>& st) {
-  if (needed.tiny) return P.with(needed);  // underflowed data comes in spans
+  if (needed.tiny) return P.with(needed);
+  const Pass kept{P.non_finite && (needed.non_finite || run - st.last_non_finite <= kLinger),
+                  P.subnormal && (needed.subnormal || run - st.last_subnormal <= kLinger), false};
   const Pass lately{needed.non_finite && run - st.last_non_finite <= kGap,
                     needed.subnormal && run - st.last_subnormal <= kGap, false};
-  return P.with(lately);
+  return kept.with(lately);
 }
 
 // Notes the rare kinds run `run` held (after pass_after has read the
