@@ -1417,12 +1417,10 @@ __attribute__((noinline)) ZS_TARGET_ATTR Stop scan_runs(const S* p, int64_t vect
     }
     fold_when_full(c, st.totals, since_fold, len);
     const Pass needed = needed_pass<S>(non_finite, finite_top, run_lo, lim, mc.small_shift);
-    if (!P.covers(needed) || outside_window<S>(mc.rs, finite_top, lim)) {
-      stop = Stop{run, true, P.with(needed), pass_after<S>(P, needed, run, st)};
-      note_kinds<S>(needed, run, st);
-      break;
-    }
+    const bool resum = !P.covers(needed) || outside_window<S>(mc.rs, finite_top, lim);
+    if (resum) stop = Stop{run, true, P.with(needed), pass_after<S>(P, needed, run, st)};
     note_kinds<S>(needed, run, st);
+    if (resum) break;
     add_run<S>(sums, r, mc.rs.unscale);
     hi = std::max(hi, finite_top);
     // A pass that takes care of more than the runs need lingers for
