@@ -3,8 +3,9 @@
 // element over a 64K-element span that stays in the core's caches, beside a
 // plain float32 sum of the same bytes. Built and run by bench_span.py.
 //
-//   span_speed    one line per build, dtype and distribution, then one per
-//                 build and span size (float32 randn, ns per call)
+//   span_speed    one line per build, dtype and distribution (and one for
+//                 the same scan with the histogram's count, "BUILD+histogram"),
+//                 then one per build and span size (float32 randn, ns per call)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "../csrc/cpu/count_fields.h"
 #include "../csrc/cpu/scan_span.h"
 
 namespace zs = zeroscan;
@@ -69,6 +71,21 @@ S narrow(float v) {
   }
 }
 
+// The same scan with the histogram's count, as tally_chunk runs it for one
+// span of a chunk: where the build counts as it scans (AVX-512, NEON), in
+// its loop; else by a pass of its own over the span after it (AVX2), and
+// one element at a time on the scalar path.
+template <typename S>
+void scan_with_fields(VectorPath path, const S* x, const zs::Limits& lim) {
+  zs::cpu::FieldCounter<S> counter(path);
+  zs::Tally<S, int64_t> t;
+  zs::cpu::scan_span_on(path, x, kElements, lim, 0.0, t, counter.before_scan(x, kElements, -1));
+  counter.add(x, kElements, t.at_most_sub, t.numel - t.finite, zs::Binning<S>::field(t.hi));
+  int64_t fields[zs::Binning<S>::kFields] = {};
+  counter.write(fields);
+  __asm__ volatile("" : : "r"(fields) : "memory");
+}
+
 template <typename S>
 void measure(const char* dtype, double tiny, const std::vector<VectorPath>& paths) {
   const zs::Limits lim = zs::limits_for<S>(tiny, 1e-7);
@@ -86,6 +103,8 @@ void measure(const char* dtype, double tiny, const std::vector<VectorPath>& path
           },
           kElements);
       std::printf("%s %s %s %.4f\n", zs::cpu::vector_path_name(path), dtype, dist, ns);
+      const double with_fields = best_ns_per_element([&] { scan_with_fields(path, x.data(), lim); }, kElements);
+      std::printf("%s+histogram %s %s %.4f\n", zs::cpu::vector_path_name(path), dtype, dist, with_fields);
     }
   }
 }
