@@ -4,7 +4,7 @@ one thread, nanoseconds per element over a 64K-element span that stays in
 the core's caches, for every build this CPU runs (scalar, AVX2, AVX-512, or
 NEON on Arm), float32, bfloat16, float16 and float8_e4m3fn, and the
 distributions whose passes differ (dense, half zeros, all subnormal, 0.1 %,
-3 % and 30 % subnormal, 1 % NaN/Inf). Each build's column has a twin,
+3 % and 30 % subnormal, 0.01 %, 0.1 % and 1 % NaN/Inf). Each build's column has a twin,
 BUILD+histogram: the same scan with the histogram's count as a chunk runs it
 (in the scan's loop where the build counts there, else a pass of its own
 after it). Then what a span of 16 to 64K float32 elements costs per call,
@@ -13,7 +13,8 @@ the scan's fixed cost among it.
 A build is memory-bound at 64M elements when its time here is below the
 time per element one core's share of memory bandwidth allows (bench_cpu.py's
 floor: x.sum() time / elements x threads). Its time here over that share
-bounds its 64M ratio from below, whatever the scan overlaps with memory.
+bounds its 64M ratio to the fastest floor from below, whatever the scan
+overlaps with memory.
 
     python benchmarks/bench_span.py          # needs a C++17 compiler (CXX, default g++)
 """

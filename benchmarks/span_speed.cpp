@@ -72,9 +72,10 @@ S narrow(float v) {
 }
 
 // The same scan with the histogram's count, as tally_chunk runs it for one
-// span of a chunk: where the build counts as it scans (AVX-512, NEON), in
-// its loop; else by a pass of its own over the span after it (AVX2), and
-// one element at a time on the scalar path.
+// span of a chunk (a contiguous 64K-element chunk is one span, so the
+// counter is made once per span there too): where the build counts as it
+// scans (AVX-512, NEON), in its loop; else by a pass of its own over the
+// span after it (AVX2), and one element at a time on the scalar path.
 template <typename S>
 void scan_with_fields(VectorPath path, const S* x, const zs::Limits& lim) {
   zs::cpu::FieldCounter<S> counter(path);
@@ -83,7 +84,7 @@ void scan_with_fields(VectorPath path, const S* x, const zs::Limits& lim) {
   counter.add(x, kElements, t.at_most_sub, t.numel - t.finite, zs::Binning<S>::field(t.hi));
   int64_t fields[zs::Binning<S>::kFields] = {};
   counter.write(fields);
-  __asm__ volatile("" : : "r"(fields) : "memory");
+  __asm__ volatile("" : : "r"(fields), "r"(&t) : "memory");
 }
 
 template <typename S>
