@@ -80,8 +80,7 @@ template <typename S>
 void scan_with_fields(VectorPath path, const S* x, const zs::Limits& lim) {
   zs::cpu::FieldCounter<S> counter(path);
   zs::Tally<S, int64_t> t;
-  zs::cpu::scan_span_on(path, x, kElements, lim, 0.0, t, counter.before_scan(x, kElements, -1));
-  counter.add(x, kElements, t.at_most_sub, t.numel - t.finite, zs::Binning<S>::field(t.hi));
+  counter.scan(x, kElements, lim, 0.0, t);
   int64_t fields[zs::Binning<S>::kFields] = {};
   counter.write(fields);
   __asm__ volatile("" : : "r"(fields), "r"(&t) : "memory");

@@ -266,10 +266,7 @@ void compare_fields(const char* dtype, VectorPath path, const std::string& dist,
     zs::Tally<S, int64_t> t;  // the spans so far, as tally_chunk keeps it
     for (int64_t begin = 0; begin < n; begin += span) {
       const int64_t len = std::min(span, n - begin);
-      const int64_t at_most_sub = t.at_most_sub, non_finite = t.numel - t.finite;
-      zs::cpu::FieldWindow* window = counter.before_scan(p + begin, len, t.numel > 0 ? B::field(t.hi) : -1);
-      zs::cpu::scan_span_on(path, p + begin, len, lim, 0.0, t, window);
-      counter.add(p + begin, len, t.at_most_sub - at_most_sub, t.numel - t.finite - non_finite, B::field(t.hi));
+      counter.scan(p + begin, len, lim, 0.0, t);
     }
     std::vector<int64_t> got(B::kFields);
     counter.write(got.data());
@@ -309,9 +306,7 @@ void check_long_span(const char* dtype, VectorPath path, const zs::Limits& lim) 
     if (top_first) data[0] = float_of<S>(lim.finite_max, false);
     zs::cpu::FieldCounter<S> counter(path);
     zs::Tally<S, int64_t> t;
-    zs::cpu::FieldWindow* window = counter.before_scan(data.data(), n, -1);
-    zs::cpu::scan_span_on(path, data.data(), n, lim, 0.0, t, window);
-    counter.add(data.data(), n, t.at_most_sub, t.numel - t.finite, B::field(t.hi));
+    counter.scan(data.data(), n, lim, 0.0, t);
     std::vector<int64_t> got(B::kFields);
     counter.write(got.data());
     const std::vector<int64_t> want = reference_fields(data.data(), n);

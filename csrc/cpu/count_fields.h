@@ -105,6 +105,33 @@ class FieldCounter {
   explicit FieldCounter(VectorPath path = vector_path())
       : path_(path), scan_counts_(kScanCountsFields<S> && scan_counts_fields_on(path)) {}
 
+  // Scans p ([n] contiguous) on the counter's path into `t`, the tally of
+  // the spans before p (as tally_chunk keeps it), and counts p's fields:
+  // into the window the scan counts as it reads where its build does, and
+  // the rest after it, while p is in the core's caches.
+  void scan(const S* p, int64_t n, const Limits& lim, double shift, Tally<S, int64_t>& t) {
+    const int64_t at_most_sub = t.at_most_sub, non_finite = t.numel - t.finite;
+    FieldWindow* window = before_scan(p, n, t.numel > 0 ? B::field(t.hi) : -1);
+    scan_span_on(path_, p, n, lim, shift, t, window);
+    add(p, n, t.at_most_sub - at_most_sub, t.numel - t.finite - non_finite, B::field(t.hi));
+  }
+
+  // How many elements the windowed count took one at a time: the spans'
+  // scalar tails, and every element of a span whose fields the windows did
+  // not cover (tests/span_check.cpp holds ordinary data to the tails
+  // alone). 0 where the count is not windowed (ScalarFieldCounter).
+  int64_t counted_singly() const { return singly_; }
+
+  // fields: [B::kFields], added to.
+  void write(int64_t* fields) {
+    if constexpr (kWindowedFields<S>) {
+      fold_window();
+      for (int f = 0; f < B::kFields; ++f) fields[f] += counts_[f];
+    }
+    scalar_.write(fields);
+  }
+
+ private:
   // Before the scan of p ([n] contiguous) on the counter's path: the window
   // the scan counts the fields of its vector part into where its build
   // counts as it reads, and in which every vector build notes the field of
@@ -132,22 +159,6 @@ class FieldCounter {
     scalar_.add(p, n);
   }
 
-  // How many elements the windowed count took one at a time: the spans'
-  // scalar tails, and every element of a span whose fields the windows did
-  // not cover (tests/span_check.cpp holds ordinary data to the tails
-  // alone). 0 where the count is not windowed (ScalarFieldCounter).
-  int64_t counted_singly() const { return singly_; }
-
-  // fields: [B::kFields], added to.
-  void write(int64_t* fields) {
-    if constexpr (kWindowedFields<S>) {
-      fold_window();
-      for (int f = 0; f < B::kFields; ++f) fields[f] += counts_[f];
-    }
-    scalar_.write(fields);
-  }
-
- private:
   static constexpr int kW = kWindowFields;
   static constexpr int64_t kCalibrate = 256;  // elements whose largest field places a first window
   static constexpr int kHeadroom = 2;         // fields of the window above the largest seen

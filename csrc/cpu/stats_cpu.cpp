@@ -118,20 +118,13 @@ template <typename S>
 Tally<S, int64_t> tally_chunk(const Layout& l, const S* data, int64_t begin, int64_t end,
                               const Limits& lim, double shift, FieldCounter<S>* fields) {
   Tally<S, int64_t> tally;
-  // Scans one span, counting its fields into the counter's window as it
-  // reads them where the counter gives one, then tells the counter what the
-  // scan found: how many of its elements are zero or subnormal, and NaN or
-  // infinite, and the largest |x| so far.
+  // Scans one span, counting its fields where the chunk has a counter.
   auto scan = [&](const S* p, int64_t n) {
     if (fields == nullptr) {
       scan_span(p, n, lim, shift, tally);
-      return;
+    } else {
+      fields->scan(p, n, lim, shift, tally);
     }
-    const int64_t at_most_sub = tally.at_most_sub, non_finite = tally.numel - tally.finite;
-    const int seen = tally.numel > 0 ? Binning<S>::field(tally.hi) : -1;
-    scan_span(p, n, lim, shift, tally, fields->before_scan(p, n, seen));
-    fields->add(p, n, tally.at_most_sub - at_most_sub, tally.numel - tally.finite - non_finite,
-                Binning<S>::field(tally.hi));
   };
   S buffer[kGather];
   int64_t filled = 0;
