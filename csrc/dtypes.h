@@ -8,7 +8,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "stats_record.h"
@@ -60,12 +59,24 @@ using UnsignedOf = std::conditional_t<
     Bytes == 1, uint8_t,
     std::conditional_t<Bytes == 2, uint16_t, std::conditional_t<Bytes == 4, uint32_t, uint64_t>>>;
 
-template <typename To, typename From>
-ZS_HD To bit_cast_to(From x) {
-  static_assert(sizeof(To) == sizeof(From), "bit_cast_to: sizes differ");
-  To out;
-  memcpy(&out, &x, sizeof(To));
-  return out;
+// A stored element's raw bits, and the element that holds given bits. The
+// storage structs above are read and built through their member (bit_cast_to
+// takes scalars only).
+template <typename S>
+ZS_HD UnsignedOf<sizeof(S)> storage_bits(S x) {
+  if constexpr (std::is_scalar_v<S>) {
+    return bit_cast_to<UnsignedOf<sizeof(S)>>(x);
+  } else {
+    return x.bits;
+  }
+}
+template <typename S>
+ZS_HD S storage_of_bits(UnsignedOf<sizeof(S)> bits) {
+  if constexpr (std::is_scalar_v<S>) {
+    return bit_cast_to<S>(bits);
+  } else {
+    return S{bits};
+  }
 }
 
 // A float from a sign bit and the float32 pattern of |x| (which may be NaN).
@@ -109,7 +120,7 @@ struct FloatFormat {
   static constexpr key_t kSignBit = key_t(key_t(1) << (8 * sizeof(S) - 1));
   static constexpr key_t kAbsMask = key_t(kSignBit - 1);
   static constexpr key_t kMaxKey = kAbsMask;  // keys of |x| never exceed it
-  ZS_HD static key_t bits(S x) { return bit_cast_to<key_t>(x); }
+  ZS_HD static key_t bits(S x) { return storage_bits(x); }
   ZS_HD static key_t key(S x) { return key_t(bits(x) & kAbsMask); }
   ZS_HD static bool negative_sign(S x) { return (bits(x) & kSignBit) != 0; }
 };

@@ -8,7 +8,7 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define ZS_HD __host__ __device__ __forceinline__
@@ -17,6 +17,20 @@
 #endif
 
 namespace zeroscan {
+
+// The bits of scalar x as a scalar To of the same size. __builtin_bit_cast
+// rather than memcpy: where the host compiler fortifies memcpy (Ubuntu's g++
+// defines _FORTIFY_SOURCE when it optimizes), nvcc compiles a device-side
+// memcpy differently, and the float16 scan spilled registers with the
+// define and not without. Scalars only: nvcc's device compiler fails on a struct (an internal
+// compiler error), so dtypes.h reads the storage structs through their member
+// (storage_bits) and fast_tally.cuh has its own casts for CUDA's __half2.
+template <typename To, typename From>
+ZS_HD To bit_cast_to(From x) {
+  static_assert(std::is_scalar_v<To> && std::is_scalar_v<From>, "bit_cast_to: scalars only");
+  static_assert(sizeof(To) == sizeof(From), "bit_cast_to: sizes differ");
+  return __builtin_bit_cast(To, x);
+}
 
 // Columns of one result row: an int64 [kNumFields] record per scanned tensor.
 // Counts are stored as int64 so they stay exact; the float64 fields are stored
@@ -74,8 +88,7 @@ ZS_HD Partial empty_partial() {
 // are not), by its bits: the same test on the host and the device.
 constexpr double kMaxDouble = 0x1.fffffffffffffp1023;
 ZS_HD bool finite_double(double v) {
-  uint64_t bits;
-  memcpy(&bits, &v, sizeof(bits));
+  const uint64_t bits = bit_cast_to<uint64_t>(v);
   return (bits & 0x7fffffffffffffffull) < 0x7ff0000000000000ull;
 }
 
@@ -204,15 +217,11 @@ ZS_HD void repeat(Partial& p, int64_t k) {
 }
 
 ZS_HD void store_double(int64_t* slot, double v) {
-  int64_t bits;
-  memcpy(&bits, &v, sizeof(bits));
-  *slot = bits;
+  *slot = bit_cast_to<int64_t>(v);
 }
 
 ZS_HD double load_double(const int64_t* slot) {
-  double v;
-  memcpy(&v, slot, sizeof(v));
-  return v;
+  return bit_cast_to<double>(*slot);
 }
 
 // row: [kNumFields]

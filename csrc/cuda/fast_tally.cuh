@@ -33,7 +33,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #if defined(__CUDACC__)
@@ -429,13 +428,30 @@ struct FastTally<float, kByFields> {
 // rounding cannot change.
 ZS_FHD constexpr uint32_t pair(uint16_t v) { return v | (static_cast<uint32_t>(v) << 16); }
 
+// CUDA's __half and __half2 are structs, which bit_cast_to does not take.
+// __half goes through its raw struct. __half2 is copied from its word by
+// __builtin_memcpy (never a fortified memcpy, see bit_cast_to), which ptxas
+// reads as a move: built from __half2_raw it cost a shift and a byte permute
+// a word in the float16 scan.
+ZS_FHD __half half_of_bits(uint16_t bits) {
+  __half_raw r;
+  r.x = bits;
+  return __half(r);
+}
+ZS_FHD uint16_t bits_of_half(__half h) { return static_cast<__half_raw>(h).x; }
+ZS_FHD __half2 half2_of_bits(uint32_t w) {
+  __half2 h;
+  __builtin_memcpy(&h, &w, sizeof(h));
+  return h;
+}
+
 #if !defined(__CUDA_ARCH__)
 inline float lane_value(uint32_t w, int lane) {
-  return __half2float(bit_cast_to<__half>(static_cast<uint16_t>(w >> (16 * lane))));
+  return __half2float(half_of_bits(static_cast<uint16_t>(w >> (16 * lane))));
 }
 inline uint32_t from_lanes(float lo, float hi) {
-  const uint16_t a = bit_cast_to<uint16_t>(__float2half_rn(lo));
-  const uint16_t b = bit_cast_to<uint16_t>(__float2half_rn(hi));
+  const uint16_t a = bits_of_half(__float2half_rn(lo));
+  const uint16_t b = bits_of_half(__float2half_rn(hi));
   return a | (static_cast<uint32_t>(b) << 16);
 }
 #endif
@@ -512,7 +528,7 @@ ZS_FHD uint32_t h2_abs(uint32_t a) {
 template <typename PickB>
 inline uint32_t h2_pick(uint32_t a, uint32_t b, PickB pick_b) {
   auto one = [&](uint16_t x, uint16_t y) -> uint16_t {
-    const float fx = __half2float(bit_cast_to<__half>(x)), fy = __half2float(bit_cast_to<__half>(y));
+    const float fx = __half2float(half_of_bits(x)), fy = __half2float(half_of_bits(y));
     if (fx != fx) return fy != fy ? 0x7fff : y;
     if (fy != fy) return x;
     return pick_b(fx, fy) ? y : x;
@@ -544,7 +560,7 @@ ZS_FHD uint32_t h2_min(uint32_t a, uint32_t b) {
 // A count pair's two lanes as one float (each lane an integer below 2^11).
 ZS_FHD float h2_total(uint32_t a) {
 #if defined(__CUDA_ARCH__)
-  const __half2 h = bit_cast_to<__half2>(a);
+  const __half2 h = half2_of_bits(a);
   return __low2float(h) + __high2float(h);
 #else
   return lane_value(a, 0) + lane_value(a, 1);
@@ -699,7 +715,7 @@ struct FastTally16 {
       return bit_cast_to<float>(lane == 0 ? w << 16 : w & 0xffff0000u);
     } else {
 #if defined(__CUDA_ARCH__)
-      const __half2 h = bit_cast_to<__half2>(w);
+      const __half2 h = half2_of_bits(w);
       return lane == 0 ? __low2float(h) : __high2float(h);
 #else
       return lane_value(w, lane);

@@ -51,7 +51,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "../classify.h"
@@ -309,7 +308,7 @@ ZS_HDI T load_element(const T* p) {
   } else {
     bits = __ldg(reinterpret_cast<const unsigned char*>(p));
   }
-  return bit_cast_to<T>(bits);
+  return storage_of_bits<T>(bits);
 #else
   return *p;
 #endif
@@ -324,22 +323,15 @@ ZS_HDI uint32_t word(const uint4& v, int i) {
 // Element k of a 16-byte vector holding elements of type T.
 template <typename T>
 ZS_HDI T element(const uint4& v, int k) {
-  T out;
   if constexpr (sizeof(T) == 8) {
-    const uint64_t b = (static_cast<uint64_t>(word(v, 2 * k + 1)) << 32) |
-                       word(v, 2 * k);
-    memcpy(&out, &b, 8);
+    return storage_of_bits<T>((static_cast<uint64_t>(word(v, 2 * k + 1)) << 32) | word(v, 2 * k));
   } else if constexpr (sizeof(T) == 4) {
-    const uint32_t b = word(v, k);
-    memcpy(&out, &b, 4);
+    return storage_of_bits<T>(word(v, k));
   } else if constexpr (sizeof(T) == 2) {
-    const uint16_t b = static_cast<uint16_t>(word(v, k / 2) >> (16 * (k % 2)));
-    memcpy(&out, &b, 2);
+    return storage_of_bits<T>(static_cast<uint16_t>(word(v, k / 2) >> (16 * (k % 2))));
   } else {
-    const uint8_t b = static_cast<uint8_t>(word(v, k / 4) >> (8 * (k % 4)));
-    memcpy(&out, &b, 1);
+    return storage_of_bits<T>(static_cast<uint8_t>(word(v, k / 4) >> (8 * (k % 4))));
   }
-  return out;
 }
 
 // Where a thread's elements' histogram fields go. NoFields: nowhere, the
@@ -722,11 +714,11 @@ struct StridedCursor {
 template <typename T>
 ZS_HDI void put_element(uint4& v, int k, T x) {
   if constexpr (sizeof(T) == 4) {
-    const uint32_t b = bit_cast_to<uint32_t>(x);
+    const uint32_t b = storage_bits(x);
     (k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w) = b;
   } else {
     static_assert(sizeof(T) == 2, "vectors are gathered for the fast path's 4- and 2-byte types");
-    const uint32_t b = bit_cast_to<uint16_t>(x);
+    const uint32_t b = storage_bits(x);
     uint32_t& w = (k / 2 == 0 ? v.x : k / 2 == 1 ? v.y : k / 2 == 2 ? v.z : v.w);
     w = k % 2 == 0 ? b : (w | (b << 16));
   }
@@ -808,7 +800,7 @@ ZS_DEV Partial load_partial(const Partial* p) {
 #pragma unroll
   for (int i = 0; i < kWords; ++i) words[i] = __ldcg(w + i);
   Partial q;
-  memcpy(&q, words, sizeof(q));
+  __builtin_memcpy(&q, words, sizeof(q));  // see bit_cast_to: never a fortified memcpy
   return q;
 }
 
@@ -1066,7 +1058,7 @@ struct ByteSink {
   uint32_t* table;  // [kByteValues * kTableLanes]
   uint32_t lane4;   // the thread's lane times 4
 
-  ZS_HDI void single(T x) { bump(table_offset_of_byte(bit_cast_to<uint8_t>(x), lane4)); }
+  ZS_HDI void single(T x) { bump(table_offset_of_byte(storage_bits(x), lane4)); }
   ZS_HDI void vector(const uint4& v, int) {
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
@@ -1096,7 +1088,7 @@ template <typename T, typename Fields>
 ZS_HDI Partial value_partial(uint32_t* table, int v, const Limits& lim, const Fields& fields) {
   const uint32_t n = take_lanes(table + v * kTableLanes, v);
   if (n == 0) return empty_partial();
-  const T x = bit_cast_to<T>(static_cast<uint8_t>(v));
+  const T x = storage_of_bits<T>(static_cast<uint8_t>(v));
   fields.count_n(x, n);
   Tally<T, uint32_t> one;
   const double value = static_cast<double>(Format<T>::value(x));
