@@ -86,14 +86,25 @@ def works(fn: Callable[[], object]) -> bool:
 
 
 class Support:
-    """What torch's CPU reductions can do with a dtype, probed on a tiny tensor."""
+    """What torch's reductions can do with a dtype on a device (the CPU unless
+    given), probed on a tiny tensor."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        probe = torch.zeros(4, dtype=dtype)
+    def __init__(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        probe = torch.zeros(4, dtype=dtype, device=device)
         self.bytewise = probe.element_size() == 1  # floor: the bytes summed as float32
         self.sum = works(lambda: probe.sum())
-        # comparisons, abs().min()/max(), aminmax, count_nonzero on x itself
-        self.compare = works(lambda: (probe.abs().min(), torch.aminmax(probe), torch.count_nonzero(probe)))
+        # comparisons, abs().min()/max(), aminmax, count_nonzero, isnan/isinf on x itself
+        self.compare = works(
+            lambda: (
+                probe.abs().min(),
+                torch.aminmax(probe),
+                torch.count_nonzero(probe),
+                (probe == 0).sum(),
+                (probe.abs() > 0) & (probe.abs() < 1),
+                torch.isnan(probe).sum(),
+                torch.isinf(probe).sum(),
+            )
+        )
         # mean/std/norm and std_mean
         self.moments = works(lambda: (probe.mean(), probe.std(), probe.norm(), torch.std_mean(probe)))
 
@@ -125,7 +136,7 @@ def floor_fn(x: torch.Tensor, support: Support) -> Callable[[], object]:
 def naive(x: torch.Tensor, support: Support) -> list[float]:
     dtype = x.dtype
     y = x if support.compare else x.float()
-    m = y if y.is_floating_point() else y.float()  # integers: moments of x.float()
+    m = y if support.moments and y.is_floating_point() else y.float()  # integers: moments of x.float()
     a = y.abs()
     out = [
         (y == 0).sum().item(),
@@ -143,7 +154,7 @@ def naive(x: torch.Tensor, support: Support) -> list[float]:
 
 def fused_torch(x: torch.Tensor, support: Support) -> tuple[torch.Tensor, ...]:
     y = x if support.compare else x.float()
-    m = y if y.is_floating_point() else y.float()  # integers: moments of x.float()
+    m = y if support.moments and y.is_floating_point() else y.float()  # integers: moments of x.float()
     std, mean = torch.std_mean(m)
     lo, hi = torch.aminmax(y)
     return std, mean, lo, hi, torch.count_nonzero(y)

@@ -10,7 +10,8 @@
 # A lent GPU gives a session 15 minutes of device time, the machine's start
 # (about 45 s on an H200) and idle time included, so the job is two calls.
 # What each stage took on an H200 (2026-11-27, 16 cores): env 7 s, build
-# 50 s, bench of call1 39 s and of call2 36 s, nccl 62 s; the CUDA tests ran
+# 50 s, bench of call1 39 s (two dtypes then; four since 2026-12-01, not yet
+# timed) and of call2 36 s, nccl 62 s; the CUDA tests ran
 # about 6 tests/s on 12 workers beside a sanitizer (2,660 would take ~450 s),
 # the default standalone run had not ended 180 s into the kernels stage, and
 # the Python small scan under memcheck had not ended after 150 s.
@@ -19,9 +20,13 @@
 #          alone while .ci/cuda_check.sh builds the standalone kernel test and
 #          runs it with --small), backtrace (the tests that crashed, under a
 #          debugger), memcheck on that standalone test, bench (the
-#          bandwidth table at 1 GB for float32 and bfloat16, every
-#          distribution, host syncs per call, CUDA-graph replay), then the
-#          CUDA tests of $CALL1_TESTS (all of them) until the deadline.
+#          bandwidth table at 1 GB for float32, bfloat16, float16 and
+#          float8_e4m3fn, every distribution, host syncs per call, CUDA-graph
+#          replay), the CUDA tests of $CALL1_TESTS (all of them), then
+#          racecheck on the standalone test for what is left of the deadline
+#          (on 2026-11-30 call1 ended 240 s before it). A racecheck still
+#          running at the deadline is reported TIMED OUT and call1 exits 1:
+#          the summary's other rows still hold.
 #   call2  (DEADLINE_S=210; timeout_s=240): bench's stats_many rows (7B
 #          shapes, 2,000 small tensors) and the Monitor on a 1B training
 #          step, racecheck+nccl (the standalone test --small; test_nccl.py on
@@ -93,7 +98,7 @@ CALL1_TESTS="tests/test_cuda.py tests/test_stats.py tests/test_diagnosis.py test
 CALL2_TESTS="tests/test_cuda.py"
 case "${STAGES[*]}" in
   call1)
-    STAGES=(env build+kernels backtrace:90 memcheck:90 bench tests)
+    STAGES=(env build+kernels backtrace:90 memcheck:90 bench tests racecheck)
     DEADLINE_S="${DEADLINE_S:-380}"
     BENCH_ARGS="${BENCH_ARGS:---sizes 1024 --only bandwidth,syncs,graphs}"
     TESTS="${TESTS:-$CALL1_TESTS}" TESTS_K="${TESTS_K:-cuda}"

@@ -48,8 +48,8 @@ def test_bench_cuda_smoke_runs_every_section(tmp_path: Path) -> None:
     done = run_script(sys.executable, "benchmarks/bench_cuda.py", "--device", "cpu", "--smoke", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
+    assert [t["dtype"] for t in results["bandwidth"]] == ["float32", "bfloat16", "float16", "float8_e4m3fn"]
     for table in results["bandwidth"]:
-        assert table["dtype"] in ("float32", "bfloat16")
         for row in table["rows"]:
             assert set(row["stats_s"]) == set(DISTRIBUTIONS)  # every distribution was timed
             assert all(t > 0 for t in row["stats_s"].values()) and row["worst"] in row["stats_s"]
@@ -58,6 +58,8 @@ def test_bench_cuda_smoke_runs_every_section(tmp_path: Path) -> None:
     assert results["syncs"] == {} and results["graphs"] == {}  # CUDA only
     assert results["training"]["params"] > 0 and "overhead" in results["training"]
     assert "## Summary" in done.stdout and "needs CUDA" in done.stdout
+    assert "| stats, float8_e4m3fn: worst distribution, % of copy GB/s |" in done.stdout and "| >= 80 % |" in done.stdout
+    assert "| x.view(torch.float32).sum() |" in done.stdout  # float8's floor: its bytes summed as float32
 
 
 @pytest.mark.parametrize(
@@ -101,11 +103,20 @@ def test_kernels_only_says_whether_this_build_has_cuda_kernels(small_scan, monke
 
 def test_bench_cuda_sizes_choose_the_bandwidth_rows(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    args = ("--device", "cpu", "--smoke", "--sizes", "1,2", "--only", "bandwidth", "--json", str(out))
-    done = run_script(sys.executable, "benchmarks/bench_cuda.py", *args)
+    args = ("--device", "cpu", "--smoke", "--sizes", "1,2", "--only", "bandwidth", "--dtypes", "float16,float8_e5m2")
+    done = run_script(sys.executable, "benchmarks/bench_cuda.py", *args, "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     tables = json.loads(out.read_text())["bandwidth"]
+    assert [table["dtype"] for table in tables] == ["float16", "float8_e5m2"]
     assert [[row["bytes"] for row in table["rows"]] for table in tables] == [[1 << 20, 2 << 20]] * 2
+
+
+@pytest.mark.parametrize("dtypes", ["", "float32,int8", "float33", "float8_e4m3fnuz"])
+def test_bench_cuda_refuses_bad_dtypes(dtypes: str) -> None:
+    done = run_script(sys.executable, "benchmarks/bench_cuda.py", "--device", "cpu", "--smoke", "--dtypes", dtypes, timeout=60)
+    assert done.returncode != 0
+    scanned = "float32,float64,float16,bfloat16,float8_e4m3fn,float8_e5m2"
+    assert f"--dtypes takes some of {scanned}, comma-separated; got {dtypes!r}" in done.stderr
 
 
 @pytest.mark.parametrize("sizes", ["0", "1,x", ""])
@@ -234,3 +245,4 @@ def test_call1_runs_every_test_that_needs_a_gpu(tmp_path: Path) -> None:
     files = {node.split("::")[0] for _, node in found} - {"tests/test_nccl.py"}
     missing = sorted(files - set(call1.group(1).split()))
     assert not missing, f"hold tests that need a GPU, not in gpu_check.sh's CALL1_TESTS: {missing}"
+
