@@ -31,9 +31,13 @@ which this count does not price.
     python benchmarks/sass_cost.py --check      # exit 1 when a kernel is over its budget
     python benchmarks/sass_cost.py --self-test  # the counter on a kernel of known cost
     python benchmarks/sass_cost.py --json out.json
+    python benchmarks/sass_cost.py --calibration  # the H200 runs the prediction is fitted to
 
 BUDGETS, HIST_RATIO and STRIDED_RATIO are enforced (.ci/cuda_check.sh runs
---self-test and --check).
+--self-test and --check) on the slots as counted. The table's last columns
+are what the calibration predicts an H200 would measure: the slots
+calibrated against its runs (sass_calibration.py), as a share of its copy's
+GB/s.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import sass_calibration
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_DIR = ROOT / "csrc" / "cuda"
@@ -88,6 +94,9 @@ ISSUE_ONLY = re.compile(r"^(LD|ST|ATOM|RED|SHFL|BAR|MEMBAR|FENCE|ERRBAR|CCTL|BRA
                         r"WARPSYNC|VOTE|MATCH|S2R|CS2R|S2UR|U[A-Z0-9]+|YIELD|DEPBAR|LDC|LDS|LDG|LDL)")
 # The same for HADD2.F32 (f16 -> f32): measured at half rate.
 SLOW_VARIANTS = {("HADD2", "F32"): 2.0}
+# The float pipes' arithmetic (FP32 and packed FP16), which the calibration
+# below prices apart from everything else.
+FLOAT_PIPE = frozenset({"FADD", "FMUL", "FFMA", "FADD32I", "FMUL32I", "FFMA32I", "HADD2", "HMUL2", "HFMA2", "FSWZADD"})
 
 # Budgets in slots per element, which --check enforces: memory speed on an
 # H200 (about 32 slots per float32 element, 16 per 2-byte element) with the
@@ -347,10 +356,20 @@ class KernelCost:
     elements_per_thread_tile: float
     mix: Counter
     unknown: set[str]
+    float_slots: float = 0.0  # the hot loop's slots on the float pipes (FLOAT_PIPE)
 
     @property
     def per_element(self) -> float:
         return self.loop_slots / self.elements_per_iteration
+
+    @property
+    def float_per_element(self) -> float:
+        return self.float_slots / self.elements_per_iteration
+
+    @property
+    def other_per_element(self) -> float:
+        """Every other slot an element, the per-tile code's included."""
+        return self.total - self.float_per_element
 
     @property
     def instructions_per_element(self) -> float:
@@ -402,6 +421,7 @@ def cost_of(fn: Function, elem_size: int, strided: bool, per_thread_tile: float)
         elements_per_thread_tile=per_thread_tile,
         mix=Counter(i.base for i in body),
         unknown={i.base for i in body if not i.known},
+        float_slots=sum(i.weight for i in body if i.base in FLOAT_PIPE),
     )
 
 
@@ -475,14 +495,20 @@ def self_test() -> None:
           f"{cost.per_element:.2f} slots per element ({dict(cost.mix)})")
     if fadds != 1.0:
         raise SystemExit(f"sass_cost: self-test found {fadds} FADD per element, not 1")
+    if cost.float_per_element != 1.0:
+        raise SystemExit(f"sass_cost: self-test found {cost.float_per_element} float-pipe slots per element, not 1")
+    worst = sass_calibration.worst_fitted_error()
+    print(f"self-test: the calibration predicts the H200 runs it is fitted to within {worst:.1%}")
+    if worst > 0.15:
+        raise SystemExit(f"sass_cost: the calibration misses a fitted H200 run by {worst:.0%} (over 15 %)")
 
 
 def report(costs: dict[str, dict[str, KernelCost]]) -> tuple[list[str], list[str]]:
     """Prints the table; returns the budgets missed and the open targets missed."""
     missed, open_missed = [], []
     print("| dtype | kernel | instructions / elt (loop) | slots / elt (loop) | per tile (slots / thread) | "
-          "slots / elt (total) | budget |")
-    print("|---|---|---|---|---|---|---|")
+          "slots / elt (total) | budget | H200 slots / elt (calibrated) | H200 % of copy | with atomics bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype, kinds in costs.items():
         plain = kinds["contig"].total
         for kind in ("contig", "contig_hist", "strided", "strided_hist"):
@@ -507,8 +533,12 @@ def report(costs: dict[str, dict[str, KernelCost]]) -> tuple[list[str], list[str
             if over:
                 (missed if enforced else open_missed).append(line)
             mark = (" **over**" if enforced else " (open)") if over else ""
+            size = KERNELS[dtype][2]
+            atomics = c.mix["ATOMS"] / c.elements_per_iteration
+            share, bounded = sass_calibration.predict_share(c.float_per_element, c.other_per_element, size, atomics)
+            h200 = sass_calibration.h200_slots(c.float_per_element, c.other_per_element)
             print(f"| {dtype} | {kind} | {c.instructions_per_element:.1f} | {c.per_element:.1f} | {c.tile_slots:.0f} | "
-                  f"{c.total:.1f} | {budget}{mark} |")
+                  f"{c.total:.1f} | {budget}{mark} | {h200:.1f} | {share:.0%} | {bounded:.0%} |")
     unknown = sorted({u for kinds in costs.values() for c in kinds.values() for u in c.unknown})
     if unknown:
         print(f"\nopcodes priced at 2 slots for want of a measured weight: {', '.join(unknown)}")
@@ -522,9 +552,13 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write every kernel's figures here")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
     parser.add_argument("--mix", action="store_true", help="print each contiguous hot loop's opcode mix")
+    parser.add_argument("--calibration", action="store_true", help="print the H200 runs the prediction is fitted to")
     args = parser.parse_args()
     if args.self_test:
         self_test()
+        return 0
+    if args.calibration:
+        print("\n".join(sass_calibration.calibration_table()))
         return 0
     costs = measure(args.jobs)
     missed, open_missed = report(costs)
@@ -535,6 +569,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps({d: {k: {"slots_per_element": c.total, "loop_slots_per_element": c.per_element,
                                                    "tile_slots": c.tile_slots,
+                                                   "float_slots_per_element": c.float_per_element,
                                                    "instructions_per_element": c.instructions_per_element}
                                                for k, c in kinds.items()} for d, kinds in costs.items()}, indent=1))
     if open_missed:

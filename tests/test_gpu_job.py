@@ -246,3 +246,40 @@ def test_call1_runs_every_test_that_needs_a_gpu(tmp_path: Path) -> None:
     missing = sorted(files - set(call1.group(1).split()))
     assert not missing, f"hold tests that need a GPU, not in gpu_check.sh's CALL1_TESTS: {missing}"
 
+
+@pytest.fixture
+def calibration(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import sass_calibration
+
+    return sass_calibration
+
+
+def test_calibration_fit_recovers_the_factors_of_exact_runs(calibration) -> None:
+    """Runs whose slots are exactly 1.5 x float + 0.75 x other give back 1.5
+    and 0.75; runs with float-pipe slots alone cannot tell the two apart."""
+    def run(float_slots: float, other_slots: float, fitted: bool = True):
+        spent = 1.5 * float_slots + 0.75 * other_slots
+        return calibration.H200Run("t", "float32", "contig", calibration.H200_SLOTS_PER_S / spent, float_slots, other_slots, fitted)
+
+    runs = (run(0.0, 80.0), run(20.0, 10.0), run(12.0, 7.0), run(5.0, 5.0, fitted=False))
+    assert calibration.fit(runs) == pytest.approx((1.5, 0.75), rel=1e-12)
+    with pytest.raises(ValueError, match="do not separate"):
+        calibration.fit((run(10.0, 0.0), run(20.0, 0.0)))
+
+
+def test_calibration_predicts_the_runs_it_is_fitted_to_within_15_percent(calibration) -> None:
+    for r in calibration.H200_RUNS:
+        share, _ = calibration.predict_share(r.float_slots, r.other_slots, 4 if r.dtype == "float32" else 2)
+        measured = r.elements_per_s * (4 if r.dtype == "float32" else 2) / calibration.H200_COPY_BYTES_PER_S
+        if r.fitted:
+            assert share == pytest.approx(measured, rel=0.15), f"{r.kernels} {r.dtype} {r.kind}"
+    assert calibration.worst_fitted_error() <= 0.15
+
+
+def test_calibration_shares_stop_at_the_copy_and_at_the_atomics_bound(calibration) -> None:
+    fast, bounded = calibration.predict_share(0.0, 1.0, 1, atomics=1.0)
+    assert fast == 1.0  # memory, not issue, bounds a kernel this cheap
+    atomic_bytes = calibration.ATOMIC_RATE * calibration.H200_SMS_CLOCKS_PER_S
+    assert bounded == pytest.approx(atomic_bytes / calibration.H200_COPY_BYTES_PER_S)
+    assert calibration.predict_share(0.0, 1.0, 1) == (1.0, 1.0)  # no atomics, no second bound
