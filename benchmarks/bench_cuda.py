@@ -109,18 +109,15 @@ def fmt_bytes(n: int) -> str:
     return f"{n / (1 << 30):.0f} GB" if n >= 1 << 30 else f"{n / MB:.0f} MB"
 
 
-INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def on_device(name: str, numel: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> torch.Tensor:
     """numel values of distribution `name` on `device`: one host-drawn block of
     up to BLOCK values (larger than any L2), tiled."""
     block = make_distribution(name, min(numel, BLOCK), dtype, g).to(device)
     if block.numel() == numel:
         return block
-    # Tiled as integers of the same width: the same bits, and no float8 kernel needed.
-    bits = block.view(INT_OF_WIDTH[block.element_size()])
-    return bits.repeat(math.ceil(numel / block.numel()))[:numel].view(dtype)
+    # Tiled as bytes: the same bits, and no float8 kernel needed.
+    raw = block.view(torch.uint8)
+    return raw.repeat(math.ceil(numel / block.numel()))[: numel * block.element_size()].view(dtype)
 
 
 

@@ -21,10 +21,11 @@ namespace zeroscan {
 // The bits of scalar x as a scalar To of the same size. __builtin_bit_cast
 // rather than memcpy: where the host compiler fortifies memcpy (Ubuntu's g++
 // defines _FORTIFY_SOURCE when it optimizes), nvcc compiles a device-side
-// memcpy differently, and the float16 scan spilled registers with the
-// define and not without. Scalars only: nvcc's device compiler fails on a struct (an internal
-// compiler error), so dtypes.h reads the storage structs through their member
-// (storage_bits) and fast_tally.cuh has its own casts for CUDA's __half2.
+// memcpy differently, and the float16 scan spilled registers with the define
+// and not without. Scalars only: nvcc's device compiler fails on a struct (an
+// internal compiler error), so dtypes.h reads the storage structs through
+// their member (storage_bits) and fast_tally.cuh has its own casts for CUDA's
+// __half2.
 template <typename To, typename From>
 ZS_HD To bit_cast_to(From x) {
   static_assert(std::is_scalar_v<To> && std::is_scalar_v<From>, "bit_cast_to: scalars only");
